@@ -1,0 +1,29 @@
+"""Run engine snippets in a fresh interpreter: vLLM allows one engine per process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+
+def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 600) -> str:
+    """Run ``code`` in a subprocess (in-process engine mode); return its output, fail loudly."""
+    full_env = dict(os.environ)
+    full_env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    full_env.update(env or {})
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"subprocess failed (rc={proc.returncode}):\n{out[-6000:]}"
+    return out
+
+
+def result_json(output: str, tag: str = "RESULT") -> dict:
+    """The JSON a snippet printed on a line starting with ``tag``."""
+    for line in reversed(output.splitlines()):
+        if line.startswith(tag + " "):
+            return json.loads(line[len(tag) + 1:])
+    raise AssertionError(f"no {tag} line in output:\n{output[-4000:]}")

@@ -1,0 +1,33 @@
+import logging
+
+import pytest
+
+from vllm_specrl import plugin, vllm_compat
+
+
+@pytest.fixture
+def fresh_plugin_state(monkeypatch):
+    monkeypatch.setattr(plugin, "_state", {"status": "not-loaded"})
+    yield
+
+
+def test_register_is_idempotent(fresh_plugin_state, caplog):
+    caplog.set_level(logging.INFO, logger="vllm.vllm_specrl")
+    plugin.register()
+    first = plugin.state()
+    plugin.register()
+    assert plugin.state() == first
+    assert first["status"] == "active" and first["role"] == "main"
+    assert sum("plugin active" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_unsupported_version_declines_with_one_warning(fresh_plugin_state, monkeypatch, caplog):
+    monkeypatch.setattr(vllm_compat, "vllm_version", lambda: "0.31.2")
+    caplog.set_level(logging.INFO, logger="vllm.vllm_specrl")
+    plugin.register()
+    plugin.register()
+    state = plugin.state()
+    assert state["status"] == "declined" and "0.31.2" in state["reason"]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert ">=0.32,<0.34" in warnings[0].getMessage() and "registers nothing" in warnings[0].getMessage()

@@ -1,0 +1,121 @@
+"""The ``vllm.endpoint_plugins`` entry point: ``/specrl/*`` routes on ``vllm serve``.
+
+Routes reach the engine only through the ``EngineClient`` vLLM hands to
+``init_state`` (``collective_rpc`` to the worker extension), as vLLM's
+endpoint-plugin contract asks. vLLM's own API-key middleware guards only
+``/v1``-style prefixes, so these routes check ``--api-key`` / ``VLLM_API_KEY``
+themselves and answer 401 without it.
+
+Enable with ``VLLM_PLUGINS=specrl,specrl_http``: once ``VLLM_PLUGINS`` is set
+it is an allowlist for every plugin group, so the general plugin must be
+named too or it silently stops loading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import secrets
+from argparse import Namespace
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
+
+from vllm_specrl import metrics, plugin, vllm_compat
+from vllm_specrl._log import logger
+from vllm_specrl._version import __version__
+
+WORKER_RPC_TIMEOUT_S = 30.0
+EXTENSION_HINT = "start vllm serve with --worker-extension-cls vllm_specrl.sync.SpecRLWorkerExtension"
+
+
+class SpecRLHttpState:
+    """Per-app state: the engine client and the hashed API keys."""
+
+    def __init__(self, engine_client: Any, api_keys: list[str]):
+        self.engine_client = engine_client
+        self._key_hashes = [hashlib.sha256(k.encode()).digest() for k in api_keys]
+
+    @property
+    def auth_required(self) -> bool:
+        return bool(self._key_hashes)
+
+    def authorized(self, header: str | None) -> bool:
+        if not self._key_hashes:
+            return True
+        scheme, _, token = (header or "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            return False
+        digest = hashlib.sha256(token.encode()).digest()
+        ok = False
+        for key in self._key_hashes:
+            ok |= secrets.compare_digest(digest, key)
+        return ok
+
+
+def _specrl_state(request: Request) -> SpecRLHttpState:
+    state = getattr(request.app.state, "specrl", None)
+    if state is None:
+        raise HTTPException(503, "vllm-specrl endpoint plugin not initialised")
+    if not state.authorized(request.headers.get("Authorization")):
+        raise HTTPException(401, "missing or wrong API key (Authorization: Bearer <key>)")
+    return state
+
+
+async def gather_status(state: SpecRLHttpState) -> dict[str, Any]:
+    """Everything /specrl/status reports, gathered from every process that has it."""
+    engine = state.engine_client
+    out: dict[str, Any] = {
+        "vllm_specrl": __version__,
+        "vllm": vllm_compat.vllm_version(),
+        "supported_vllm": vllm_compat.SUPPORTED_RANGE,
+        "api_server": {"pid": os.getpid(), "plugin": plugin.state()},
+        "speculative_config": None,
+        "workers": None,
+        "spec_decode": metrics.from_prometheus_registry().summary(),
+    }
+    if engine is None:
+        out["workers_error"] = "no engine (render-only server)"
+        return out
+    out["speculative_config"] = vllm_compat.speculative_config_summary(engine.vllm_config)
+    try:
+        out["workers"] = await asyncio.wait_for(
+            engine.collective_rpc("specrl_status", timeout=WORKER_RPC_TIMEOUT_S),
+            WORKER_RPC_TIMEOUT_S + 5,
+        )
+    except Exception as exc:  # noqa: BLE001 - status must answer even when workers cannot
+        out["workers_error"] = f"{type(exc).__name__}: {exc} ({EXTENSION_HINT})"
+    return out
+
+
+def build_router() -> APIRouter:
+    router = APIRouter(prefix="/specrl", tags=["vllm-specrl"])
+
+    @router.get("/status")
+    async def status(request: Request) -> JSONResponse:
+        return JSONResponse(await gather_status(_specrl_state(request)))
+
+    return router
+
+
+class SpecRLEndpointPlugin:
+    """Satisfies vLLM's ``EndpointPlugin`` protocol."""
+
+    name = "specrl_http"
+    required_tasks = ("generate",)
+
+    def attach_router(self, app: FastAPI) -> None:
+        app.include_router(build_router())
+
+    async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
+        keys = [k for k in (getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY")]) if k]
+        state.specrl = SpecRLHttpState(engine_client, keys)
+        logger.info("vllm-specrl %s routes at /specrl (api key %s)", __version__,
+                    "required" if keys else "not set")
+
+
+def endpoint_plugin() -> SpecRLEndpointPlugin:
+    """Entry point factory (zero arguments, as vLLM calls it)."""
+    return SpecRLEndpointPlugin()

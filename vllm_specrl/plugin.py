@@ -1,0 +1,58 @@
+"""The ``vllm.general_plugins`` entry point.
+
+vLLM calls it once in every process it starts: the API server (front end),
+the engine core and every worker. It must be idempotent and cheap, must never
+break vLLM, and declines with one clear warning on a vLLM it was not checked
+against. Its per-process state is what ``/specrl/status`` reports, which
+makes "the plugin reached the worker" observable rather than assumed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+from typing import Any
+
+from vllm_specrl import vllm_compat
+from vllm_specrl._log import logger
+from vllm_specrl._version import __version__
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {"status": "not-loaded"}
+
+
+def process_role() -> str:
+    """Which vLLM process this is, from the names vLLM gives its processes."""
+    name = multiprocessing.current_process().name
+    if name.startswith("EngineCore"):
+        return "engine_core"
+    if name.startswith("VllmWorker"):
+        return "worker"
+    return "main"
+
+
+def state() -> dict[str, Any]:
+    """This process's plugin state (a copy)."""
+    return dict(_state)
+
+
+def register() -> None:
+    """Entry point: check the vLLM version, then install registrations once."""
+    with _lock:
+        if _state["status"] in ("active", "declined"):
+            return
+        role, pid = process_role(), os.getpid()
+        version = vllm_compat.vllm_version()
+        if not vllm_compat.is_supported(version):
+            _state.update(status="declined", role=role, pid=pid, vllm=version,
+                          reason=f"vLLM {version} is outside {vllm_compat.SUPPORTED_RANGE}")
+            logger.warning(
+                "vllm-specrl %s supports vLLM %s (0.32.x and 0.33.x) but found %s: "
+                "the plugin registers nothing and vLLM runs unchanged",
+                __version__, vllm_compat.SUPPORTED_RANGE, version)
+            return
+        _state.update(status="active", role=role, pid=pid, vllm=version,
+                      vllm_specrl=__version__, registrations=[])
+        logger.info("vllm-specrl %s plugin active in %s process (pid %d, vLLM %s)",
+                    __version__, role, pid, version)

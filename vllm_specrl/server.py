@@ -1,0 +1,123 @@
+"""Start and stop ``vllm serve`` with the plugin, for scripts, benchmarks and tests.
+
+RL loops usually launch vLLM as a subprocess; this does it the way the README
+documents (``VLLM_PLUGINS=specrl,specrl_http``, the worker extension, CPU
+defaults from DESIGN.md section 5), waits for ``/health``, and shuts the whole
+process group down cleanly on exit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO
+
+import requests
+
+PLUGINS_ENV = "specrl,specrl_http"
+WORKER_EXTENSION = "vllm_specrl.sync.SpecRLWorkerExtension"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def vllm_executable() -> str:
+    """The ``vllm`` script beside this interpreter (the venv's), else PATH's."""
+    candidate = Path(sys.executable).parent / "vllm"
+    return str(candidate) if candidate.exists() else "vllm"
+
+
+def cpu_env(kv_cache_gib: int = 1) -> dict[str, str]:
+    """Environment for vLLM on these CPU machines (DESIGN.md section 5)."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+    env.setdefault("VLLM_PLUGINS", PLUGINS_ENV)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+class VLLMServer:
+    """``with VLLMServer(model, ...) as srv:`` gives a ready server at ``srv.url``."""
+
+    def __init__(self, model: str | Path, extra_args: Sequence[str] = (), port: int | None = None,
+                 api_key: str | None = None, log_path: str | Path | None = None,
+                 env: dict[str, str] | None = None, startup_timeout_s: float = 300.0,
+                 worker_extension: bool = True, enforce_eager: bool = True):
+        self.model = str(model)
+        self.port = port or free_port()
+        self.api_key = api_key
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_path) if log_path else None
+        self.env = env or cpu_env()
+        self.startup_timeout_s = startup_timeout_s
+        args = [vllm_executable(), "serve", self.model, "--host", "127.0.0.1",
+                "--port", str(self.port)]
+        if enforce_eager:
+            args.append("--enforce-eager")
+        if worker_extension:
+            args += ["--worker-extension-cls", WORKER_EXTENSION]
+        if api_key:
+            args += ["--api-key", api_key]
+        self.cmd = args + list(extra_args)
+        self.proc: subprocess.Popen | None = None
+        self._log: IO | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def start(self) -> VLLMServer:
+        self._log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + self.startup_timeout_s
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}; "
+                                   f"log: {self.log_path} cmd: {' '.join(self.cmd)}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"vllm serve not healthy after {self.startup_timeout_s}s; log: {self.log_path}")
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGINT first (vLLM's clean shutdown), then SIGKILL the process group."""
+        if self.proc is not None and self.proc.poll() is None:
+            pgid = os.getpgid(self.proc.pid)
+            os.killpg(pgid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(pgid, signal.SIGKILL)
+                self.proc.wait()
+            try:  # stragglers (engine core, workers) in the same group
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self._log not in (None, subprocess.DEVNULL):
+            self._log.close()
+        self._log = None
+
+    def status(self) -> dict:
+        resp = requests.get(self.url + "/specrl/status", headers=self.headers, timeout=60)
+        resp.raise_for_status()
+        return resp.json()
+
+    def __enter__(self) -> VLLMServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
