@@ -48,16 +48,19 @@ def _cell_offline(cfg: dict) -> dict:
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                        add_generation_prompt=True) for p in cfg["prompts"]]
-    params = SamplingParams(n=cfg["samples"], temperature=cfg["temperature"],
-                            max_tokens=cfg["max_tokens"], ignore_eos=True, seed=cfg["seed"])
+    # One request per sample (n=1, its own seed), as the server cells send them;
+    # vLLM also rejects n>1 with greedy sampling.
+    jobs = [(prompt, SamplingParams(temperature=cfg["temperature"], max_tokens=cfg["max_tokens"],
+                                    ignore_eos=True, seed=cfg["seed"] + i * cfg["samples"] + s))
+            for i, prompt in enumerate(prompts) for s in range(cfg["samples"])]
     llm.generate(prompts[:1], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     before = metrics.from_llm_metrics(llm.get_metrics())
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate([p for p, _ in jobs], [sp for _, sp in jobs], use_tqdm=False)
     wall = time.perf_counter() - t0
     spec_stats = metrics.from_llm_metrics(llm.get_metrics()).minus(before).summary()
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {"wall_s": wall, "tokens": tokens, "requests": len(prompts) * cfg["samples"],
+    return {"wall_s": wall, "tokens": tokens, "requests": len(jobs),
             "spec_decode": spec_stats if spec else None}
 
 
@@ -179,7 +182,7 @@ def main() -> None:
                     print(f"[bench]   FAILED: {res['error'][-500:]}", flush=True)
                 cells.append(cell)
     report = {
-        "benchmark": "rollout_throughput", "model": model, "fixture": args.fixture,
+        "benchmark": "rollout_throughput", "model": model, "fixture": None if args.model else args.fixture,
         "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "settings": {k: getattr(args, k) for k in ("prompts", "samples", "max_tokens",
                                                    "temperature", "dtype", "seed")},

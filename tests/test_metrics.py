@@ -53,5 +53,5 @@ def test_from_registry_sums_engines():
         acc.labels(engine).inc(6)
         pos.labels(engine, "0").inc(3)
     s = metrics.from_prometheus_registry(reg).summary()
-    assert s["num_drafts"] == 8 and s["acceptance_length"] == pytest.approx(1.75)
+    assert s["num_drafts"] == 8 and s["acceptance_length"] == pytest.approx(2.5)
     assert s["per_position_acceptance"] == pytest.approx([0.75])

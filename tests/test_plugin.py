@@ -11,23 +11,29 @@ def fresh_plugin_state(monkeypatch):
     yield
 
 
-def test_register_is_idempotent(fresh_plugin_state, caplog):
+def _logged(caplog, capsys) -> list[str]:
+    """Lines the plugin logged, through vLLM's logger or the early stderr path."""
+    return [r.getMessage() for r in caplog.records] + capsys.readouterr().err.splitlines()
+
+
+def test_register_is_idempotent(fresh_plugin_state, caplog, capsys):
     caplog.set_level(logging.INFO, logger="vllm.vllm_specrl")
     plugin.register()
     first = plugin.state()
     plugin.register()
     assert plugin.state() == first
     assert first["status"] == "active" and first["role"] == "main"
-    assert sum("plugin active" in r.getMessage() for r in caplog.records) == 1
+    assert sum("plugin active" in m for m in _logged(caplog, capsys)) == 1
 
 
-def test_unsupported_version_declines_with_one_warning(fresh_plugin_state, monkeypatch, caplog):
+def test_unsupported_version_declines_with_one_warning(fresh_plugin_state, monkeypatch, caplog,
+                                                       capsys):
     monkeypatch.setattr(vllm_compat, "vllm_version", lambda: "0.31.2")
     caplog.set_level(logging.INFO, logger="vllm.vllm_specrl")
     plugin.register()
     plugin.register()
     state = plugin.state()
     assert state["status"] == "declined" and "0.31.2" in state["reason"]
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    warnings = [m for m in _logged(caplog, capsys) if "registers nothing" in m]
     assert len(warnings) == 1
-    assert ">=0.32,<0.34" in warnings[0].getMessage() and "registers nothing" in warnings[0].getMessage()
+    assert ">=0.32,<0.34" in warnings[0] and "0.31.2" in warnings[0]

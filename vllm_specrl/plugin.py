@@ -9,13 +9,14 @@ makes "the plugin reached the worker" observable rather than assumed.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import threading
 from typing import Any
 
 from vllm_specrl import vllm_compat
-from vllm_specrl._log import logger
+from vllm_specrl._log import log_early
 from vllm_specrl._version import __version__
 
 _lock = threading.Lock()
@@ -47,12 +48,13 @@ def register() -> None:
         if not vllm_compat.is_supported(version):
             _state.update(status="declined", role=role, pid=pid, vllm=version,
                           reason=f"vLLM {version} is outside {vllm_compat.SUPPORTED_RANGE}")
-            logger.warning(
+            log_early(
+                logging.WARNING,
                 "vllm-specrl %s supports vLLM %s (0.32.x and 0.33.x) but found %s: "
                 "the plugin registers nothing and vLLM runs unchanged",
                 __version__, vllm_compat.SUPPORTED_RANGE, version)
             return
         _state.update(status="active", role=role, pid=pid, vllm=version,
                       vllm_specrl=__version__, registrations=[])
-        logger.info("vllm-specrl %s plugin active in %s process (pid %d, vLLM %s)",
+        log_early(logging.INFO, "vllm-specrl %s plugin active in %s process (pid %d, vLLM %s)",
                     __version__, role, pid, version)

@@ -94,10 +94,10 @@ class VLLMServer:
         raise TimeoutError(f"vllm serve not healthy after {self.startup_timeout_s}s; log: {self.log_path}")
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGINT first (vLLM's clean shutdown), then SIGKILL the process group."""
+        """SIGINT to ``vllm serve`` (it shuts its engine down), then SIGKILL leftovers."""
         if self.proc is not None and self.proc.poll() is None:
             pgid = os.getpgid(self.proc.pid)
-            os.killpg(pgid, signal.SIGINT)
+            self.proc.send_signal(signal.SIGINT)
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:

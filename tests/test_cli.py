@@ -1,0 +1,26 @@
+import subprocess
+import sys
+
+from vllm_specrl import cli
+
+
+def test_check_fixtures_names_the_problem(tmp_path, capsys):
+    rc = cli.main(["check-fixtures", "--out", str(tmp_path), "--only", "tiny"])
+    assert rc == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_check_fixtures_passes_on_the_built_fixture(fixture_root, capsys):
+    assert cli.main(["check-fixtures", "--out", str(fixture_root), "--only", "tiny"]) == 0
+    assert "tiny: ok" in capsys.readouterr().out
+
+
+def test_unknown_fixture_is_an_error(tmp_path, capsys):
+    assert cli.main(["fixtures", "--out", str(tmp_path), "--only", "huge"]) == 2
+    assert "unknown fixtures ['huge']" in capsys.readouterr().err
+
+
+def test_console_script_is_installed():
+    out = subprocess.run([sys.executable, "-m", "vllm_specrl.cli", "--version"],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.startswith("vllm-specrl ")

@@ -1,0 +1,91 @@
+"""`vllm serve` with the plugin: OpenAI routes with logprobs, /specrl/status, the API key.
+
+One real server (default multi-process mode, so API server, engine core and
+worker are three processes) with ngram speculation, shared by the module.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import requests
+from openai import OpenAI
+
+from vllm_specrl.server import VLLMServer
+
+pytestmark = pytest.mark.server
+API_KEY = "test-key"
+SPEC = '{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_max":3,"prompt_lookup_min":2}'
+REPETITIVE = "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2, 3]\nw = [1, 2, 3]\nv ="
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "vllm_serve.log"
+    args = ["--dtype", "float32", "--max-model-len", "1024", "--speculative-config", SPEC]
+    with VLLMServer(tiny_model, args, api_key=API_KEY, log_path=log) as srv:
+        srv.log = log
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server) -> OpenAI:
+    return OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+
+
+def test_completions_with_logprobs(server, client):
+    resp = client.completions.create(model=server.model, prompt=REPETITIVE, max_tokens=16,
+                                     temperature=0, logprobs=2)
+    choice = resp.choices[0]
+    assert resp.usage.completion_tokens == len(choice.logprobs.token_logprobs) > 0
+    assert all(lp <= 0.0 for lp in choice.logprobs.token_logprobs)
+    assert all(len(top) >= 1 for top in choice.logprobs.top_logprobs)
+
+
+def test_chat_completions_with_logprobs_and_groups(server, client):
+    resp = client.chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "def main():"}], n=4,
+        temperature=1.0, max_tokens=12, logprobs=True, top_logprobs=1, seed=7)
+    assert len(resp.choices) == 4
+    for choice in resp.choices:
+        assert 0 < len(choice.logprobs.content) <= 12
+        assert all(t.logprob <= 0.0 for t in choice.logprobs.content)
+
+
+def test_status_requires_the_api_key(server):
+    url = server.url + "/specrl/status"
+    assert requests.get(url, timeout=30).status_code == 401
+    assert requests.get(url, headers={"Authorization": "Bearer wrong"}, timeout=30).status_code == 401
+    assert requests.get(url, headers={"Authorization": API_KEY}, timeout=30).status_code == 401
+    assert requests.get(url, headers=server.headers, timeout=30).status_code == 200
+
+
+def test_status_reports_versions_worker_and_spec_config(server, client):
+    # Greedy on a repetitive prompt: ngram drafts and some get accepted.
+    client.completions.create(model=server.model, prompt=REPETITIVE, max_tokens=32, temperature=0)
+    status = server.status()
+    assert status["vllm_specrl"] and status["vllm"].startswith("0.32")
+    assert status["api_server"]["plugin"]["status"] == "active"
+    (worker,) = status["workers"]
+    assert worker["plugin"]["status"] == "active" and worker["plugin"]["role"] == "worker"
+    assert worker["pid"] != status["api_server"]["pid"], "worker must be another process"
+    assert worker["model"] == "LlamaForCausalLM" and worker["drafter"] == "NgramProposer"
+    spec = status["speculative_config"]
+    assert spec["method"] == "ngram" and spec["num_speculative_tokens"] == 3
+    sd = status["spec_decode"]
+    assert sd["num_drafts"] > 0 and sd["num_draft_tokens"] >= sd["num_drafts"]
+    assert 1.0 <= sd["acceptance_length"] <= 4.0 and len(sd["per_position_acceptance"]) == 3
+    assert sd["acceptance_rate"] == pytest.approx(sd["num_accepted_tokens"] / sd["num_draft_tokens"])
+
+
+def test_plugin_ran_in_api_server_engine_core_and_worker(server):
+    lines = server.log.read_text().splitlines()
+    roles = {}
+    for line in lines:
+        m = re.search(r"plugin active in (\w+) process \(pid (\d+)", line)
+        if m:
+            roles[m.group(1)] = int(m.group(2))
+    assert set(roles) == {"main", "engine_core", "worker"}, roles
+    assert len(set(roles.values())) == 3, f"three distinct processes expected: {roles}"
+    assert roles["main"] == server.status()["api_server"]["pid"]
