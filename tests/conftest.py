@@ -17,7 +17,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def fixture_root() -> Path:
     from vllm_specrl.fixtures import build_fixtures
 
-    build_fixtures(FIXTURE_ROOT, ("tiny",))
+    build_fixtures(FIXTURE_ROOT, ("tiny", "tiny-qwen2"))
     return FIXTURE_ROOT
 
 
@@ -34,3 +34,10 @@ def real_model(fixture_root) -> Path:
 
     build_fixtures(fixture_root, ("real",))
     return fixture_target("real", fixture_root)
+
+
+@pytest.fixture(scope="session")
+def qwen2_model(fixture_root) -> Path:
+    from vllm_specrl.fixtures import fixture_target
+
+    return fixture_target("tiny-qwen2", fixture_root)

@@ -9,15 +9,22 @@ import sys
 import textwrap
 
 
-def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 600) -> str:
-    """Run ``code`` in a subprocess (in-process engine mode); return its output, fail loudly."""
+def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 600,
+               expect_failure: bool = False) -> str:
+    """Run ``code`` in a subprocess (in-process engine mode); return its output.
+
+    Fails the test when the subprocess fails (or, with ``expect_failure``, succeeds).
+    """
     full_env = dict(os.environ)
     full_env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})
     full_env.update(env or {})
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env,
                           capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"subprocess failed (rc={proc.returncode}):\n{out[-6000:]}"
+    if expect_failure:
+        assert proc.returncode != 0, f"subprocess was expected to fail:\n{out[-3000:]}"
+    else:
+        assert proc.returncode == 0, f"subprocess failed (rc={proc.returncode}):\n{out[-6000:]}"
     return out
 
 

@@ -53,3 +53,28 @@ def per_position_pvalues(a: list[list[int]], b: list[list[int]], min_count: int 
 
 def describe(p: list[float]) -> str:
     return json.dumps([f"{x:.2e}" for x in p])
+
+
+def greedy_generate(model, prompts: list[str], max_tokens: int,
+                    speculative_config: dict | None = None, plugins: str = "specrl",
+                    dtype: str = "float32", with_status: bool = False) -> dict:
+    """Greedy outputs (token ids and their logprobs) of a fresh engine; optional worker status."""
+    out = run_python(f"""
+        import json
+        from vllm import LLM, SamplingParams
+        from vllm_specrl import metrics
+        llm = LLM(model={str(model)!r}, dtype={dtype!r}, enforce_eager=True, seed=0,
+                  max_model_len=512, max_num_seqs=64, disable_log_stats=False,
+                  speculative_config=json.loads({json.dumps(json.dumps(speculative_config))}),
+                  worker_extension_cls="vllm_specrl.sync.SpecRLWorkerExtension" if {with_status} else None)
+        params = SamplingParams(temperature=0, max_tokens={max_tokens}, ignore_eos=True, logprobs=0)
+        outs = llm.generate(json.loads({json.dumps(json.dumps(prompts))}), params, use_tqdm=False)
+        res = {{"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                "logprobs": [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+                             for o in outs],
+                "spec_decode": metrics.from_llm_metrics(llm.get_metrics()).summary()}}
+        if {with_status}:
+            res["worker"] = llm.collective_rpc("specrl_status")[0]
+        print("RESULT " + json.dumps(res))
+    """, env={"VLLM_PLUGINS": plugins})
+    return result_json(out)

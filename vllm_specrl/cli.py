@@ -52,6 +52,63 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_init_draft(args: argparse.Namespace) -> int:
+    from vllm_specrl.proposer.checkpoint import init_draft
+    from vllm_specrl.proposer.eagle3_config import DraftConfigError
+
+    aux = tuple(int(i) for i in args.aux_layers.split(",")) if args.aux_layers else None
+    try:
+        draft = init_draft(args.target, args.out, args.draft_vocab_size, aux, seed=args.seed)
+    except DraftConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    cfg = draft.config
+    print(f"EAGLE-3 draft for {args.target} -> {args.out}: aux layers "
+          f"{cfg['eagle_config']['eagle_aux_hidden_state_layer_ids']}, draft vocab "
+          f"{cfg['draft_vocab_size']}/{cfg['vocab_size']}, "
+          f"{sum(p.numel() for n, p in draft.named_parameters() if not n.startswith('embed'))} "
+          "trainable parameters")
+    return 0
+
+
+def _cmd_convert_draft(args: argparse.Namespace) -> int:
+    from vllm_specrl.proposer.checkpoint import convert_draft
+    from vllm_specrl.proposer.eagle3_config import SPECRL_ARCH, STOCK_ARCH, DraftConfigError
+
+    arch = STOCK_ARCH if args.command == "export-draft" else SPECRL_ARCH
+    try:
+        out = convert_draft(args.draft, args.out, arch, args.target)
+    except DraftConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.draft} -> {out} ({arch})")
+    return 0
+
+
+def _cmd_train_draft(args: argparse.Namespace) -> int:
+    if not args.offline:
+        print("error: only --offline (warm start from the target's rollouts) is available in this "
+              "version; online training from captured hidden states comes with the capture path",
+              file=sys.stderr)
+        return 2
+    from vllm_specrl.trainer.core import TrainConfig
+    from vllm_specrl.trainer.offline import OfflineConfig, warm_start
+
+    prompts = None
+    if args.prompts:
+        lines = Path(args.prompts).read_text().splitlines()
+        prompts = [json.loads(ln)["prompt"] if ln.startswith("{") else ln for ln in lines if ln.strip()]
+    cfg = OfflineConfig(num_prompts=args.num_prompts, samples_per_prompt=args.samples,
+                        max_tokens=args.max_tokens, steps=args.steps, batch_size=args.batch_size,
+                        seed=args.seed, chat=not args.raw_prompts, dtype=args.dtype)
+    train_cfg = TrainConfig(lr=args.lr, ttt_steps=args.ttt_steps, seed=args.seed,
+                            mixed_precision=args.mixed_precision)
+    summary = warm_start(args.target, args.draft, prompts, cfg, train_cfg, args.draft_vocab_size,
+                         args.init_from, args.log)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from vllm_specrl.fixtures import default_root
 
@@ -69,6 +126,45 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--out", type=Path, default=default_root())
     ck.add_argument("--only", default="")
     ck.set_defaults(func=_cmd_check_fixtures)
+
+    ini = sub.add_parser("init-draft", help="a fresh EAGLE-3 draft for a Llama/Qwen2/Qwen3 target")
+    ini.add_argument("--target", type=Path, required=True, help="target HF checkpoint directory")
+    ini.add_argument("--out", type=Path, required=True)
+    ini.add_argument("--draft-vocab-size", type=int, default=None,
+                     help="reduced draft vocabulary (default: the target's)")
+    ini.add_argument("--aux-layers", default="", help="target layer ids, e.g. 2,15,27")
+    ini.add_argument("--seed", type=int, default=0)
+    ini.set_defaults(func=_cmd_init_draft)
+
+    for name, what in (("export-draft", "write a copy plain vLLM eagle3 loads (no plugin)"),
+                       ("import-draft", "adopt a speculators/EAGLE/vLLM EAGLE-3 draft")):
+        cv = sub.add_parser(name, help=what)
+        cv.add_argument("draft", type=Path)
+        cv.add_argument("--out", type=Path, required=True)
+        cv.add_argument("--target", type=Path, default=None,
+                        help="target dir (needed when the draft has no embedding)")
+        cv.set_defaults(func=_cmd_convert_draft)
+
+    tr = sub.add_parser("train-draft", help="train an EAGLE-3 draft (--offline: warm start)")
+    tr.add_argument("--offline", action="store_true", help="warm start from the target's own rollouts")
+    tr.add_argument("--target", type=Path, required=True)
+    tr.add_argument("--draft", type=Path, required=True, help="output draft directory")
+    tr.add_argument("--init-from", type=Path, default=None, help="start from this draft")
+    tr.add_argument("--prompts", type=Path, default=None, help="text or JSONL ({\"prompt\":...}) file")
+    tr.add_argument("--raw-prompts", action="store_true", help="do not apply the chat template")
+    tr.add_argument("--num-prompts", type=int, default=64)
+    tr.add_argument("--samples", type=int, default=4, help="rollouts per prompt")
+    tr.add_argument("--max-tokens", type=int, default=128)
+    tr.add_argument("--steps", type=int, default=300)
+    tr.add_argument("--batch-size", type=int, default=8)
+    tr.add_argument("--lr", type=float, default=1e-3)
+    tr.add_argument("--ttt-steps", type=int, default=3)
+    tr.add_argument("--draft-vocab-size", type=int, default=None)
+    tr.add_argument("--mixed-precision", choices=["no", "bf16"], default="no")
+    tr.add_argument("--dtype", default="float32", help="vLLM dtype for generating rollouts")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--log", type=Path, default=None, help="JSONL of per-step metrics")
+    tr.set_defaults(func=_cmd_train_draft)
 
     st = sub.add_parser("status", help="print /specrl/status of a running vllm serve")
     st.add_argument("--engine", default="http://127.0.0.1:8000")

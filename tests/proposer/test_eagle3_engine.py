@@ -1,0 +1,82 @@
+"""The EAGLE-3 draft served by vLLM's native eagle3 method: lossless greedy, logprobs,
+other target architectures, the stock export, and start-up errors for misfit drafts."""
+
+import json
+
+import pytest
+
+from helpers import run_python
+from prompts import code_prompts
+from sampling import greedy_generate
+from vllm_specrl.proposer.checkpoint import export_stock, init_draft
+
+K = 3
+MAX_TOKENS = 24
+
+
+def eagle3(draft_dir, k=K) -> dict:
+    return {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k,
+            "draft_sample_method": "probabilistic"}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return code_prompts(200)
+
+
+@pytest.fixture(scope="module")
+def random_draft(tiny_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("drafts") / "random"
+    init_draft(tiny_model, out, seed=0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model, prompts):
+    return greedy_generate(tiny_model, prompts, MAX_TOKENS)
+
+
+def test_greedy_with_random_draft_equals_plain(tiny_model, prompts, plain, random_draft):
+    spec = greedy_generate(tiny_model, prompts, MAX_TOKENS, eagle3(random_draft), with_status=True)
+    mismatched = [i for i, (a, b) in enumerate(zip(plain["tokens"], spec["tokens"])) if a != b]
+    assert not mismatched, f"{len(mismatched)}/{len(prompts)} prompts differ, e.g. {mismatched[:5]}"
+    assert spec["spec_decode"]["num_drafts"] > 0, "speculation never ran"
+    assert spec["worker"]["draft_model"] == "SpecRLEagle3LlamaForCausalLM"
+    # Logprobs are the target's, not the draft's: same tokens, same values.
+    worst = max(abs(a - b) for la, lb in zip(plain["logprobs"], spec["logprobs"]) for a, b in zip(la, lb))
+    assert worst < 1e-3, worst
+
+
+def test_stock_export_serves_without_the_plugin(tiny_model, prompts, plain, random_draft, tmp_path):
+    stock = export_stock(random_draft, tmp_path / "stock")
+    assert json.loads((stock / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    spec = greedy_generate(tiny_model, prompts[:50], MAX_TOKENS, eagle3(stock), plugins="none")
+    assert spec["tokens"] == plain["tokens"][:50]
+    assert spec["spec_decode"]["num_drafts"] > 0
+
+
+def test_qwen2_target_draft_is_lossless(qwen2_model, prompts, tmp_path):
+    draft = tmp_path / "qwen2_draft"
+    init_draft(qwen2_model, draft, seed=1)
+    base = greedy_generate(qwen2_model, prompts[:50], MAX_TOKENS)
+    spec = greedy_generate(qwen2_model, prompts[:50], MAX_TOKENS, eagle3(draft))
+    assert spec["tokens"] == base["tokens"]
+    assert spec["spec_decode"]["num_drafts"] > 0
+
+
+def test_misfit_draft_fails_at_startup_naming_the_mismatch(tiny_model, random_draft, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    cfg = json.loads((random_draft / "config.json").read_text())
+    cfg["vocab_size"] = 5000
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 2, 9]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    (bad / "model.safetensors").write_bytes((random_draft / "model.safetensors").read_bytes())
+    out = run_python(f"""
+        from vllm import LLM
+        LLM(model={str(tiny_model)!r}, dtype="float32", enforce_eager=True, max_model_len=256,
+            speculative_config={eagle3(bad)!r})
+    """, env={"VLLM_PLUGINS": "specrl"}, expect_failure=True)
+    assert "EAGLE-3 draft does not fit the target model" in out
+    assert "draft vocab size 5000 != target vocab size 4096" in out
+    assert "aux hidden state layers [9] outside the target's 0..4" in out

@@ -1,0 +1,72 @@
+import torch
+from torch.nn import functional as F
+
+from vllm_specrl.proposer.eagle3_config import draft_config_from_target
+from vllm_specrl.proposer.eagle3_torch import Eagle3Draft, apply_rope, rope_cos_sin
+
+TARGET = {"architectures": ["LlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 64,
+          "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "vocab_size": 50, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
+
+
+def make_draft(vocab=None) -> Eagle3Draft:
+    torch.manual_seed(0)
+    d = Eagle3Draft(draft_config_from_target(TARGET, vocab))
+    for p in d.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return d
+
+
+def inputs(b=2, t=10):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(b, t, 3 * 32, generator=g), torch.randint(0, 50, (b, t), generator=g)
+
+
+def test_unroll_shapes_and_reduced_vocab():
+    d = make_draft(vocab=20)
+    d.set_draft_vocab(torch.arange(0, 40, 2))
+    assert d.draft_token_ids().tolist() == list(range(0, 40, 2))
+    assert d.t2d.sum() == 20 and d.t2d[38] and not d.t2d[39]
+    aux, tok = inputs()
+    outs = d.unroll(aux, tok, steps=3)
+    assert len(outs) == 3 and all(o.shape == (2, 10, 20) for o in outs)
+
+
+def test_step0_is_causal_attention_over_the_sequence():
+    """Step 0 equals a reference causal layer built from torch's SDPA."""
+    d = make_draft()
+    aux, tok = inputs()
+    got = d.unroll(aux, tok, steps=1)[0]
+    layer, s = d.midlayer, d.shape
+    g = d.fc(aux)
+    shifted = torch.cat([tok[:, 1:], torch.zeros_like(tok[:, :1])], dim=1)
+    x = torch.cat([layer.input_layernorm(d.embed_tokens(shifted)), layer.hidden_norm(g)], -1)
+    b, t, _ = x.shape
+    cos, sin = rope_cos_sin(torch.arange(t), s.head_dim, s.rope_theta)
+    attn = layer.self_attn
+    q = apply_rope(attn.q_proj(x).view(b, t, 4, 8).transpose(1, 2), cos, sin)
+    k = apply_rope(attn.k_proj(x).view(b, t, 2, 8).transpose(1, 2), cos, sin)
+    v = attn.v_proj(x).view(b, t, 2, 8).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    r = attn.o_proj(o.transpose(1, 2).reshape(b, t, -1)) + g
+    out = layer.mlp(layer.post_attention_layernorm(r)) + r
+    torch.testing.assert_close(got, d.lm_head(d.norm(out)), rtol=1e-4, atol=1e-4)
+
+
+def test_ttt_steps_never_see_the_future():
+    """Step k at base t may read aux <= t and tokens <= t+1+k, nothing later."""
+    d = make_draft()
+    aux, tok = inputs(b=1, t=12)
+    base = d.unroll(aux, tok, steps=3)
+    t = 5
+    aux2, tok2 = aux.clone(), tok.clone()
+    aux2[:, t + 1 :] += 3.0
+    for k in range(3):
+        tok3 = tok2.clone()
+        tok3[:, t + 2 + k :] = (tok3[:, t + 2 + k :] + 7) % 50
+        changed = d.unroll(aux2, tok3, steps=3)
+        torch.testing.assert_close(changed[k][:, : t + 1], base[k][:, : t + 1])
+    # ...and it does read the token at t+1+k.
+    tok4 = tok.clone()
+    tok4[:, t + 1 + 2] = (tok4[:, t + 1 + 2] + 1) % 50
+    assert not torch.allclose(d.unroll(aux, tok4, steps=3)[2][:, t], base[2][:, t])

@@ -1,0 +1,48 @@
+"""Target features for draft training from an HF transformers forward pass.
+
+vLLM's aux hidden state for layer id k is the residual stream entering layer
+k (pre-norm), which is ``hidden_states[k]`` of an HF forward with
+``output_hidden_states=True`` for k < L; the last entry of that tuple is the
+final *post-norm* state, the LM head's input, which the loss needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+@torch.no_grad()
+def target_features(model, token_ids: torch.Tensor, aux_layer_ids: Sequence[int],
+                    attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(aux [B, T, n_aux*H], final post-norm hidden [B, T, H]) for right-padded ``token_ids``."""
+    num_layers = model.config.num_hidden_layers
+    bad = [i for i in aux_layer_ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"aux layer ids {bad} must be in 0..{num_layers - 1} for HF features")
+    out = model(input_ids=token_ids, attention_mask=attention_mask, output_hidden_states=True)
+    states = out.hidden_states
+    aux = torch.cat([states[i] for i in aux_layer_ids], dim=-1)
+    return aux.float(), states[-1].float()
+
+
+def sequence_features(model, sequences: list[list[int]], aux_layer_ids: Sequence[int],
+                      batch_size: int = 8, dtype: torch.dtype = torch.bfloat16) -> list[dict[str, torch.Tensor]]:
+    """Per-sequence {token_ids, aux_hidden, final_hidden}, stored in ``dtype`` to save memory."""
+    items = []
+    device = next(model.parameters()).device
+    for start in range(0, len(sequences), batch_size):
+        chunk = sequences[start : start + batch_size]
+        t = max(len(s) for s in chunk)
+        ids = torch.zeros(len(chunk), t, dtype=torch.long)
+        mask = torch.zeros(len(chunk), t, dtype=torch.long)
+        for i, s in enumerate(chunk):
+            ids[i, : len(s)] = torch.tensor(s)
+            mask[i, : len(s)] = 1
+        aux, final = target_features(model, ids.to(device), aux_layer_ids, mask.to(device))
+        for i, s in enumerate(chunk):
+            n = len(s)
+            items.append({"token_ids": ids[i, :n].clone(), "aux_hidden": aux[i, :n].to(dtype).cpu(),
+                          "final_hidden": final[i, :n].to(dtype).cpu()})
+    return items

@@ -1,0 +1,135 @@
+"""Offline warm start: train a draft on the target's own rollouts before RL starts.
+
+1. generate rollouts from the target with vLLM (temperature 1, the RL setting);
+2. compute the target's aux and final hidden states for them with transformers;
+3. train the draft with the EAGLE-3 loss and save it where vLLM loads it.
+
+The paper's strongest result came from initialising the draft on in-domain
+data (1.77x vs 1.51x with a general-chat draft); this is that step.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from vllm_specrl.proposer.checkpoint import init_draft, load_draft, target_lm_head
+from vllm_specrl.trainer.core import DraftTrainer, TrainConfig, collate
+from vllm_specrl.trainer.features import sequence_features
+
+DEFAULT_CHAT_PROMPTS = [
+    "What is {a} + {b}? Answer with the number.",
+    "Compute {a} times {b} and explain in one sentence.",
+    "Write a Python function that returns the sum of a list of numbers.",
+    "Give three tips for learning a new language.",
+    "Explain what a prime number is, with an example bigger than {a}.",
+    "Write a haiku about the number {a}.",
+    "List the first {c} even numbers.",
+    "Describe a cat in two sentences.",
+]
+
+
+@dataclass
+class OfflineConfig:
+    num_prompts: int = 64
+    samples_per_prompt: int = 4
+    max_tokens: int = 128
+    temperature: float = 1.0
+    steps: int = 300
+    batch_size: int = 8
+    eval_fraction: float = 0.1
+    seed: int = 0
+    chat: bool = True
+    dtype: str = "float32"
+
+
+def default_prompts(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        template = DEFAULT_CHAT_PROMPTS[i % len(DEFAULT_CHAT_PROMPTS)]
+        out.append(template.format(a=rng.randint(2, 99), b=rng.randint(2, 99), c=rng.randint(3, 9)))
+    return out
+
+
+def generate_rollouts(target_dir: Path, prompts: list[str], cfg: OfflineConfig) -> list[list[int]]:
+    """Prompt + completion token ids of ``samples_per_prompt`` T=1 rollouts per prompt."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(target_dir), dtype=cfg.dtype, enforce_eager=True, seed=cfg.seed,
+              max_model_len=2048)
+    tok = llm.get_tokenizer()
+    if cfg.chat and tok.chat_template:
+        texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                         add_generation_prompt=True) for p in prompts]
+    else:
+        texts = prompts
+    params = SamplingParams(n=cfg.samples_per_prompt, temperature=cfg.temperature,
+                            max_tokens=cfg.max_tokens, seed=cfg.seed)
+    outs = llm.generate(texts, params)
+    sequences = [list(o.prompt_token_ids) + list(c.token_ids) for o in outs for c in o.outputs]
+    del llm
+    return sequences
+
+
+def warm_start(target_dir: Path | str, draft_dir: Path | str, prompts: list[str] | None = None,
+               cfg: OfflineConfig | None = None, train_cfg: TrainConfig | None = None,
+               draft_vocab_size: int | None = None, init_from: Path | str | None = None,
+               log_path: Path | str | None = None) -> dict:
+    """Run the whole warm start; returns a summary (also written next to the draft)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = cfg or OfflineConfig()
+    train_cfg = train_cfg or TrainConfig(seed=cfg.seed)
+    target_dir, draft_dir = Path(target_dir), Path(draft_dir)
+    t0 = time.time()
+    prompts = prompts or default_prompts(cfg.num_prompts, cfg.seed)
+    sequences = generate_rollouts(target_dir, prompts, cfg)
+    t_gen = time.time() - t0
+
+    counts = Counter(t for s in sequences for t in s)
+    token_counts = torch.zeros(json.loads((target_dir / "config.json").read_text())["vocab_size"])
+    for tok_id, c in counts.items():
+        token_counts[tok_id] = c
+    draft = (load_draft(init_from, target_dir) if init_from else
+             init_draft(target_dir, None, draft_vocab_size, token_counts=token_counts, seed=cfg.seed))
+    aux_ids = draft.shape.aux_layer_ids
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    target.eval()
+    features = sequence_features(target, sequences, aux_ids)
+    del target
+    t_feat = time.time() - t0 - t_gen
+
+    rng = random.Random(cfg.seed)
+    rng.shuffle(features)
+    n_eval = max(1, int(len(features) * cfg.eval_fraction))
+    eval_items, train_items = features[:n_eval], features[n_eval:]
+    trainer = DraftTrainer(draft, target_lm_head(target_dir), train_cfg)
+    eval_batch = collate(eval_items)
+    before = trainer.evaluate(eval_batch)
+    log = open(log_path, "w") if log_path else None  # noqa: SIM115
+    for step in tqdm(range(cfg.steps), desc="warm start", mininterval=5):
+        batch = collate(rng.sample(train_items, min(cfg.batch_size, len(train_items))))
+        metrics = trainer.step(batch)
+        if log:
+            log.write(json.dumps(metrics) + "\n")
+    if log:
+        log.close()
+    after = trainer.evaluate(eval_batch)
+    summary = {
+        "rollouts": len(sequences), "tokens": sum(len(s) for s in sequences),
+        "steps": cfg.steps, "draft_vocab_size": draft.shape.draft_vocab_size,
+        "eval_before": before, "eval_after": after,
+        "seconds": {"generate": round(t_gen, 1), "features": round(t_feat, 1),
+                    "train": round(time.time() - t0 - t_gen - t_feat, 1)},
+    }
+    trainer.save(draft_dir, extra={"warm_start": summary})
+    return summary
