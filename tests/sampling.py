@@ -66,7 +66,7 @@ def greedy_generate(model, prompts: list[str], max_tokens: int,
         llm = LLM(model={str(model)!r}, dtype={dtype!r}, enforce_eager=True, seed=0,
                   max_model_len=512, max_num_seqs=64, disable_log_stats=False,
                   speculative_config=json.loads({json.dumps(json.dumps(speculative_config))}),
-                  worker_extension_cls="vllm_specrl.sync.SpecRLWorkerExtension" if {with_status} else None)
+                  worker_extension_cls="vllm_specrl.sync.SpecRLWorkerExtension" if {with_status} else "")
         params = SamplingParams(temperature=0, max_tokens={max_tokens}, ignore_eos=True, logprobs=0)
         outs = llm.generate(json.loads({json.dumps(json.dumps(prompts))}), params, use_tqdm=False)
         res = {{"tokens": [list(o.outputs[0].token_ids) for o in outs],

@@ -48,7 +48,7 @@ def test_greedy_with_random_draft_equals_plain(tiny_model, prompts, plain, rando
 
 
 def test_stock_export_serves_without_the_plugin(tiny_model, prompts, plain, random_draft, tmp_path):
-    stock = export_stock(random_draft, tmp_path / "stock")
+    stock = export_stock(random_draft, tmp_path / "stock", tiny_model)
     assert json.loads((stock / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
     spec = greedy_generate(tiny_model, prompts[:50], MAX_TOKENS, eagle3(stock), plugins="none")
     assert spec["tokens"] == plain["tokens"][:50]
