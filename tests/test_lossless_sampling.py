@@ -50,3 +50,15 @@ def test_ngram_t1_is_lossy_without_the_fix_on_0_32(tiny_model, plain_t1):
                                   speculative_config=NGRAM, plugins="none")
     p = per_position_pvalues(plain_t1, broken)
     assert min(p) < POWER_ALPHA, describe(p)
+
+
+def test_eagle3_probabilistic_t1_is_lossless(tiny_model, plain_t1, tmp_path):
+    from vllm_specrl.proposer.checkpoint import init_draft
+
+    init_draft(tiny_model, tmp_path / "draft", seed=0)
+    eagle3 = {"method": "eagle3", "model": str(tmp_path / "draft"), "num_speculative_tokens": 3,
+              "draft_sample_method": "probabilistic"}
+    spec = sample_continuations(tiny_model, PROMPT, N, L, 1.0, seed=5, speculative_config=eagle3)
+    assert sum(s.count(0) for s in spec) <= sum(s.count(0) for s in plain_t1) + 30, "token-0 flood"
+    p = per_position_pvalues(plain_t1, spec)
+    assert min(p) > ALPHA, describe(p)
