@@ -26,6 +26,7 @@ from vllm_specrl.proposer.eagle3_config import (
 from vllm_specrl.proposer.eagle3_torch import Eagle3Draft
 
 WEIGHTS = "model.safetensors"
+INIT_STD = 0.02  # fresh fc/midlayer matrices, as in Llama's initializer_range
 
 
 def _target_tensor(target_dir: Path, names: tuple[str, ...]) -> torch.Tensor | None:
@@ -65,10 +66,9 @@ def init_draft(target_dir: Path | str, out_dir: Path | str | None = None,
     torch.manual_seed(seed)
     draft = Eagle3Draft(config)
     with torch.no_grad():
-        for name, p in draft.named_parameters():
+        for p in draft.parameters():
             if p.dim() == 2:
-                nn_init_std = 0.02
-                p.normal_(0.0, nn_init_std)
+                p.normal_(0.0, INIT_STD)
         draft.embed_tokens.weight.copy_(target_embedding(target_dir).float())
         head = target_lm_head(target_dir).float()
         if draft.d2t is not None:
