@@ -1,6 +1,9 @@
 """Shared test setup: fixture models (built once, cached) and CPU engine defaults."""
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,3 +44,31 @@ def qwen2_model(fixture_root) -> Path:
     from vllm_specrl.fixtures import fixture_target
 
     return fixture_target("tiny-qwen2", fixture_root)
+
+
+WARM_DRAFT_VOCAB = 1024
+
+
+@pytest.fixture(scope="session")
+def warm_draft(tiny_model, tmp_path_factory) -> Path:
+    """An EAGLE-3 draft warm-started on the tiny target's own rollouts through the CLI.
+
+    Reduced draft vocabulary (1024 of 4096) so the d2t/t2d path is served too.
+    Built once per session (~2 min); the summary is saved beside the draft.
+    """
+    from prompts import code_prompts
+
+    work = tmp_path_factory.mktemp("warm")
+    out = work / "draft"
+    # In-domain prompts for the code-trained target, disjoint from the tests' first 200.
+    prompt_file = work / "prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in code_prompts(264)[200:]))
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_PLUGINS="specrl")
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_specrl.cli", "train-draft", "--offline",
+         "--target", str(tiny_model), "--draft", str(out), "--raw-prompts",
+         "--prompts", str(prompt_file), "--samples", "4", "--max-tokens", "48", "--steps", "80",
+         "--batch-size", "16", "--lr", "3e-3", "--draft-vocab-size", str(WARM_DRAFT_VOCAB)],
+        env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return out

@@ -51,7 +51,20 @@ def _install_registrations() -> list[str]:
     except Exception as exc:  # noqa: BLE001 - the plugin must never break vLLM
         log_early(logging.WARNING, "vllm-specrl: CPU expand-kernel fix not installed: %r", exc)
         done.append(f"cpu_expand_kernel_fix: failed ({exc!r})")
+    if _runs_model_here():
+        try:
+            done.append(f"cpu_seeded_rewind_fix: {vllm_compat.install_cpu_seeded_rewind_fix()}")
+        except Exception as exc:  # noqa: BLE001 - the plugin must never break vLLM
+            log_early(logging.WARNING, "vllm-specrl: CPU seeded-rewind fix not installed: %r", exc)
+            done.append(f"cpu_seeded_rewind_fix: failed ({exc!r})")
     return done
+
+
+def _runs_model_here() -> bool:
+    """Worker-side fixes import the model runner: skip that in a pure API-server process."""
+    if process_role() != "main":
+        return True
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
 
 
 def register() -> None:

