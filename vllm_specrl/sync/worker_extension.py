@@ -4,20 +4,52 @@ vLLM appends this class to the worker's bases, so ``self`` is the worker and
 every method is reachable through ``collective_rpc``. All names start with
 ``specrl_`` because vLLM asserts that an extension never shadows a worker
 attribute, and its ``__init__`` is never called (state is created lazily).
+
+Weight updates: ``specrl_begin_update`` -> ``specrl_stage_tensors`` /
+``specrl_stage_file`` (any number of chunks) -> ``specrl_commit_update`` (or
+``specrl_abort_update``). RPCs return ``{"ok": False, "error": ..., "problems":
+[...]}`` instead of raising, so the reason survives every RPC hop intact.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import time
+from pathlib import Path
 from typing import Any
 
 from vllm_specrl import plugin, vllm_compat
 from vllm_specrl._version import __version__
+from vllm_specrl.sync.staging import UpdateStager
+from vllm_specrl.sync.validate import WeightUpdateError, checkpoint_specs
+
+
+def _refusal(exc: Exception) -> dict[str, Any]:
+    return {"ok": False, "error": str(exc), "problems": getattr(exc, "problems", [])}
 
 
 class SpecRLWorkerExtension:
     """Mixin for vLLM workers; see the module docstring."""
+
+    def _specrl_stager(self) -> UpdateStager:
+        stager = getattr(self, "_specrl_stager_obj", None)
+        if stager is None:
+            stager = self._specrl_stager_obj = UpdateStager()
+        return stager
+
+    def _specrl_specs(self, target: str) -> dict:
+        cache = getattr(self, "_specrl_specs_cache", None)
+        if cache is None:
+            cache = self._specrl_specs_cache = {}
+        if target not in cache:
+            directory = (vllm_compat.policy_checkpoint_dir(self) if target == "policy"
+                         else vllm_compat.draft_checkpoint_dir(self))
+            if directory is None:
+                raise WeightUpdateError("this engine serves no draft model to update "
+                                        "(start it with an eagle3 --speculative-config)")
+            cache[target] = checkpoint_specs(directory)
+        return cache[target]
 
     def specrl_status(self) -> dict[str, Any]:
         """What the plugin and the model look like from inside this worker process."""
@@ -27,5 +59,72 @@ class SpecRLWorkerExtension:
             "rank": getattr(self, "rank", None),
             "vllm_specrl": __version__,
             "plugin": plugin.state(),
+            "sync": self.specrl_sync_state(),
             **vllm_compat.worker_model_summary(self),
         }
+
+    def specrl_sync_state(self) -> dict[str, Any]:
+        stager = self._specrl_stager()
+        return {"versions": dict(stager.versions),
+                "in_progress": stager.session.summary() if stager.session else None,
+                "last_commits": stager.history[-3:]}
+
+    def specrl_begin_update(self, target: str, version: int, update_id: str | None = None) -> dict:
+        try:
+            session = self._specrl_stager().begin(target, version, self._specrl_specs(target)
+                                                  if target in ("policy", "draft") else {}, update_id)
+        except (WeightUpdateError, FileNotFoundError) as exc:
+            return _refusal(exc)
+        return {"ok": True, **session.summary()}
+
+    def specrl_stage_tensors(self, update_id: str, tensors: dict) -> dict:
+        try:
+            return {"ok": True, **self._specrl_stager().stage(update_id, tensors)}
+        except WeightUpdateError as exc:
+            return _refusal(exc)
+
+    def specrl_stage_file(self, update_id: str, path: str) -> dict:
+        """Stage a safetensors file (the shared-memory transport writes one to /dev/shm)."""
+        from safetensors.torch import load_file
+
+        try:
+            tensors = load_file(Path(path))
+        except Exception as exc:  # noqa: BLE001 - a truncated or foreign file is a refusal
+            self._specrl_stager().abort(update_id)
+            return _refusal(WeightUpdateError(f"cannot read update file {path}: {exc}; update aborted"))
+        return self.specrl_stage_tensors(update_id, tensors)
+
+    def specrl_stage_bytes(self, update_id: str, body: bytes) -> dict:
+        """Stage one safetensors-serialised chunk (the HTTP transport's bodies).
+
+        Bytes, not tensors, cross the RPC hops: vLLM's executor message queue
+        does not carry tensors through every path intact.
+        """
+        from safetensors.torch import load
+
+        try:
+            tensors = load(bytes(body))
+        except Exception as exc:  # noqa: BLE001 - a truncated or foreign body is a refusal
+            self._specrl_stager().abort(update_id)
+            return _refusal(WeightUpdateError(
+                f"update {update_id}: body is not a complete safetensors chunk ({len(body)} bytes: "
+                f"{exc}); update aborted, nothing applied"))
+        return self.specrl_stage_tensors(update_id, tensors)
+
+    def specrl_commit_update(self, update_id: str) -> dict:
+        stager = self._specrl_stager()
+        try:
+            session = stager.ready(update_id)
+        except WeightUpdateError as exc:
+            return _refusal(exc)
+        t0 = time.perf_counter()
+        named = sorted(session.staged.items())
+        if session.target == "policy":
+            vllm_compat.apply_policy_weights(self, named)
+        else:
+            vllm_compat.apply_draft_weights(self, named)
+        return {"ok": True, **stager.finish(session, time.perf_counter() - t0)}
+
+    def specrl_abort_update(self, update_id: str | None = None) -> dict:
+        aborted = self._specrl_stager().abort(update_id)
+        return {"ok": aborted is not None, "aborted": aborted}

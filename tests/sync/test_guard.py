@@ -1,0 +1,28 @@
+"""The stale-draft guard's two signals, on synthetic counters."""
+
+from vllm_specrl.metrics import SpecDecodeCounters
+from vllm_specrl.sync.guard import StaleDraftGuard
+
+
+def counters(drafts: float, accepted: float) -> SpecDecodeCounters:
+    return SpecDecodeCounters(num_drafts=drafts, num_draft_tokens=3 * drafts, num_accepted_tokens=accepted)
+
+
+def test_zero_acceptance_after_a_policy_update_is_stale():
+    guard = StaleDraftGuard(max_version_lag=2, min_drafts=64)
+    guard.policy_updated(counters(1000, 900))
+    assert not guard.assess(1, 1, True, counters(1010, 900))["stale"]  # too few drafts yet
+    verdict = guard.assess(1, 1, True, counters(1100, 900))
+    assert verdict["stale"] and "0 draft tokens accepted over the last 100 drafts" in verdict["reasons"][0]
+    assert not guard.assess(1, 1, True, counters(1100, 901))["stale"]
+
+
+def test_version_lag_beyond_the_limit_is_stale():
+    guard = StaleDraftGuard(max_version_lag=2, min_drafts=64)
+    assert not guard.assess(2, 0, True, counters(0, 0))["stale"]
+    verdict = guard.assess(3, 0, True, counters(0, 0))
+    assert verdict["stale"] and verdict["version_lag"] == 3
+
+
+def test_no_draft_is_never_stale():
+    assert not StaleDraftGuard(0, 1).assess(9, 0, False, counters(100, 0))["stale"]

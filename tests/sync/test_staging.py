@@ -1,0 +1,98 @@
+"""Validation and the update state machine: every refusal names the tensor and changes nothing."""
+
+import pytest
+import torch
+
+from vllm_specrl.sync.staging import UpdateStager
+from vllm_specrl.sync.validate import ParamSpec, WeightUpdateError, checkpoint_specs
+
+SPECS = {"a.weight": ParamSpec((4, 3), torch.bfloat16), "b.bias": ParamSpec((4,), torch.float32),
+         "d2t": ParamSpec((5,), torch.int64)}
+
+
+def good() -> dict:
+    return {"a.weight": torch.randn(4, 3), "b.bias": torch.zeros(4, dtype=torch.bfloat16),
+            "d2t": torch.arange(5)}
+
+
+def begun(stager=None):
+    stager = stager or UpdateStager()
+    return stager, stager.begin("policy", 1, SPECS).update_id
+
+
+def test_full_update_commits_and_bumps_version():
+    stager, uid = begun()
+    tensors = good()
+    stager.stage(uid, {"a.weight": tensors["a.weight"]})
+    stager.stage(uid, {k: v for k, v in tensors.items() if k != "a.weight"})
+    session = stager.ready(uid)
+    assert torch.equal(session.staged["a.weight"], tensors["a.weight"])
+    tensors["a.weight"].add_(1)  # staged copies are private
+    assert not torch.equal(session.staged["a.weight"], tensors["a.weight"])
+    stager.finish(session, 0.0)
+    assert stager.versions == {"policy": 1, "draft": 0} and stager.session is None
+
+
+@pytest.mark.parametrize("name, tensor, needle", [
+    ("a.weight", torch.randn(3, 4), "a.weight: shape [3, 4] != expected [4, 3]"),
+    ("a.weight", torch.ones(4, 3, dtype=torch.int32), "a.weight: dtype torch.int32 is not one of"),
+    ("d2t", torch.arange(5, dtype=torch.int32), "d2t: dtype torch.int32 != expected torch.int64"),
+    ("c.weight", torch.randn(2), "c.weight: unknown parameter name"),
+    ("a.weight", torch.tensor([[float("nan")] * 3] * 4), "a.weight: 12 non-finite values"),
+    ("b.bias", torch.tensor([1.0, float("inf"), 0.0, 0.0]), "b.bias: 1 non-finite values"),
+    ("b.bias", [1, 2, 3, 4], "b.bias: not a tensor (list)"),
+])
+def test_bad_tensor_is_refused_by_name_and_poisons_the_update(name, tensor, needle):
+    stager, uid = begun()
+    with pytest.raises(WeightUpdateError) as err:
+        stager.stage(uid, {name: tensor})
+    assert needle in str(err.value) and "nothing applied" in str(err.value)
+    with pytest.raises(WeightUpdateError, match="failed"):
+        stager.ready(uid)
+    assert stager.versions["policy"] == 0
+
+
+def test_truncated_update_cannot_commit():
+    stager, uid = begun()
+    stager.stage(uid, {"a.weight": torch.randn(4, 3)})
+    with pytest.raises(WeightUpdateError, match=r"incomplete \(1 of 3 tensors.*b.bias: missing"):
+        stager.ready(uid)
+
+
+def test_duplicate_tensor_is_refused():
+    stager, uid = begun()
+    stager.stage(uid, {"a.weight": torch.randn(4, 3)})
+    with pytest.raises(WeightUpdateError, match="a.weight: sent twice"):
+        stager.stage(uid, {"a.weight": torch.randn(4, 3)})
+
+
+def test_commit_without_begin_and_concurrent_updates_are_refused():
+    stager = UpdateStager()
+    with pytest.raises(WeightUpdateError, match="no update in progress"):
+        stager.ready("nope")
+    _, uid = begun(stager)
+    with pytest.raises(WeightUpdateError, match=f"update {uid} .* is in progress"):
+        stager.begin("draft", 1, SPECS)
+    with pytest.raises(WeightUpdateError, match="is not the one in progress"):
+        stager.stage("other", good())
+    assert stager.abort(uid)["update_id"] == uid
+    stager.begin("draft", 1, SPECS)
+
+
+def test_versions_must_increase():
+    stager = UpdateStager()
+    with pytest.raises(WeightUpdateError, match="above the current 0"):
+        stager.begin("policy", 0, SPECS)
+    with pytest.raises(WeightUpdateError, match="unknown update target"):
+        stager.begin("critic", 1, SPECS)
+
+
+def test_checkpoint_specs_read_headers_and_accept_a_tied_head(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"model.embed_tokens.weight": torch.zeros(10, 4, dtype=torch.bfloat16)},
+              tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text('{"tie_word_embeddings": true}')
+    specs = checkpoint_specs(tmp_path)
+    assert specs["model.embed_tokens.weight"] == ParamSpec((10, 4), torch.bfloat16)
+    assert specs["lm_head.weight"] == specs["model.embed_tokens.weight"]

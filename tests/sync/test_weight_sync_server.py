@@ -1,0 +1,213 @@
+"""In-place policy and draft updates through ``vllm serve`` + ``EngineClient``.
+
+One real server (3 processes, float32, an EAGLE-3 draft with a random head)
+shared by the module; tests run in file order and each leaves the server
+serving a known version. Exactness is checked against fresh engines started
+from checkpoints of the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+import torch
+from safetensors.torch import load_file, save, save_file
+
+from conftest import WARM_DRAFT_VOCAB
+from prompts import code_prompts
+from sampling import greedy_generate
+from vllm_specrl.proposer.checkpoint import init_draft
+from vllm_specrl.server import VLLMServer
+from vllm_specrl.sync.client import EngineClient, WeightSyncError
+
+pytestmark = pytest.mark.server
+KEY = "sync-key"
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return code_prompts(24)
+
+
+@pytest.fixture(scope="module")
+def original(tiny_model):
+    return load_file(tiny_model / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def new_policy(tiny_model, original, tmp_path_factory):
+    """A checkpoint of perturbed tiny weights (what an RL step would produce, exaggerated)."""
+    out = tmp_path_factory.mktemp("policy") / "v1"
+    shutil.copytree(tiny_model, out)
+    gen = torch.Generator().manual_seed(0)
+    weights = {k: (v + 0.3 * v.float().std() * torch.randn(v.shape, generator=gen)).to(v.dtype)
+               if v.is_floating_point() and v.dim() == 2 else v for k, v in original.items()}
+    save_file(weights, out / "model.safetensors")
+    return out
+
+
+@pytest.fixture(scope="module")
+def random_draft(tiny_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("draft") / "random"
+    init_draft(tiny_model, out, WARM_DRAFT_VOCAB, seed=3)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, random_draft, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "vllm_serve.log"
+    spec = {"method": "eagle3", "model": str(random_draft), "num_speculative_tokens": 3}
+    args = ["--dtype", "float32", "--max-model-len", "512", "--speculative-config", json.dumps(spec)]
+    with VLLMServer(tiny_model, args, api_key=KEY, log_path=log) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return EngineClient(server.url, api_key=KEY, progress=False)
+
+
+def served_texts(server, prompts) -> list[str]:
+    r = requests.post(server.url + "/v1/completions", headers=server.headers, timeout=300, json={
+        "model": server.model, "prompt": prompts, "max_tokens": MAX_TOKENS, "temperature": 0,
+        "ignore_eos": True})
+    r.raise_for_status()
+    return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+
+def fresh_texts(model, prompts) -> list[str]:
+    return greedy_generate(model, prompts, MAX_TOKENS, with_text=True)["texts"]
+
+
+@pytest.fixture(scope="module")
+def baseline(server, prompts):
+    return served_texts(server, prompts)
+
+
+def versions(client) -> dict:
+    return client.status()["versions"]
+
+
+def test_update_routes_refuse_without_the_api_key(server):
+    r = requests.post(server.url + "/specrl/update/begin", json={"target": "policy", "version": 1})
+    assert r.status_code == 401
+    assert requests.post(server.url + "/specrl/pause", json={}).status_code == 401
+
+
+def bad_updates(original):
+    name = "model.layers.0.self_attn.q_proj.weight"
+    yield "wrong shape", {**original, name: original[name][:-1]}, f"{name}: shape"
+    yield "wrong dtype", {**original, name: original[name].to(torch.int32)}, f"{name}: dtype torch.int32"
+    yield "unknown name", {**original, "model.layers.9.extra.weight": torch.zeros(3)}, \
+        "model.layers.9.extra.weight: unknown parameter name"
+    nan = original[name].clone()
+    nan[0, 0] = float("nan")
+    yield "NaN", {**original, name: nan}, f"{name}: 1 non-finite values"
+    yield "truncated", dict(list(original.items())[: len(original) // 2]), "incomplete"
+
+
+@pytest.mark.parametrize("transport", ["shm", "http"])
+def test_bad_updates_are_refused_and_change_nothing(server, original, prompts, baseline, transport):
+    client = EngineClient(server.url, api_key=KEY, transport=transport, progress=False,
+                          chunk_bytes=1 << 20)
+    for label, tensors, needle in bad_updates(original):
+        with pytest.raises(WeightSyncError) as err:
+            client.update_policy(tensors, version=1)
+        assert needle in str(err.value) + " ".join(err.value.problems), (label, str(err.value))
+        assert "nothing applied" in str(err.value), label
+    assert versions(client) == {"policy": 0, "draft": 0}
+    assert served_texts(server, prompts) == baseline
+
+
+def test_protocol_misuse_is_refused(server, client, original):
+    post = lambda path, **kw: requests.post(server.url + path, headers=server.headers, timeout=60, **kw)  # noqa: E731
+    r = post("/specrl/update/nope/commit", json={})
+    assert r.status_code == 400 and "no update in progress" in r.json()["error"]
+    uid = post("/specrl/update/begin", json={"target": "policy", "version": 1}).json()["update_id"]
+    second = post("/specrl/update/begin", json={"target": "draft", "version": 1})
+    assert second.status_code == 400 and f"update {uid}" in second.json()["error"]
+    body = save(dict(list(original.items())[:3]))
+    r = post(f"/specrl/update/{uid}/tensors", data=body[: len(body) // 2])
+    assert r.status_code == 400 and "not a complete safetensors chunk" in r.json()["error"]
+    r = post(f"/specrl/update/{uid}/commit", json={})
+    assert r.status_code == 400 and "no update in progress" in r.json()["error"]  # aborted
+    assert versions(client) == {"policy": 0, "draft": 0}
+
+
+def test_update_policy_equals_a_fresh_engine_on_the_new_weights(server, client, new_policy, original,
+                                                                prompts, baseline):
+    expected = fresh_texts(new_policy, prompts)
+    assert expected != baseline, "the perturbation must change greedy outputs"
+    res = client.update_policy(load_file(new_policy / "model.safetensors"), version=1)
+    assert res["transport"] == "shm" and res["version"] == 1
+    assert served_texts(server, prompts) == expected
+    r = requests.post(server.url + "/v1/completions", headers=server.headers, timeout=60,
+                      json={"model": server.model, "prompt": "x", "max_tokens": 2})
+    assert r.headers["x-specrl-policy-version"] == "1"
+    # And back, over HTTP this time: the original outputs return exactly.
+    http = EngineClient(server.url, api_key=KEY, transport="http", progress=False)
+    assert http.update_policy(original, version=2)["transport"] == "http"
+    assert served_texts(server, prompts) == baseline
+    assert versions(client) == {"policy": 2, "draft": 0}
+
+
+def test_stale_draft_guard_reports_version_lag(server, client, original):
+    client.update_policy(original, version=3)  # draft now 3 versions behind
+    status = client.status()
+    assert status["stale_draft"]["stale"], status["stale_draft"]
+    assert "lags policy version 3 by 3" in status["stale_draft"]["reasons"][0]
+    text = requests.get(server.url + "/metrics", timeout=30).text
+    assert "specrl_draft_stale 1.0" in text and "specrl_policy_version 3.0" in text
+
+
+def test_update_draft_raises_acceptance_and_stays_lossless(server, client, warm_draft, prompts, baseline):
+    def acceptance() -> float:
+        before = client.status()["spec_decode"]
+        assert served_texts(server, prompts) == baseline  # lossless with either draft
+        after = client.status()["spec_decode"]
+        return (after["num_accepted_tokens"] - before["num_accepted_tokens"]) / (
+            after["num_drafts"] - before["num_drafts"])
+
+    random_accept = acceptance()
+    res = client.update_draft(load_file(warm_draft / "model.safetensors"), version=3)
+    assert res["target"] == "draft" and res["version"] == 3
+    warm_accept = acceptance()
+    assert warm_accept > random_accept + 0.3, (random_accept, warm_accept)
+    status = client.status()
+    assert status["versions"] == {"policy": 3, "draft": 3} and not status["stale_draft"]["stale"]
+
+
+def test_updates_under_load_fail_no_request(server, client, original, new_policy):
+    """Concurrent OpenAI requests while policy updates commit, in each pause mode."""
+    new = load_file(new_policy / "model.safetensors")
+    stop, results, errors = threading.Event(), [], []
+
+    def worker(i: int) -> None:
+        while not stop.is_set():
+            try:
+                r = requests.post(server.url + "/v1/completions", headers=server.headers, timeout=300,
+                                  json={"model": server.model, "prompt": f"def f{i}(x):",
+                                        "max_tokens": 24, "temperature": 1.0, "ignore_eos": True})
+                results.append((r.status_code, r.headers.get("x-specrl-policy-version-start"),
+                                r.headers.get("x-specrl-policy-version")))
+            except requests.RequestException as exc:  # pragma: no cover - reported below
+                errors.append(repr(exc))
+
+    with ThreadPoolExecutor(6) as pool:
+        for i in range(6):
+            pool.submit(worker, i)
+        for version, (weights, mode) in enumerate([(new, "wait"), (original, "keep"), (new, "none")], 4):
+            res = client.update_policy(weights, version=version, pause=mode)
+            assert res["version"] == version
+        stop.set()
+    assert not errors, errors[:3]
+    assert results and all(code == 200 for code, _, _ in results), results
+    assert all(3 <= int(s) <= int(e) <= 6 for _, s, e in results), results
+    assert {e for _, _, e in results} - {"3"}, "no request completed after the first commit"
+    assert versions(client)["policy"] == 6

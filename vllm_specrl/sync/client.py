@@ -1,0 +1,152 @@
+"""``EngineClient``: what an RL trainer calls to push policy and draft weights into ``vllm serve``.
+
+    client = EngineClient("http://127.0.0.1:8000", api_key=...)
+    client.update_policy(model.named_parameters(), version=step)   # HF names
+    client.update_draft(draft_state_dict, version=step)
+    client.status()["stale_draft"]
+
+The transport is chosen per call: shared memory (a safetensors file on
+/dev/shm handed over by path) when the engine runs on this host, else
+safetensors bodies over HTTP, in chunks of ``chunk_bytes``. Either way the
+engine validates every tensor before applying any, so a refused update
+raises ``WeightSyncError`` (with the engine's list of offending tensors) and
+the engine keeps serving the previous version.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+from urllib.parse import urlparse
+
+import requests
+import torch
+from tqdm import tqdm
+
+from vllm_specrl.sync import shm
+
+LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
+DEFAULT_CHUNK_BYTES = 64 << 20
+
+
+class WeightSyncError(RuntimeError):
+    """The engine refused an update (nothing was applied); ``problems`` names the tensors."""
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        self.problems = problems or []
+        super().__init__(message)
+
+
+def chunked(named: Iterable[tuple[str, torch.Tensor]], chunk_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+    chunk: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, tensor in named:
+        tensor = tensor.detach()
+        chunk[name] = tensor
+        size += tensor.numel() * tensor.element_size()
+        if size >= chunk_bytes:
+            yield chunk
+            chunk, size = {}, 0
+    if chunk:
+        yield chunk
+
+
+class EngineClient:
+    """Trainer-side client for one ``vllm serve`` running the vllm-specrl plugins."""
+
+    def __init__(self, url: str, api_key: str | None = None, transport: str = "auto",
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout: float = 600.0,
+                 progress: bool = True):
+        if transport not in ("auto", "shm", "http"):
+            raise ValueError(f"transport must be auto, shm or http; got {transport!r}")
+        self.url = url.rstrip("/")
+        self.session = requests.Session()
+        if api_key:
+            self.session.headers["Authorization"] = f"Bearer {api_key}"
+        self.transport = transport
+        self.chunk_bytes = chunk_bytes
+        self.timeout = timeout
+        self.progress = progress
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _post(self, path: str, **kwargs: Any) -> dict:
+        r = self.session.post(self.url + path, timeout=self.timeout, **kwargs)
+        try:
+            body = r.json()
+        except ValueError:
+            body = {"ok": False, "error": r.text}
+        if r.status_code != 200 or not body.get("ok", False):
+            detail = body.get("error") or body.get("detail") or r.text
+            raise WeightSyncError(f"{path}: HTTP {r.status_code}: {detail}", body.get("problems"))
+        return body
+
+    def resolved_transport(self) -> str:
+        if self.transport != "auto":
+            return self.transport
+        host = urlparse(self.url).hostname or ""
+        local = host in LOCAL_HOSTS or host == socket.gethostname()
+        return "shm" if local and shm.shm_available() else "http"
+
+    # -- public API ----------------------------------------------------------------------------
+    def status(self) -> dict:
+        r = self.session.get(self.url + "/specrl/status", timeout=self.timeout)
+        r.raise_for_status()
+        return r.json()
+
+    def pause(self, mode: str = "keep") -> dict:
+        return self._post("/specrl/pause", json={"mode": mode})
+
+    def resume(self) -> dict:
+        return self._post("/specrl/resume")
+
+    def update_policy(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict, version: int,
+                      pause: str = "keep") -> dict:
+        """Replace the served policy in place; returns the engine's commit record."""
+        return self._update("policy", named_tensors, version, pause)
+
+    def update_draft(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict, version: int,
+                     pause: str = "none") -> dict:
+        """Replace the served EAGLE-3 draft in place (never changes sampled distributions)."""
+        return self._update("draft", named_tensors, version, pause)
+
+    def _update(self, target: str, named_tensors: Any, version: int, pause: str) -> dict:
+        if isinstance(named_tensors, dict):
+            named_tensors = named_tensors.items()
+        named = list(named_tensors)
+        total = sum(t.numel() * t.element_size() for _, t in named)
+        transport = self.resolved_transport()
+        t0 = time.perf_counter()
+        uid = self._post("/specrl/update/begin", json={"target": target, "version": version})["update_id"]
+        try:
+            with tqdm(total=total, unit="B", unit_scale=True, desc=f"{target} v{version} ({transport})",
+                      disable=not self.progress, leave=False) as bar:
+                for chunk in chunked(named, self.chunk_bytes):
+                    self._upload(uid, chunk, transport)
+                    bar.update(sum(t.numel() * t.element_size() for t in chunk.values()))
+            t_upload = time.perf_counter() - t0
+            result = self._post(f"/specrl/update/{uid}/commit", json={"pause": pause})
+        except BaseException:
+            try:
+                self.session.post(f"{self.url}/specrl/update/{uid}/abort", timeout=30)
+            except requests.RequestException:
+                pass
+            raise
+        result.update(transport=transport, bytes=total, upload_s=round(t_upload, 4),
+                      total_s=round(time.perf_counter() - t0, 4))
+        return result
+
+    def _upload(self, uid: str, chunk: dict[str, torch.Tensor], transport: str) -> None:
+        if transport == "shm":
+            path = shm.write_chunk(chunk)
+            try:
+                self._post(f"/specrl/update/{uid}/shm", json={"path": str(path)})
+            finally:
+                path.unlink(missing_ok=True)
+        else:
+            from safetensors.torch import save
+
+            body = save({k: v.cpu().contiguous() for k, v in chunk.items()})
+            self._post(f"/specrl/update/{uid}/tensors", data=body,
+                       headers={"Content-Type": "application/octet-stream"})

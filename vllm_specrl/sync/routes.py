@@ -1,0 +1,141 @@
+"""``/specrl/update/*``, ``/specrl/pause``, ``/specrl/resume``: weight sync over HTTP, no dev mode.
+
+begin -> upload chunks (safetensors bodies, or a shared-memory file path) ->
+commit. The worker stages and validates everything; the commit pauses
+generation as the caller asks (vLLM's modes: ``wait`` lets in-flight requests
+finish on the old weights, ``keep`` freezes and resumes them, ``abort`` ends
+them; ``none`` applies between two engine steps without pausing), applies the
+weights in place, resets the prefix cache, sets vLLM's weight version (so
+``/inference/v1/generate`` reports per-token ``weight_versions``) and resumes.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from vllm_specrl import metrics
+from vllm_specrl._log import logger
+from vllm_specrl.sync.shm import SHM_DIR
+
+PAUSE_MODES = ("wait", "keep", "abort", "none")
+RPC_TIMEOUT_S = 600.0
+
+
+def refused(error: str, problems: list[str] | None = None, status: int = 400) -> JSONResponse:
+    return JSONResponse({"ok": False, "error": error, "problems": problems or []}, status_code=status)
+
+
+async def rpc_all(engine: Any, method: str, *args: Any) -> dict:
+    """Call a worker method on every rank; the first refusal wins, else rank 0's answer."""
+    results = await engine.collective_rpc(method, timeout=RPC_TIMEOUT_S, args=args)
+    for res in results:
+        if not res.get("ok", False):
+            return res
+    return results[0]
+
+
+def answer(res: dict) -> JSONResponse:
+    return JSONResponse(res, status_code=200 if res.get("ok") else 400)
+
+
+def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
+    router = APIRouter(prefix="/specrl", tags=["vllm-specrl"])
+
+    @router.post("/update/begin")
+    async def begin(request: Request) -> JSONResponse:
+        state = get_state(request)
+        body = await request.json()
+        target, version = body.get("target"), body.get("version")
+        res = await rpc_all(state.engine_client, "specrl_begin_update", target, version,
+                            body.get("update_id") or uuid.uuid4().hex[:12])
+        if res.get("ok"):
+            state.uploads[res["update_id"]] = {"target": target, "version": version, "t0": time.time()}
+        return answer(res)
+
+    @router.post("/update/{update_id}/tensors")
+    async def upload_tensors(update_id: str, request: Request) -> JSONResponse:
+        """Body: one safetensors-serialised chunk; parsed and validated in the worker."""
+        state = get_state(request)
+        body = await request.body()
+        return answer(await rpc_all(state.engine_client, "specrl_stage_bytes", update_id, body))
+
+    @router.post("/update/{update_id}/shm")
+    async def upload_shm(update_id: str, request: Request) -> JSONResponse:
+        state = get_state(request)
+        path = Path((await request.json()).get("path", ""))
+        if path.parent != SHM_DIR or not path.name.startswith("specrl-"):
+            return refused(f"shared-memory chunks must be {SHM_DIR}/specrl-*.safetensors; got {path}")
+        return answer(await rpc_all(state.engine_client, "specrl_stage_file", update_id, str(path)))
+
+    @router.post("/update/{update_id}/commit")
+    async def commit(update_id: str, request: Request) -> JSONResponse:
+        state = get_state(request)
+        body = await request.json() if await request.body() else {}
+        mode = body.get("pause", "keep")
+        if mode not in PAUSE_MODES:
+            return refused(f"pause must be one of {PAUSE_MODES}; got {mode!r}")
+        engine = state.engine_client
+        async with state.commit_lock:
+            t0 = time.perf_counter()
+            if mode != "none":
+                await engine.pause_generation(mode=mode, clear_cache=False)
+            t_paused = time.perf_counter()
+            try:
+                res = await rpc_all(engine, "specrl_commit_update", update_id)
+                if res.get("ok"):
+                    await state.committed(res)
+            finally:
+                if mode != "none":
+                    await engine.resume_generation()
+            if res.get("ok"):
+                res["pause_window_s"] = round(time.perf_counter() - t0, 4)
+                res["drain_s"] = round(t_paused - t0, 4)
+                logger.info("vllm-specrl: %s v%s committed (%d tensors, %.3f s paused)",
+                            res["target"], res["version"], res["tensors_staged"], res["pause_window_s"])
+        state.uploads.pop(update_id, None)
+        return answer(res)
+
+    @router.post("/update/{update_id}/abort")
+    async def abort(update_id: str, request: Request) -> JSONResponse:
+        state = get_state(request)
+        state.uploads.pop(update_id, None)
+        return JSONResponse(await rpc_all(state.engine_client, "specrl_abort_update", update_id))
+
+    @router.post("/pause")
+    async def pause(request: Request) -> JSONResponse:
+        state = get_state(request)
+        mode = (await request.json() if await request.body() else {}).get("mode", "keep")
+        if mode not in PAUSE_MODES[:3]:
+            return refused(f"mode must be one of {PAUSE_MODES[:3]}; got {mode!r}")
+        await state.engine_client.pause_generation(mode=mode, clear_cache=False)
+        return JSONResponse({"ok": True, "paused": True, "mode": mode})
+
+    @router.post("/resume")
+    async def resume(request: Request) -> JSONResponse:
+        state = get_state(request)
+        await state.engine_client.resume_generation()
+        return JSONResponse({"ok": True, "paused": False})
+
+    return router
+
+
+def spec_counters() -> metrics.SpecDecodeCounters:
+    return metrics.from_prometheus_registry()
+
+
+async def stamp_versions(request: Request, call_next: Callable, state: Any) -> Any:
+    """Policy version at a request's arrival and at its response (OpenAI routes)."""
+    start = state.versions["policy"] if state else None
+    response = await call_next(request)
+    if state is not None and request.url.path.startswith("/v1/"):
+        response.headers["x-specrl-policy-version-start"] = str(start)
+        response.headers["x-specrl-policy-version"] = str(state.versions["policy"])
+    return response
+

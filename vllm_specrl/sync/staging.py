@@ -1,0 +1,117 @@
+"""One weight update at a time, staged and validated in full before anything is applied.
+
+An update is begun for a target (``policy`` or ``draft``) with the version it
+will carry, receives tensors in any number of chunks (each checked on
+arrival; a bad chunk poisons the update), and is committed only when every
+tensor of the checkpoint has arrived exactly once. Until commit the model is
+untouched, so any refusal leaves the old weights serving and the version
+where it was. Pure bookkeeping: applying the weights is the caller's job.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_specrl.sync.validate import ParamSpec, WeightUpdateError, missing_names, tensor_problems
+
+TARGETS = ("policy", "draft")
+
+
+@dataclass
+class UpdateSession:
+    update_id: str
+    target: str
+    version: int
+    specs: dict[str, ParamSpec]
+    started: float = field(default_factory=time.time)
+    staged: dict[str, torch.Tensor] = field(default_factory=dict)
+    bytes_received: int = 0
+    failed: str | None = None
+
+    def summary(self) -> dict:
+        return {"update_id": self.update_id, "target": self.target, "version": self.version,
+                "tensors_staged": len(self.staged), "tensors_expected": len(missing_names(set(), self.specs)),
+                "bytes_received": self.bytes_received, "age_s": round(time.time() - self.started, 3),
+                "failed": self.failed}
+
+
+class UpdateStager:
+    """The worker's update state machine: begin -> stage* -> commit | abort."""
+
+    def __init__(self) -> None:
+        self.session: UpdateSession | None = None
+        self.versions = {"policy": 0, "draft": 0}
+        self.history: list[dict] = []
+
+    def begin(self, target: str, version: int, specs: dict[str, ParamSpec],
+              update_id: str | None = None) -> UpdateSession:
+        if target not in TARGETS:
+            raise WeightUpdateError(f"unknown update target {target!r}; use one of {TARGETS}")
+        if self.session is not None:
+            raise WeightUpdateError(
+                f"update {self.session.update_id} ({self.session.target} v{self.session.version}) "
+                "is in progress; commit or abort it first")
+        if not isinstance(version, int) or version <= self.versions[target]:
+            raise WeightUpdateError(
+                f"{target} version must be an integer above the current {self.versions[target]}; got {version!r}")
+        self.session = UpdateSession(update_id or uuid.uuid4().hex[:12], target, version, specs)
+        return self.session
+
+    def current(self, update_id: str) -> UpdateSession:
+        if self.session is None:
+            raise WeightUpdateError(f"no update in progress (update {update_id} was never begun, "
+                                    "or was already committed or aborted)")
+        if self.session.update_id != update_id:
+            raise WeightUpdateError(f"update {update_id} is not the one in progress "
+                                    f"({self.session.update_id})")
+        return self.session
+
+    def stage(self, update_id: str, tensors: dict[str, torch.Tensor]) -> dict:
+        """Validate a chunk and keep private copies of its tensors."""
+        session = self.current(update_id)
+        if session.failed:
+            raise WeightUpdateError(f"update {update_id} already failed ({session.failed}); abort it")
+        problems = []
+        for name, tensor in tensors.items():
+            if name in session.staged:
+                problems.append(f"{name}: sent twice")
+            else:
+                problems.extend(tensor_problems(name, tensor, session.specs))
+        if problems:
+            session.failed = f"{len(problems)} bad tensors"
+            raise WeightUpdateError(f"update {update_id} rejected, nothing applied", problems)
+        for name, tensor in tensors.items():
+            session.staged[name] = tensor.detach().to("cpu", copy=True)
+            session.bytes_received += tensor.numel() * tensor.element_size()
+        return session.summary()
+
+    def ready(self, update_id: str) -> UpdateSession:
+        """The session, if it is complete and clean; raises (and keeps it) otherwise."""
+        session = self.current(update_id)
+        if session.failed:
+            raise WeightUpdateError(f"update {update_id} failed ({session.failed}); abort it")
+        missing = missing_names(set(session.staged), session.specs)
+        if missing:
+            raise WeightUpdateError(
+                f"update {update_id} is incomplete ({len(session.staged)} of "
+                f"{len(session.staged) + len(missing)} tensors received; a truncated upload?), "
+                "nothing applied", [f"{n}: missing" for n in missing])
+        return session
+
+    def finish(self, session: UpdateSession, seconds: float) -> dict:
+        self.versions[session.target] = session.version
+        record = dict(session.summary(), applied_s=round(seconds, 4), committed_at=time.time())
+        self.history = (self.history + [record])[-20:]
+        self.session = None
+        return record
+
+    def abort(self, update_id: str | None = None) -> dict | None:
+        if self.session is None or (update_id and self.session.update_id != update_id):
+            return None
+        summary = self.session.summary()
+        self.session = None
+        return summary

@@ -1,0 +1,90 @@
+"""What a weight update may contain, checked before the first byte reaches the model.
+
+The accepted names, shapes and dtypes are those of the checkpoint vLLM loaded
+(HF names, as ``transformers``' ``named_parameters()`` gives them), read from
+the safetensors headers without loading the tensors. Floating tensors may
+arrive in any of the floating dtypes below (vLLM casts while loading);
+everything else (``d2t``/``t2d`` index maps) must match exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                      "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
+                      "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+TIED_HEAD = "lm_head.weight"
+
+
+class WeightUpdateError(ValueError):
+    """An update that must be refused; ``problems`` names each offending tensor."""
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        self.problems = problems or []
+        detail = "; ".join(self.problems[:20]) + (" ..." if len(self.problems) > 20 else "")
+        super().__init__(f"{message}: {detail}" if detail else message)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def safetensors_header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(length))
+
+
+def checkpoint_specs(model_dir: Path | str) -> dict[str, ParamSpec]:
+    """Name -> shape/dtype of every tensor in an HF checkpoint directory (headers only)."""
+    model_dir = Path(model_dir)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    specs: dict[str, ParamSpec] = {}
+    for path in files:
+        for name, info in safetensors_header(path).items():
+            if name != "__metadata__":
+                specs[name] = ParamSpec(tuple(info["shape"]), SAFETENSORS_DTYPES[info["dtype"]])
+    config = model_dir / "config.json"
+    if config.exists() and json.loads(config.read_text()).get("tie_word_embeddings") \
+            and TIED_HEAD not in specs and "model.embed_tokens.weight" in specs:
+        # transformers' state_dict() lists the tied head; vLLM ignores it. Accept it.
+        specs[TIED_HEAD] = specs["model.embed_tokens.weight"]
+    return specs
+
+
+def tensor_problems(name: str, tensor: object, specs: dict[str, ParamSpec]) -> list[str]:
+    """Everything wrong with one incoming tensor (empty when it is acceptable)."""
+    if not isinstance(tensor, torch.Tensor):
+        return [f"{name}: not a tensor ({type(tensor).__name__})"]
+    spec = specs.get(name)
+    if spec is None:
+        return [f"{name}: unknown parameter name"]
+    problems = []
+    if tuple(tensor.shape) != spec.shape:
+        problems.append(f"{name}: shape {list(tensor.shape)} != expected {list(spec.shape)}")
+    if spec.dtype in FLOAT_DTYPES:
+        if tensor.dtype not in FLOAT_DTYPES:
+            problems.append(f"{name}: dtype {tensor.dtype} is not one of "
+                            f"{[str(d) for d in FLOAT_DTYPES]}")
+        elif tensor.numel() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            problems.append(f"{name}: {bad} non-finite values (NaN/Inf)")
+    elif tensor.dtype != spec.dtype:
+        problems.append(f"{name}: dtype {tensor.dtype} != expected {spec.dtype}")
+    return problems
+
+
+def missing_names(received: set[str], specs: dict[str, ParamSpec]) -> list[str]:
+    """Names an update must still bring (updates are whole: every tensor, once)."""
+    return sorted(n for n in specs if n not in received and n != TIED_HEAD)
