@@ -51,6 +51,11 @@ def _install_registrations() -> list[str]:
     except Exception as exc:  # noqa: BLE001 - the plugin must never break vLLM
         log_early(logging.WARNING, "vllm-specrl: CPU expand-kernel fix not installed: %r", exc)
         done.append(f"cpu_expand_kernel_fix: failed ({exc!r})")
+    try:
+        done.append(f"weight_transfer_backend: {vllm_compat.register_shm_weight_transfer_backend()}")
+    except Exception as exc:  # noqa: BLE001 - the plugin must never break vLLM
+        log_early(logging.WARNING, "vllm-specrl: specrl_shm weight-transfer backend not registered: %r", exc)
+        done.append(f"weight_transfer_backend: failed ({exc!r})")
     if _runs_model_here():
         try:
             done.append(f"cpu_seeded_rewind_fix: {vllm_compat.install_cpu_seeded_rewind_fix()}")

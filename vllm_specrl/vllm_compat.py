@@ -22,6 +22,8 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | ``model_loader.reload.inplace.reload_weights``,|                                   |                   |
 | ``model_runner.drafter.model``,                |                                   |                   |
 | ``vllm_config.model_config.model``             |                                   |                   |
+| ``WeightTransferEngineFactory.register_engine``| ``specrl_shm`` backend (CPU)       | 0.32.0 (cpu)      |
+| / ``._registry``, ``WeightTransferEngine`` ABC |                                   |                   |
 | ``model.lm_head.quant_method``,                | re-pack a tied LM head after an   | 0.32.0 (cpu)      |
 | ``.process_weights_after_loading``, ``cpu_linear``| in-place reload on CPU         |                   |
 | ``AsyncLLM.pause_generation/resume_generation``| pause around commits (public      | 0.32.0 (cpu)      |
@@ -351,3 +353,14 @@ def apply_draft_weights(worker: Any, named_tensors: list[tuple[str, Any]]) -> No
 
     reload_weights(worker.vllm_config, worker.model_runner.drafter.model,
                    weights_iterator=iter(named_tensors), weights_path=None, is_checkpoint_format=True)
+
+
+def register_shm_weight_transfer_backend() -> str:
+    """Register ``specrl_shm`` in vLLM's ``WeightTransferEngineFactory`` (lazy, by path)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    name = "specrl_shm"
+    if name not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            name, "vllm_specrl.sync.shm_engine", "SpecRLShmWeightTransferEngine")
+    return name
