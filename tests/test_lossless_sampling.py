@@ -62,3 +62,12 @@ def test_eagle3_probabilistic_t1_is_lossless(tiny_model, plain_t1, tmp_path):
     assert sum(s.count(0) for s in spec) <= sum(s.count(0) for s in plain_t1) + 30, "token-0 flood"
     p = per_position_pvalues(plain_t1, spec)
     assert min(p) > ALPHA, describe(p)
+
+
+def test_warm_started_draft_t1_is_lossless(tiny_model, plain_t1, warm_draft):
+    """A trained, reduced-vocabulary draft: many more drafts accepted, same distribution."""
+    eagle3 = {"method": "eagle3", "model": str(warm_draft), "num_speculative_tokens": 3,
+              "draft_sample_method": "probabilistic"}
+    spec = sample_continuations(tiny_model, PROMPT, N, L, 1.0, seed=6, speculative_config=eagle3)
+    p = per_position_pvalues(plain_t1, spec)
+    assert min(p) > ALPHA, describe(p)
