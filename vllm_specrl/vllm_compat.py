@@ -24,6 +24,10 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | ``vllm_config.model_config.model``             |                                   |                   |
 | ``WeightTransferEngineFactory.register_engine``| ``specrl_shm`` backend (CPU)       | 0.32.0 (cpu)      |
 | / ``._registry``, ``WeightTransferEngine`` ABC |                                   |                   |
+| runner ``propose_draft_token_ids`` (instance  | capture tap (hidden states of     | 0.32.0 (cpu)      |
+| wrap), ``input_batch.req_ids/num_reqs``,       | committed rows)                   |                   |
+| ``query_start_loc.cpu``, ``input_ids.gpu``,    |                                   |                   |
+| ``positions``, ``discard_request_mask.np``     |                                   |                   |
 | ``model.lm_head.quant_method``,                | re-pack a tied LM head after an   | 0.32.0 (cpu)      |
 | ``.process_weights_after_loading``, ``cpu_linear``| in-place reload on CPU         |                   |
 | ``AsyncLLM.pause_generation/resume_generation``| pause around commits (public      | 0.32.0 (cpu)      |
@@ -364,3 +368,81 @@ def register_shm_weight_transfer_backend() -> str:
         WeightTransferEngineFactory.register_engine(
             name, "vllm_specrl.sync.shm_engine", "SpecRLShmWeightTransferEngine")
     return name
+
+
+# --- capture tap (worker side) -------------------------------------------------------
+#
+# ``GPUModelRunner.propose_draft_token_ids`` is called once per step, eagerly,
+# with the target's final hidden states and EAGLE-3 aux hidden states of every
+# scheduled row, right after sampling (map section 2.7, option A). Wrapping it
+# on the runner *instance* gives the tap everything it needs without touching
+# compiled graphs; the runner's per-step buffers are read (and copied) before
+# the original runs.
+
+PLACEHOLDER_TOKEN_ID = -1
+
+
+def capture_step_view(runner: Any, scheduler_output: Any, sampled_token_ids: Any,
+                      hidden_states: Any, aux_hidden_states: Any) -> dict[str, Any] | None:
+    """This step's rows in plain terms: per request, its row span, spec count, sampled tokens."""
+    import torch
+
+    if aux_hidden_states is None:
+        return None
+    n_reqs = runner.input_batch.num_reqs
+    total = scheduler_output.total_num_scheduled_tokens
+    qsl = runner.query_start_loc.cpu[: n_reqs + 1].tolist()
+    if isinstance(sampled_token_ids, torch.Tensor):
+        sampled = [[t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in sampled_token_ids.tolist()]
+    else:
+        sampled = [list(row) for row in sampled_token_ids]
+    discard = runner.discard_request_mask.np[:n_reqs].tolist()
+    requests = []
+    for i, rid in enumerate(runner.input_batch.req_ids[:n_reqs]):
+        requests.append({"request_id": rid, "start": qsl[i], "end": qsl[i + 1],
+                         "num_spec": len(scheduler_output.scheduled_spec_decode_tokens.get(rid, ())),
+                         "sampled": [] if discard[i] else sampled[i]})
+    return {"input_ids": runner.input_ids.gpu[:total], "positions": runner.positions[:total],
+            "final_hidden": hidden_states[:total], "aux_hidden": [h[:total] for h in aux_hidden_states],
+            "requests": requests}
+
+
+def install_capture_tap(runner: Any, on_step: Any) -> str:
+    """Call ``on_step(view)`` with ``capture_step_view(...)`` before each draft proposal."""
+    import inspect
+
+    if getattr(runner, "_specrl_capture_original", None) is not None:
+        runner._specrl_capture_on_step = on_step
+        return "replaced"
+    original = runner.propose_draft_token_ids
+    signature = inspect.signature(original)
+
+    def propose_draft_token_ids(*args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = signature.bind(*args, **kwargs).arguments
+            view = capture_step_view(runner, bound["scheduler_output"], bound["sampled_token_ids"],
+                                     bound["hidden_states"], bound["aux_hidden_states"])
+            if view is not None:
+                runner._specrl_capture_on_step(view)
+        except Exception as exc:  # noqa: BLE001 - capture must never break generation
+            runner._specrl_capture_errors = getattr(runner, "_specrl_capture_errors", 0) + 1
+            runner._specrl_capture_last_error = repr(exc)
+        return original(*args, **kwargs)
+
+    runner._specrl_capture_original = original
+    runner._specrl_capture_on_step = on_step
+    runner.propose_draft_token_ids = propose_draft_token_ids
+    return "installed"
+
+
+def remove_capture_tap(runner: Any) -> None:
+    original = getattr(runner, "_specrl_capture_original", None)
+    if original is not None:
+        runner.propose_draft_token_ids = original
+        runner._specrl_capture_original = None
+
+
+def specrl_additional_config(vllm_config: Any) -> dict[str, Any]:
+    """``--additional-config '{"specrl": {...}}'`` (a public, hashed vLLM config field)."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    return dict(extra.get("specrl", {})) if isinstance(extra, dict) else {}

@@ -60,6 +60,7 @@ class SpecRLWorkerExtension:
             "vllm_specrl": __version__,
             "plugin": plugin.state(),
             "sync": self.specrl_sync_state(),
+            "capture": self.specrl_capture_state(),
             **vllm_compat.worker_model_summary(self),
         }
 
@@ -128,3 +129,50 @@ class SpecRLWorkerExtension:
     def specrl_abort_update(self, update_id: str | None = None) -> dict:
         aborted = self._specrl_stager().abort(update_id)
         return {"ok": aborted is not None, "aborted": aborted}
+
+    # -- capture ----------------------------------------------------------------------
+    def specrl_capture_start(self, address: str | None = None, fraction: float | None = None,
+                             queue_frames: int | None = None, allow_remote: bool | None = None) -> dict:
+        """Stream committed rows' hidden states to ``address`` (defaults: ``--additional-config``)."""
+        from vllm_specrl.capture.sender import DEFAULT_QUEUE_FRAMES, CaptureSender
+        from vllm_specrl.capture.tap import CaptureTap
+
+        cfg = vllm_compat.specrl_additional_config(self.vllm_config)
+        address = address or cfg.get("capture")
+        if not address:
+            return {"ok": False, "error": "no capture address (pass one, or set "
+                    "--additional-config '{\"specrl\":{\"capture\":\"tcp://127.0.0.1:5557\"}}')"}
+        if getattr(self, "rank", 0) not in (0, None):
+            return {"ok": True, "rank": self.rank, "note": "capture sends from rank 0 only"}
+        self.specrl_capture_stop()
+        try:
+            sender = CaptureSender(address, int(queue_frames or cfg.get("capture_queue_frames",
+                                                                         DEFAULT_QUEUE_FRAMES)),
+                                   bool(allow_remote if allow_remote is not None
+                                        else cfg.get("capture_allow_remote", False)))
+        except ValueError as exc:
+            return {"ok": False, "error": str(exc)}
+        fraction = float(fraction if fraction is not None else cfg.get("capture_fraction", 1.0))
+        stager = self._specrl_stager()
+        tap = CaptureTap(sender, fraction, lambda: stager.versions["policy"])
+        how = vllm_compat.install_capture_tap(self.model_runner, tap)
+        self._specrl_capture = tap
+        return {"ok": True, "tap": how, "address": address, "fraction": fraction}
+
+    def specrl_capture_stop(self) -> dict:
+        tap = getattr(self, "_specrl_capture", None)
+        if tap is None:
+            return {"ok": True, "stopped": False}
+        vllm_compat.remove_capture_tap(self.model_runner)
+        tap.sender.close()
+        self._specrl_capture = None
+        return {"ok": True, "stopped": True, "final": tap.sender.state()}
+
+    def specrl_capture_state(self) -> dict | None:
+        tap = getattr(self, "_specrl_capture", None)
+        if tap is None:
+            return None
+        runner = self.model_runner
+        return {**tap.sender.state(), "fraction": tap.fraction, "steps": tap.steps,
+                "tap_errors": getattr(runner, "_specrl_capture_errors", 0),
+                "last_tap_error": getattr(runner, "_specrl_capture_last_error", None)}

@@ -1,0 +1,101 @@
+"""Captured hidden states equal an HF forward of the same tokens on the same weights.
+
+An in-process engine (float32, EAGLE-3 with a random draft, so most drafts are
+rejected and only committed rows may be sent) streams frames to a PULL socket
+in the same process; the assembled sequences are compared in the test process
+with transformers' hidden states for prompt + output tokens.
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import result_json, run_python
+from vllm_specrl.proposer.checkpoint import init_draft
+from vllm_specrl.server import free_port
+from vllm_specrl.trainer.features import sequence_features
+
+PROMPTS = ["def f(x):\n    return", "import os\nimport sys\n", "class A:\n    def __init__(self):",
+           "for i in range(10):\n    print(", "x = " + "[1, 2, 3] + " * 30]
+
+
+@pytest.fixture(scope="module")
+def captured(tiny_model, tmp_path_factory):
+    work = tmp_path_factory.mktemp("capture")
+    init_draft(tiny_model, work / "draft", seed=0)
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    out = run_python(f"""
+        import json, time
+        import torch
+        from safetensors.torch import save_file
+        from vllm import LLM, SamplingParams
+        from vllm_specrl.capture.receiver import CaptureReceiver, SequenceAssembler
+        rx = CaptureReceiver({addr!r})
+        llm = LLM(model={str(tiny_model)!r}, dtype="float32", enforce_eager=True, max_model_len=512,
+                  max_num_batched_tokens=64, max_num_seqs=8,
+                  speculative_config={{"method": "eagle3", "model": {str(work / "draft")!r},
+                                       "num_speculative_tokens": 3, "draft_sample_method": "probabilistic"}},
+                  worker_extension_cls="vllm_specrl.sync.SpecRLWorkerExtension")
+        print("START", llm.collective_rpc("specrl_capture_start", args=({addr!r},)))
+        params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=0)
+        outs = llm.generate({PROMPTS!r}, params, use_tqdm=False)
+        asm = SequenceAssembler()
+        deadline = time.time() + 20
+        state = None
+        while time.time() < deadline:
+            for header, tensors in rx.receive(200):
+                asm.add(header, tensors)
+            state = llm.collective_rpc("specrl_capture_state")[0]
+            if state["frames_sent"] + state["frames_dropped_queue_full"] + state["frames_dropped_no_peer"] \\
+                    >= state["frames_offered"] and state["queued"] == 0 and rx.socket.poll(300) == 0:
+                break
+        seqs = {{}}
+        print("KEYS", sorted(asm.requests))
+        for i, o in enumerate(outs):
+            # vLLM suffixes the engine-side request id ("0" -> "0-1a2b3c4d").
+            key = next(k for k in asm.requests if k == o.request_id or k.startswith(o.request_id + "-"))
+            s = asm.pop(key)
+            for k, v in s.items():
+                seqs[f"{{i}}.{{k}}"] = v.contiguous()
+        save_file(seqs, {str(work / "captured.safetensors")!r})
+        print("RESULT " + json.dumps({{"tokens": [list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+                                                  for o in outs], "state": state, "rx": rx.counters}}))
+    """, env={"VLLM_PLUGINS": "specrl"})
+    return result_json(out), load_file(work / "captured.safetensors")
+
+
+def test_capture_streams_every_committed_row(captured):
+    meta, seqs = captured
+    state = meta["state"]
+    assert state["tap_errors"] == 0, state
+    assert state["frames_dropped_queue_full"] == state["frames_dropped_no_peer"] == 0, state
+    assert meta["rx"]["rejected"] == 0 and meta["rx"]["frames"] == state["frames_sent"]
+    for i, tokens in enumerate(meta["tokens"]):
+        n = len(tokens) - 1  # the last output token is never forwarded
+        ids = seqs[f"{i}.token_ids"].tolist()
+        assert ids[:n] == tokens[:-1], f"request {i}: captured tokens differ from prompt + output"
+        assert seqs[f"{i}.next_token_ids"].tolist()[:n] == tokens[1:]
+        # At max_tokens the engine trims sampled tokens from the output; rows of
+        # accepted drafts beyond the limit may still be sent (true target states).
+        assert 0 <= len(ids) - n <= 3, (i, len(ids), n)
+
+
+def test_captured_hidden_states_equal_hf_forward(tiny_model, captured):
+    from transformers import AutoModelForCausalLM
+
+    meta, seqs = captured
+    cfg = json.loads((tiny_model / "config.json").read_text())
+    from vllm_specrl.proposer.eagle3_config import default_aux_layer_ids
+
+    aux_ids = default_aux_layer_ids(cfg["num_hidden_layers"])
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    ref = sequence_features(model, [t[:-1] for t in meta["tokens"]], aux_ids, dtype=torch.float32)
+    for i, r in enumerate(ref):
+        for key in ("aux_hidden", "final_hidden"):
+            got = seqs[f"{i}.{key}"][: len(r[key])].float()
+            scale = r[key].abs().max()
+            err = (got - r[key]).abs().max() / scale
+            assert err < 0.02, f"request {i} {key}: max error {err:.4f} of scale {scale:.2f}"
+

@@ -1,0 +1,36 @@
+"""The capture wire format round-trips and refuses malformed or foreign frames."""
+
+import json
+
+import pytest
+import torch
+
+from vllm_specrl.capture.protocol import FrameError, decode_frame, encode_frame
+
+
+def frame(n=3, h=4):
+    header = {"request_id": "r1", "policy_version": 2, "step": 7, "positions": list(range(n)),
+              "token_ids": [5] * n, "next_token_ids": [6] * n}
+    tensors = {"aux_hidden": torch.randn(n, 3 * h).bfloat16(), "final_hidden": torch.randn(n, h)}
+    return header, tensors
+
+
+def test_round_trip_is_exact():
+    header, tensors = frame()
+    got_header, got = decode_frame(encode_frame(header, tensors))
+    assert got_header["request_id"] == "r1" and got_header["version"] == 1
+    for k in tensors:
+        assert got[k].dtype == tensors[k].dtype and torch.equal(got[k], tensors[k])
+
+
+@pytest.mark.parametrize("mutate, needle", [
+    (lambda p: [b"not json"] + p[1:], "not JSON"),
+    (lambda p: [json.dumps({"magic": "other"}).encode()] + p[1:], "not a specrl-capture frame"),
+    (lambda p: p[:-1], "frame has 1 buffers"),
+    (lambda p: p[:1] + [p[1][:-2]] + p[2:], "bytes for shape"),
+    (lambda p: [p[0].replace(b'"version": 1', b'"version": 9')] + p[1:], "unsupported capture protocol"),
+])
+def test_malformed_frames_are_refused(mutate, needle):
+    parts = encode_frame(*frame())
+    with pytest.raises(FrameError, match=needle):
+        decode_frame(mutate(parts))

@@ -1,0 +1,1 @@
+"""Capture: stream the target's hidden states for committed tokens out of the worker."""

@@ -1,0 +1,85 @@
+"""The worker's side of capture: a bounded queue and a ZeroMQ PUSH thread that never blocks the step.
+
+``offer`` is called inside the engine step with already-copied tensors; it
+only enqueues (``put_nowait``). A background thread encodes and sends frames
+without blocking (``zmq.NOBLOCK``). A full queue, a slow trainer or no trainer
+at all means dropped frames, counted, never a stalled engine.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+import torch
+
+from vllm_specrl.capture.protocol import encode_frame
+
+DEFAULT_QUEUE_FRAMES = 256
+SEND_HWM = 64
+
+
+def is_loopback(address: str) -> bool:
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return address.startswith("ipc://") or host in ("127.0.0.1", "localhost", "::1")
+
+
+class CaptureSender:
+    def __init__(self, address: str, queue_frames: int = DEFAULT_QUEUE_FRAMES, allow_remote: bool = False):
+        if not is_loopback(address) and not allow_remote:
+            raise ValueError(f"capture address {address} is not loopback; set capture_allow_remote "
+                             "to stream hidden states off this host")
+        self.address = address
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_frames)
+        self.counters = {"frames_offered": 0, "frames_sent": 0, "frames_dropped_queue_full": 0,
+                         "frames_dropped_no_peer": 0, "bytes_sent": 0}
+        self.last_send_ok: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="specrl-capture", daemon=True)
+        self._thread.start()
+
+    def offer(self, header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
+        self.counters["frames_offered"] += 1
+        try:
+            self._queue.put_nowait((header, tensors))
+            return True
+        except queue.Full:
+            self.counters["frames_dropped_queue_full"] += 1
+            return False
+
+    def _run(self) -> None:
+        import zmq
+
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.address)
+        try:
+            while not self._stop.is_set():
+                try:
+                    header, tensors = self._queue.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                parts = encode_frame(header, tensors)
+                try:
+                    sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    self.counters["frames_dropped_no_peer"] += 1
+                    continue
+                self.counters["frames_sent"] += 1
+                self.counters["bytes_sent"] += sum(len(p) for p in parts)
+                self.last_send_ok = time.time()
+        finally:
+            sock.close(0)
+
+    def state(self) -> dict[str, Any]:
+        recent = self.last_send_ok is not None and time.time() - self.last_send_ok < 10.0
+        return {"address": self.address, **self.counters, "queued": self._queue.qsize(),
+                "trainer_connected": recent}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)

@@ -1,0 +1,77 @@
+"""Turn one engine step's rows into capture frames: committed rows only, copied now.
+
+Row semantics (vLLM V1, map section 2.7): request i owns rows
+``[start, end)``; for a request verifying k drafts the rows are
+``[x_last, d_1..d_k]`` and only the first ``len(sampled)`` (the accepted drafts
+plus ``x_last``) are committed context; prefill rows are all committed. The
+token committed after row j is ``sampled[j]`` for verify rows, the next
+prompt token for prefill rows, and unknown (-1) at the end of a partial
+prefill chunk. At a length or stop limit the engine may trim accepted tokens
+from the output after verification; their rows are still sent (they are the
+target's true states for a sampled prefix). Everything is copied before returning: the runner reuses its
+buffers next step.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+
+from vllm_specrl.capture.sender import CaptureSender
+
+
+def selected(request_id: str, fraction: float) -> bool:
+    """Stable per-request sampling: a request is captured whole or not at all."""
+    if fraction >= 1.0:
+        return True
+    return (zlib.crc32(request_id.encode()) % 10_000) < fraction * 10_000
+
+
+def step_frames(view: dict[str, Any], fraction: float = 1.0, dtype: torch.dtype = torch.bfloat16
+                ) -> list[tuple[dict[str, Any], dict[str, torch.Tensor]]]:
+    ids = view["input_ids"].tolist()
+    positions = view["positions"].tolist()
+    frames = []
+    aux_all = None
+    for req in view["requests"]:
+        if not selected(req["request_id"], fraction):
+            continue
+        start, end, sampled = req["start"], req["end"], req["sampled"]
+        if req["num_spec"]:
+            n = min(len(sampled), end - start)
+            nxt = sampled[:n]
+        else:
+            n = end - start
+            nxt = ids[start + 1:end] + [sampled[0] if sampled else -1]
+        if n <= 0:
+            continue
+        if aux_all is None:
+            aux_all = torch.cat(view["aux_hidden"], dim=-1)
+        rows = slice(start, start + n)
+        header = {"request_id": req["request_id"], "positions": positions[rows],
+                  "token_ids": ids[rows], "next_token_ids": nxt}
+        tensors = {"aux_hidden": aux_all[rows].to("cpu", dtype, copy=True),
+                   "final_hidden": view["final_hidden"][rows].to("cpu", dtype, copy=True)}
+        frames.append((header, tensors))
+    return frames
+
+
+class CaptureTap:
+    """What the worker installs: builds frames each step and offers them to the sender."""
+
+    def __init__(self, sender: CaptureSender, fraction: float, policy_version: Any,
+                 dtype: torch.dtype = torch.bfloat16):
+        self.sender = sender
+        self.fraction = fraction
+        self.policy_version = policy_version  # zero-arg callable
+        self.dtype = dtype
+        self.steps = 0
+
+    def __call__(self, view: dict[str, Any]) -> None:
+        self.steps += 1
+        version = self.policy_version()
+        for header, tensors in step_frames(view, self.fraction, self.dtype):
+            header.update(policy_version=version, step=self.steps)
+            self.sender.offer(header, tensors)
