@@ -85,11 +85,36 @@ def _cmd_convert_draft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train_online(args: argparse.Namespace) -> int:
+    from vllm_specrl.trainer.core import TrainConfig
+    from vllm_specrl.trainer.online import OnlineConfig, OnlineDraftTrainer
+
+    cfg = OnlineConfig(capture=args.capture, engine=args.engine, api_key=args.api_key,
+                       batch_size=args.batch_size, publish_every=args.publish_every,
+                       checkpoint_every=args.checkpoint_every, max_steps=args.max_steps,
+                       max_seconds=args.max_seconds, idle_s=args.idle_s, seed=args.seed)
+    train_cfg = TrainConfig(lr=args.lr, ttt_steps=args.ttt_steps, seed=args.seed,
+                            mixed_precision=args.mixed_precision)
+    trainer = OnlineDraftTrainer(args.draft, args.target, cfg, train_cfg, args.checkpoint_dir, args.log)
+    print(json.dumps({"event": "started", "resumed_from_step": trainer.resumed_from_step,
+                      "checkpoint_dir": str(trainer.checkpoint_dir)}), flush=True)
+    try:
+        summary = trainer.run()
+    except KeyboardInterrupt:
+        trainer.trainer.save(trainer.checkpoint_dir, extra={"draft_version": trainer.draft_version})
+        summary = {"event": "interrupted", "steps": trainer.trainer.step_count}
+    finally:
+        trainer.close()
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
 def _cmd_train_draft(args: argparse.Namespace) -> int:
+    if args.capture:
+        return _cmd_train_online(args)
     if not args.offline:
-        print("error: only --offline (warm start from the target's rollouts) is available in this "
-              "version; online training from captured hidden states comes with the capture path",
-              file=sys.stderr)
+        print("error: pass --offline (warm start from the target's rollouts) or --capture ADDR "
+              "(online, from hidden states streamed by vllm serve)", file=sys.stderr)
         return 2
     from vllm_specrl.trainer.core import TrainConfig
     from vllm_specrl.trainer.offline import OfflineConfig, warm_start
@@ -145,10 +170,21 @@ def build_parser() -> argparse.ArgumentParser:
                         help="target dir (needed when the draft has no embedding)")
         cv.set_defaults(func=_cmd_convert_draft)
 
-    tr = sub.add_parser("train-draft", help="train an EAGLE-3 draft (--offline: warm start)")
+    tr = sub.add_parser("train-draft", help="train an EAGLE-3 draft (--offline warm start, or "
+                        "online with --capture)")
     tr.add_argument("--offline", action="store_true", help="warm start from the target's own rollouts")
+    tr.add_argument("--capture", default=None, help="online: ZeroMQ address to receive capture frames on")
+    tr.add_argument("--engine", default=None, help="online: vllm serve URL to publish the draft to")
+    tr.add_argument("--api-key", default=None)
+    tr.add_argument("--publish-every", type=int, default=20)
+    tr.add_argument("--checkpoint-every", type=int, default=50)
+    tr.add_argument("--checkpoint-dir", type=Path, default=None, help="online: default <draft>-online")
+    tr.add_argument("--max-steps", type=int, default=None)
+    tr.add_argument("--max-seconds", type=float, default=None)
+    tr.add_argument("--idle-s", type=float, default=1.0, help="online: a request quiet this long is done")
     tr.add_argument("--target", type=Path, required=True)
-    tr.add_argument("--draft", type=Path, required=True, help="output draft directory")
+    tr.add_argument("--draft", type=Path, required=True,
+                    help="draft directory (offline: output; online: the draft the engine serves)")
     tr.add_argument("--init-from", type=Path, default=None, help="start from this draft")
     tr.add_argument("--prompts", type=Path, default=None, help="text or JSONL ({\"prompt\":...}) file")
     tr.add_argument("--raw-prompts", action="store_true", help="do not apply the chat template")

@@ -32,6 +32,23 @@ from vllm_specrl.sync.routes import build_sync_router, stamp_versions
 _GAUGES: dict[str, Any] = {}
 
 
+def update_capture_gauges(capture: dict | None) -> None:
+    """Capture counters as gauges (refreshed whenever /specrl/status is gathered)."""
+    import prometheus_client
+
+    if capture is None:
+        return
+    for key in ("frames_sent", "frames_dropped_queue_full", "frames_dropped_no_peer", "bytes_sent",
+                "trainer_connected"):
+        name = f"specrl_capture_{key}"
+        if name not in _GAUGES:
+            try:
+                _GAUGES[name] = prometheus_client.Gauge(name, f"capture {key.replace('_', ' ')}")
+            except ValueError:
+                _GAUGES[name] = prometheus_client.REGISTRY._names_to_collectors[name]
+        _GAUGES[name].set(float(capture.get(key) or 0))
+
+
 def update_gauges(state: SpecRLHttpState) -> dict:
     """Prometheus gauges on vLLM's /metrics: versions and the stale-draft flag."""
     import prometheus_client
@@ -130,6 +147,9 @@ async def gather_status(state: SpecRLHttpState) -> dict[str, Any]:
             engine.collective_rpc("specrl_status", timeout=WORKER_RPC_TIMEOUT_S),
             WORKER_RPC_TIMEOUT_S + 5,
         )
+        captures = [w["capture"] for w in out["workers"] if w.get("capture")]
+        out["capture"] = captures[0] if captures else None
+        update_capture_gauges(out["capture"])
     except Exception as exc:  # noqa: BLE001 - status must answer even when workers cannot
         out["workers_error"] = f"{type(exc).__name__}: {exc} ({EXTENSION_HINT})"
     return out
@@ -163,6 +183,13 @@ class SpecRLEndpointPlugin:
         keys = [k for k in (getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY")]) if k]
         state.specrl = SpecRLHttpState(engine_client, keys)
         update_gauges(state.specrl)
+        capture = vllm_compat.specrl_additional_config(engine_client.vllm_config).get("capture")
+        if capture:
+            try:
+                res = await engine_client.collective_rpc("specrl_capture_start", timeout=WORKER_RPC_TIMEOUT_S)
+                logger.info("vllm-specrl capture to %s: %s", capture, res)
+            except Exception as exc:  # noqa: BLE001 - serving goes on without capture
+                logger.warning("vllm-specrl: capture not started (%s): %r", EXTENSION_HINT, exc)
         logger.info("vllm-specrl %s routes at /specrl (api key %s)", __version__,
                     "required" if keys else "not set")
 

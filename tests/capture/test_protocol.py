@@ -34,3 +34,27 @@ def test_malformed_frames_are_refused(mutate, needle):
     parts = encode_frame(*frame())
     with pytest.raises(FrameError, match=needle):
         decode_frame(mutate(parts))
+
+
+def test_receiver_counts_and_drops_foreign_frames():
+    import zmq
+
+    from vllm_specrl.capture.receiver import CaptureReceiver
+    from vllm_specrl.server import free_port
+
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    rx = CaptureReceiver(addr)
+    tx = zmq.Context.instance().socket(zmq.PUSH)
+    tx.connect(addr)
+    tx.send_multipart([b"GET / HTTP/1.1"])
+    tx.send_multipart(encode_frame(*frame()))
+    tx.send_multipart([b'{"magic": "specrl-capture", "version": 1}', b"xx"])
+    got = []
+    for _ in range(20):
+        got += rx.receive(100)
+        if rx.counters["frames"] + rx.counters["rejected"] == 3:
+            break
+    tx.close(0)
+    rx.close()
+    assert len(got) == 1 and got[0][0]["request_id"] == "r1"
+    assert rx.counters == {"frames": 1, "rejected": 2, "bytes": rx.counters["bytes"]}

@@ -1,0 +1,129 @@
+"""The online loop end to end: vllm serve captures, `train-draft --capture` trains and publishes.
+
+One server (tiny target, float32, a freshly initialised EAGLE-3 draft, capture
+on via --additional-config) and one trainer process. RL-style traffic runs in
+rounds; acceptance must rise as the draft learns, greedy outputs must stay
+those of the start (lossless while draft weights change), and killing the
+trainer must neither stall nor fail generation, and a restart resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from conftest import WARM_DRAFT_VOCAB
+from prompts import code_prompts
+from vllm_specrl.proposer.checkpoint import init_draft
+from vllm_specrl.server import VLLMServer, free_port
+
+pytestmark = pytest.mark.server
+ROUNDS = 10
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model, tmp_path_factory):
+    work = tmp_path_factory.mktemp("online")
+    draft = work / "draft"
+    init_draft(tiny_model, draft, WARM_DRAFT_VOCAB, seed=5)
+    capture = f"tcp://127.0.0.1:{free_port()}"
+    spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3}
+    args = ["--dtype", "float32", "--max-model-len", "512", "--speculative-config", json.dumps(spec),
+            "--additional-config", json.dumps({"specrl": {"capture": capture}})]
+    with VLLMServer(tiny_model, args, log_path=work / "serve.log") as srv:
+        yield {"server": srv, "draft": draft, "capture": capture, "work": work, "target": tiny_model}
+
+
+def start_trainer(setup, tag: str) -> subprocess.Popen:
+    out = open(setup["work"] / f"trainer_{tag}.out", "w")  # noqa: SIM115 - kept open for the process
+    return subprocess.Popen(
+        [sys.executable, "-m", "vllm_specrl.cli", "train-draft", "--capture", setup["capture"],
+         "--engine", setup["server"].url, "--draft", str(setup["draft"]), "--target", str(setup["target"]),
+         "--publish-every", "10", "--checkpoint-every", "10", "--batch-size", "8", "--lr", "3e-3",
+         "--idle-s", "0.5", "--log", str(setup["work"] / "online.jsonl")],
+        stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
+
+
+def status(srv) -> dict:
+    return requests.get(srv.url + "/specrl/status", timeout=60).json()
+
+
+def complete(srv, prompts, temperature: float, max_tokens: int = 48) -> list[str]:
+    def one(p):
+        r = requests.post(srv.url + "/v1/completions", timeout=300, json={
+            "model": srv.model, "prompt": p, "max_tokens": max_tokens, "temperature": temperature,
+            "ignore_eos": True})
+        r.raise_for_status()
+        return r.json()["choices"][0]["text"]
+
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(one, prompts))
+
+
+def traffic_round(srv, prompts) -> dict:
+    before = status(srv)["spec_decode"]
+    complete(srv, prompts, 1.0)
+    after = status(srv)
+    drafts = after["spec_decode"]["num_drafts"] - before["num_drafts"]
+    accepted = after["spec_decode"]["num_accepted_tokens"] - before["num_accepted_tokens"]
+    return {"acceptance_length": 1 + accepted / max(drafts, 1), "draft_version": after["versions"]["draft"],
+            "capture": after["capture"]}
+
+
+def test_online_training_raises_acceptance_and_stays_lossless(setup):
+    srv = setup["server"]
+    greedy_prompts = code_prompts(12)
+    baseline = complete(srv, greedy_prompts, 0.0, 24)
+    pool = code_prompts(264)[200:]
+    trainer = start_trainer(setup, "a")
+    curve = []
+    try:
+        for r in range(ROUNDS):
+            curve.append(traffic_round(srv, pool[(r * 16) % 48:(r * 16) % 48 + 16]))
+            time.sleep(2.0)  # let the trainer take steps between rounds
+            assert trainer.poll() is None, (setup["work"] / "trainer_a.out").read_text()[-3000:]
+        assert complete(srv, greedy_prompts, 0.0, 24) == baseline  # lossless with a changed draft
+    finally:
+        trainer.send_signal(signal.SIGINT)
+        trainer.wait(60)
+    (setup["work"] / "curve.json").write_text(json.dumps(curve, indent=2))
+    lengths = [c["acceptance_length"] for c in curve]
+    assert curve[-1]["draft_version"] >= 2, curve
+    assert sum(lengths[-3:]) / 3 > sum(lengths[:2]) / 2 + 0.15, lengths
+    assert curve[-1]["capture"]["frames_sent"] > 0 and curve[-1]["capture"]["trainer_connected"]
+
+
+def test_dead_trainer_never_stalls_generation_and_restart_resumes(setup):
+    srv = setup["server"]
+    pool = code_prompts(264)[200:216]
+    trainer = start_trainer(setup, "b")
+    time.sleep(3.0)
+    trainer.kill()
+    trainer.wait(30)
+    before = status(srv)["capture"]
+    t0 = time.time()
+    texts = complete(srv, pool, 1.0)  # no trainer: nothing may fail or hang
+    assert len(texts) == len(pool) and time.time() - t0 < 240
+    after = status(srv)["capture"]
+    dropped = lambda c: c["frames_dropped_no_peer"] + c["frames_dropped_queue_full"]  # noqa: E731
+    assert after["frames_offered"] > before["frames_offered"]
+    assert dropped(after) > dropped(before) or after["frames_sent"] - before["frames_sent"] <= 64 * 2
+    restarted = start_trainer(setup, "c")
+    try:
+        time.sleep(8.0)
+        complete(srv, pool, 1.0)
+        time.sleep(3.0)
+        out = (setup["work"] / "trainer_c.out").read_text()
+        started = json.loads(next(ln for ln in out.splitlines() if '"event": "started"' in ln))
+        assert started["resumed_from_step"], out[-2000:]
+    finally:
+        restarted.send_signal(signal.SIGINT)
+        restarted.wait(60)

@@ -1,0 +1,178 @@
+"""Online draft trainer: learn from the hidden states vLLM streams out while RL runs.
+
+    vllm-specrl train-draft --capture tcp://127.0.0.1:5557 --engine http://127.0.0.1:8000 \\
+        --draft /ckpt/draft --target /ckpt/policy
+
+Receives capture frames (``vllm_specrl.capture``), assembles each request's
+committed rows into a training sequence once the request has been quiet for
+``--idle-s``, keeps a bounded replay buffer of recent sequences, and runs the
+shared training core (soft targets from the captured final hidden state
+through the target's LM head). Every ``--publish-every`` steps it pushes the
+draft into the engine in place (``EngineClient.update_draft``); every
+``--checkpoint-every`` steps it saves a resumable checkpoint, from which it
+restarts. When frames carry a new policy version it reloads the target's LM
+head and embedding from ``--target`` (the RL loop saves its policy there).
+The engine never waits for it: if the trainer is slow or gone, the engine
+drops frames; if the engine is gone, publishing fails, is logged, and is
+retried at the next publish.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from vllm_specrl.capture.receiver import CaptureReceiver, SequenceAssembler
+from vllm_specrl.proposer.checkpoint import load_draft, target_embedding, target_lm_head
+from vllm_specrl.trainer.core import TRAINER_STATE, DraftTrainer, TrainConfig, collate
+
+
+@dataclass
+class OnlineConfig:
+    capture: str = "tcp://127.0.0.1:5557"
+    engine: str | None = None
+    api_key: str | None = None
+    batch_size: int = 8
+    min_sequences: int = 8
+    buffer_sequences: int = 512
+    max_len: int = 512
+    idle_s: float = 1.0
+    publish_every: int = 20
+    checkpoint_every: int = 50
+    max_steps: int | None = None
+    max_seconds: float | None = None
+    seed: int = 0
+
+
+class OnlineDraftTrainer:
+    def __init__(self, draft_dir: Path | str, target_dir: Path | str, cfg: OnlineConfig,
+                 train_cfg: TrainConfig | None = None, checkpoint_dir: Path | str | None = None,
+                 log_path: Path | str | None = None):
+        self.cfg = cfg
+        self.target_dir = Path(target_dir)
+        self.checkpoint_dir = Path(checkpoint_dir or Path(draft_dir).with_name(Path(draft_dir).name + "-online"))
+        resume = (self.checkpoint_dir / TRAINER_STATE).exists()
+        source = self.checkpoint_dir if resume else Path(draft_dir)
+        if resume:
+            self.trainer = DraftTrainer.from_checkpoint(source, self.target_dir, train_cfg)
+        else:
+            self.trainer = DraftTrainer(load_draft(source, self.target_dir), target_lm_head(self.target_dir),
+                                        train_cfg)
+        self.resumed_from_step = self.trainer.step_count if resume else None
+        self.rng = random.Random(cfg.seed)
+        self.receiver = CaptureReceiver(cfg.capture)
+        self.assembler = SequenceAssembler()
+        self.last_seen: dict[str, float] = {}
+        self.buffer: deque = deque(maxlen=cfg.buffer_sequences)
+        self.policy_version: int | None = None
+        self.draft_version = 0
+        self.publish_errors = 0
+        self.client = None
+        if cfg.engine:
+            from vllm_specrl.sync.client import EngineClient
+
+            self.client = EngineClient(cfg.engine, api_key=cfg.api_key, progress=False, timeout=120)
+        self.log = open(log_path, "a") if log_path else None  # noqa: SIM115 - closed in close()
+
+    # -- data ------------------------------------------------------------------------------
+    def pump(self, timeout_ms: int = 100) -> int:
+        """Receive frames; move quiet requests into the replay buffer. Returns frames received."""
+        frames = self.receiver.receive(timeout_ms)
+        now = time.time()
+        for header, tensors in frames:
+            self.assembler.add(header, tensors)
+            self.last_seen[header["request_id"]] = now
+            version = header.get("policy_version")
+            if version is not None and version != self.policy_version:
+                self.on_policy_version(version)
+        for rid in [r for r, t in self.last_seen.items() if now - t >= self.cfg.idle_s]:
+            del self.last_seen[rid]
+            seq = self.assembler.pop(rid)
+            if len(seq["token_ids"]) >= 4:
+                self.buffer.append({k: v[: self.cfg.max_len] for k, v in seq.items()})
+        return len(frames)
+
+    def on_policy_version(self, version: int) -> None:
+        """The policy moved: refresh the target's head and embedding (the soft targets)."""
+        first = self.policy_version is None
+        self.policy_version = version
+        if first:
+            return
+        self.trainer.target_head = target_lm_head(self.target_dir).float().to(self.trainer.accelerator.device)
+        with torch.no_grad():
+            self.trainer.unwrapped.embed_tokens.weight.copy_(target_embedding(self.target_dir))
+
+    # -- training ----------------------------------------------------------------------------
+    def train_step(self) -> dict[str, Any]:
+        batch = collate(self.rng.sample(list(self.buffer), min(self.cfg.batch_size, len(self.buffer))))
+        return self.trainer.step(batch)
+
+    def publish(self) -> dict[str, Any] | None:
+        if self.client is None:
+            return None
+        try:
+            engine_version = self.client.status()["versions"]["draft"]
+            self.draft_version = max(self.draft_version, engine_version) + 1
+            state = {k: v.detach().cpu() for k, v in self.trainer.unwrapped.checkpoint_state_dict().items()}
+            return self.client.update_draft(state, version=self.draft_version)
+        except Exception as exc:  # noqa: BLE001 - an unreachable engine is retried, never fatal
+            self.publish_errors += 1
+            return {"error": repr(exc)}
+
+    def engine_acceptance(self) -> dict | None:
+        if self.client is None:
+            return None
+        try:
+            return self.client.status()["spec_decode"]
+        except Exception:  # noqa: BLE001 - the engine may be restarting
+            return None
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        t0 = time.time()
+        start_step = self.trainer.step_count
+        bar = tqdm(desc="online draft", unit="step", mininterval=5)
+        last_metrics: dict[str, Any] = {}
+        try:
+            while True:
+                if cfg.max_steps is not None and self.trainer.step_count - start_step >= cfg.max_steps:
+                    break
+                if cfg.max_seconds is not None and time.time() - t0 >= cfg.max_seconds:
+                    break
+                self.pump(timeout_ms=10 if len(self.buffer) >= cfg.min_sequences else 200)
+                if len(self.buffer) < cfg.min_sequences:
+                    continue
+                last_metrics = self.train_step()
+                bar.update(1)
+                record = {"time": round(time.time() - t0, 3), **last_metrics,
+                          "buffer": len(self.buffer), "policy_version": self.policy_version,
+                          "frames": dict(self.receiver.counters)}
+                step = self.trainer.step_count
+                if step % cfg.publish_every == 0:
+                    record["publish"] = self.publish()
+                    record["draft_version"] = self.draft_version
+                    record["engine_spec_decode"] = self.engine_acceptance()
+                if step % cfg.checkpoint_every == 0:
+                    self.trainer.save(self.checkpoint_dir, extra={"draft_version": self.draft_version})
+                if self.log:
+                    self.log.write(json.dumps(record) + "\n")
+                    self.log.flush()
+        finally:
+            bar.close()
+        self.trainer.save(self.checkpoint_dir, extra={"draft_version": self.draft_version})
+        return {"steps": self.trainer.step_count, "resumed_from_step": self.resumed_from_step,
+                "frames": dict(self.receiver.counters), "publish_errors": self.publish_errors,
+                "draft_version": self.draft_version, "last": last_metrics}
+
+    def close(self) -> None:
+        self.receiver.close()
+        if self.log:
+            self.log.close()
