@@ -162,6 +162,21 @@ def build_router() -> APIRouter:
     async def status(request: Request) -> JSONResponse:
         return JSONResponse(await gather_status(_specrl_state(request)))
 
+    @router.post("/capture")
+    async def capture(request: Request) -> JSONResponse:
+        """Start (``{"enabled": true, "address"?, "fraction"?}``) or stop hidden-state capture."""
+        state = _specrl_state(request)
+        body = await request.json() if await request.body() else {}
+        if body.get("enabled", True):
+            results = await state.engine_client.collective_rpc(
+                "specrl_capture_start", timeout=WORKER_RPC_TIMEOUT_S,
+                args=(body.get("address"), body.get("fraction")))
+        else:
+            results = await state.engine_client.collective_rpc("specrl_capture_stop",
+                                                               timeout=WORKER_RPC_TIMEOUT_S)
+        bad = [r for r in results if not r.get("ok")]
+        return JSONResponse(bad[0] if bad else results[0], status_code=400 if bad else 200)
+
     return router
 
 

@@ -41,7 +41,7 @@ class OnlineConfig:
     engine: str | None = None
     api_key: str | None = None
     batch_size: int = 8
-    min_sequences: int = 8
+    min_sequences: int = 4
     buffer_sequences: int = 512
     max_len: int = 512
     idle_s: float = 1.0
@@ -95,8 +95,9 @@ class OnlineDraftTrainer:
                 self.on_policy_version(version)
         for rid in [r for r, t in self.last_seen.items() if now - t >= self.cfg.idle_s]:
             del self.last_seen[rid]
+            versions = self.assembler.requests[rid].policy_versions
             seq = self.assembler.pop(rid)
-            if len(seq["token_ids"]) >= 4:
+            if len(seq["token_ids"]) >= 4 and versions == {self.policy_version}:
                 self.buffer.append({k: v[: self.cfg.max_len] for k, v in seq.items()})
         return len(frames)
 
@@ -106,6 +107,8 @@ class OnlineDraftTrainer:
         self.policy_version = version
         if first:
             return
+        # Hidden states of the old policy no longer describe the target: start afresh.
+        self.buffer.clear()
         self.trainer.target_head = target_lm_head(self.target_dir).float().to(self.trainer.accelerator.device)
         with torch.no_grad():
             self.trainer.unwrapped.embed_tokens.weight.copy_(target_embedding(self.target_dir))

@@ -1,0 +1,129 @@
+"""Capture overhead: rollout throughput with capture on vs off, in the same server, same run.
+
+Starts ``vllm serve`` with an EAGLE-3 draft, binds a receiver that drains and
+decodes frames as the online trainer would (so capture runs against a live
+peer), and alternates phases off/on ``--cycles`` times (to cancel drift) of
+``--concurrency`` concurrent T=1 requests. Reports tokens/s per phase, the
+on/off ratio, and the frames/s and bytes/s the receiver sustained while on.
+Output: JSON.
+
+    python scripts/bench_capture.py --fixture real --draft results/drafts/real-warm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+
+
+def run_phase(srv, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
+    def one(p):
+        r = requests.post(srv.url + "/v1/completions", timeout=600, json={
+            "model": srv.model, "prompt": p, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True})
+        r.raise_for_status()
+        return r.json()["usage"]["completion_tokens"]
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        tokens = sum(pool.map(one, prompts))
+    wall = time.perf_counter() - t0
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fixtures", type=Path, default=None)
+    ap.add_argument("--fixture", default="real", choices=["real", "tiny"])
+    ap.add_argument("--draft", type=Path, default=None, help="EAGLE-3 draft (default: a random one)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--cycles", type=int, default=2)
+    ap.add_argument("--fraction", type=float, default=1.0)
+    ap.add_argument("--out", type=Path, default=Path("results/bench_capture.json"))
+    args = ap.parse_args()
+
+    from vllm_specrl.capture.receiver import CaptureReceiver, SequenceAssembler
+    from vllm_specrl.fixtures import fixture_target
+    from vllm_specrl.proposer.checkpoint import init_draft
+    from vllm_specrl.server import VLLMServer, free_port
+
+    model = Path(fixture_target(args.fixture, args.fixtures))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    draft = args.draft
+    if draft is None:
+        draft = args.out.parent / "drafts" / f"{args.fixture}-capture-random"
+        if not (draft / "config.json").exists():
+            init_draft(model, draft, seed=0)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    rx = CaptureReceiver(address)
+    stop = threading.Event()
+    received = {"frames": 0, "bytes": 0, "busy_s": 0.0}
+
+    def drain() -> None:
+        asm = SequenceAssembler()
+        while not stop.is_set():
+            t = time.perf_counter()
+            frames = rx.receive(50)
+            for header, tensors in frames:
+                asm.add(header, tensors)
+            if frames:
+                received["busy_s"] += time.perf_counter() - t
+            received["frames"], received["bytes"] = rx.counters["frames"], rx.counters["bytes"]
+            if len(asm.requests) > 1000:
+                asm.requests.clear()
+
+    threading.Thread(target=drain, daemon=True).start()
+    spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3,
+            "draft_sample_method": "probabilistic"}
+    server_args = ["--dtype", args.dtype, "--max-model-len", "1024", "--max-num-seqs", str(args.concurrency),
+                   "--speculative-config", json.dumps(spec)]
+    prompts = [f"Write a short story about a robot number {i}." for i in range(args.requests)]
+    phases = []
+    with VLLMServer(model, server_args, log_path=args.out.parent / "bench_capture_server.log") as srv:
+        run_phase(srv, prompts[:4], 4, 8)  # warm-up
+        for cycle in range(args.cycles):
+            for enabled in (False, True):
+                body = {"enabled": enabled, "address": address, "fraction": args.fraction}
+                requests.post(srv.url + "/specrl/capture", json=body, timeout=60).raise_for_status()
+                f0, b0 = received["frames"], received["bytes"]
+                res = run_phase(srv, prompts, args.concurrency, args.max_tokens)
+                time.sleep(1.0)  # let the receiver drain
+                res.update(capture=enabled, cycle=cycle, frames=received["frames"] - f0,
+                           bytes=received["bytes"] - b0)
+                phases.append(res)
+                print(f"[capture] cycle {cycle} capture={'on ' if enabled else 'off'}: "
+                      f"{res['tokens_per_s']:.1f} tok/s, {res['frames']} frames", flush=True)
+        state = requests.get(srv.url + "/specrl/status", timeout=60).json().get("capture")
+    stop.set()
+    on = [p for p in phases if p["capture"]]
+    off = [p for p in phases if not p["capture"]]
+    ratio = statistics.mean(p["tokens_per_s"] for p in on) / statistics.mean(p["tokens_per_s"] for p in off)
+    report = {"benchmark": "capture_overhead", "model": str(model), "draft": str(draft),
+              "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
+              "settings": vars(args) | {"out": str(args.out), "fixtures": str(args.fixtures),
+                                        "draft": str(draft)},
+              "phases": phases, "throughput_ratio_on_vs_off": ratio, "overhead": 1 - ratio,
+              "receiver": {"frames_per_s": sum(p["frames"] for p in on) / sum(p["wall_s"] for p in on),
+                           "bytes_per_s": sum(p["bytes"] for p in on) / sum(p["wall_s"] for p in on),
+                           "decode_busy_fraction": received["busy_s"] / sum(p["wall_s"] for p in on),
+                           "rejected": rx.counters["rejected"]},
+              "engine_capture_state": state}
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"[capture] on/off throughput ratio {ratio:.3f} (overhead {1 - ratio:.1%}); receiver "
+          f"{report['receiver']['frames_per_s']:.0f} frames/s, "
+          f"{report['receiver']['bytes_per_s'] / 2**20:.1f} MiB/s; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""Online adaptation curve: acceptance over rollout rounds while the online trainer runs,
+with a policy update in the middle (the dip, and the recovery).
+
+Starts ``vllm serve`` (EAGLE-3 draft freshly initialised, capture on) and
+``vllm-specrl train-draft --capture`` beside it, then sends rounds of T=1
+traffic. At ``--update-at`` it writes a shifted policy into the trainer's
+``--target`` directory and pushes the same weights into the engine with
+``EngineClient.update_policy`` (what an RL step does). Per round it records
+vLLM's acceptance length, the draft and policy versions and the trainer's
+last metrics. Reports the rounds and trainer steps needed to get back to 90%
+of the pre-update acceptance. Output: JSON and a PNG.
+
+    python scripts/bench_online.py --fixture tiny --rounds 24 --update-at 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def shifted_policy(src: Path, dst: Path, scale: float, seed: int) -> dict[str, torch.Tensor]:
+    """A policy moved away from ``src`` (every matrix perturbed), saved as a checkpoint in ``dst``."""
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    gen = torch.Generator().manual_seed(seed)
+    w = load_file(src / "model.safetensors")
+    w = {k: (v.float() + scale * v.float().std() * torch.randn(v.shape, generator=gen)).to(v.dtype)
+         if v.dim() == 2 else v for k, v in w.items()}
+    save_file(w, dst / "model.safetensors")
+    return w
+
+
+def last_trainer_record(log: Path) -> dict:
+    try:
+        lines = log.read_text().splitlines()
+        return json.loads(lines[-1]) if lines else {}
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fixtures", type=Path, default=None)
+    ap.add_argument("--fixture", default="tiny", choices=["real", "tiny"])
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--draft-vocab-size", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=24)
+    ap.add_argument("--update-at", type=int, default=12)
+    ap.add_argument("--shift", type=float, default=0.3, help="policy perturbation (x weight std)")
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--pause-s", type=float, default=4.0, help="trainer time between rounds")
+    ap.add_argument("--out", type=Path, default=Path("results/bench_online.json"))
+    args = ap.parse_args()
+
+    from vllm_specrl.fixtures import fixture_target
+    from vllm_specrl.proposer.checkpoint import init_draft
+    from vllm_specrl.server import VLLMServer, free_port
+    from vllm_specrl.sync.client import EngineClient
+
+    src = Path(fixture_target(args.fixture, args.fixtures))
+    work = args.out.parent / "online_work"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    target = work / "policy"  # the trainer's --target, rewritten at the policy update
+    shutil.copytree(src, target)
+    draft = work / "draft"
+    init_draft(src, draft, args.draft_vocab_size, seed=0)
+    capture = f"tcp://127.0.0.1:{free_port()}"
+    spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3,
+            "draft_sample_method": "probabilistic"}
+    server_args = ["--dtype", args.dtype, "--max-model-len", "1024", "--speculative-config", json.dumps(spec),
+                   "--additional-config", json.dumps({"specrl": {"capture": capture}})]
+    log = work / "online.jsonl"
+    curve = []
+    with VLLMServer(target, server_args, log_path=work / "serve.log") as srv:
+        trainer = subprocess.Popen(
+            [sys.executable, "-m", "vllm_specrl.cli", "train-draft", "--capture", capture, "--engine", srv.url,
+             "--draft", str(draft), "--target", str(target), "--publish-every", "4",
+             "--checkpoint-every", "20", "--batch-size", "4", "--lr", "3e-3", "--idle-s", "0.5",
+             "--log", str(log)],
+            stdout=open(work / "trainer.out", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
+            env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
+        client = EngineClient(srv.url, progress=False)
+        prompts = [f"def function_{i}(x):\n    " for i in range(256)]
+
+        def one(p: str) -> None:
+            requests.post(srv.url + "/v1/completions", timeout=600, json={
+                "model": srv.model, "prompt": p, "max_tokens": args.max_tokens, "temperature": 1.0,
+                "ignore_eos": True}).raise_for_status()
+
+        try:
+            for r in range(args.rounds):
+                if r == args.update_at:
+                    weights = shifted_policy(src, target, args.shift, seed=1)
+                    client.update_policy(weights, version=1)
+                before = client.status()["spec_decode"]
+                batch = [prompts[(r * args.requests + i) % len(prompts)] for i in range(args.requests)]
+                with ThreadPoolExecutor(8) as pool:
+                    list(pool.map(one, batch))
+                st = client.status()
+                drafts = st["spec_decode"]["num_drafts"] - before["num_drafts"]
+                accepted = st["spec_decode"]["num_accepted_tokens"] - before["num_accepted_tokens"]
+                rec = last_trainer_record(log)
+                curve.append({"round": r, "acceptance_length": 1 + accepted / max(drafts, 1),
+                              "policy_version": st["versions"]["policy"], "draft_version": st["versions"]["draft"],
+                              "trainer_step": rec.get("step"), "trainer_loss": rec.get("loss"),
+                              "trainer_expected_acceptance_length": rec.get("expected_acceptance_length"),
+                              "stale_draft": st["stale_draft"]["stale"]})
+                print(f"[online] round {r:2d}: acceptance length {curve[-1]['acceptance_length']:.3f} "
+                      f"(policy v{curve[-1]['policy_version']}, draft v{curve[-1]['draft_version']}, "
+                      f"trainer step {rec.get('step')})", flush=True)
+                time.sleep(args.pause_s)
+        finally:
+            trainer.send_signal(signal.SIGINT)
+            trainer.wait(60)
+    pre = [c["acceptance_length"] for c in curve[max(0, args.update_at - 3):args.update_at]]
+    pre_level = sum(pre) / len(pre) if pre else None
+    recovered = None
+    if pre_level:
+        for c in curve[args.update_at:]:
+            # 90% of the pre-update gain over a no-acceptance baseline of 1.0
+            if c["acceptance_length"] - 1 >= 0.9 * (pre_level - 1):
+                recovered = c
+                break
+    update_step = curve[args.update_at]["trainer_step"] if len(curve) > args.update_at else None
+    report = {"benchmark": "online_adaptation", "fixture": args.fixture, "settings": vars(args) | {
+                  "out": str(args.out), "fixtures": str(args.fixtures)},
+              "curve": curve, "pre_update_acceptance_length": pre_level,
+              "post_update_first_round": curve[args.update_at]["acceptance_length"] if update_step is not None else None,
+              "recovered_at_round": recovered["round"] if recovered else None,
+              "rounds_to_recover_90pct": recovered["round"] - args.update_at if recovered else None,
+              "trainer_steps_to_recover_90pct": (recovered["trainer_step"] - update_step)
+              if recovered and recovered["trainer_step"] is not None and update_step is not None else None}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot([c["round"] for c in curve], [c["acceptance_length"] for c in curve], marker="o",
+            label="vLLM acceptance length (T=1, k=3)")
+    ax.plot([c["round"] for c in curve], [c["trainer_expected_acceptance_length"] or float("nan") for c in curve],
+            linestyle="--", label="trainer expected acceptance length (train batch)")
+    ax.axvline(args.update_at - 0.5, color="red", linewidth=1, label="policy update")
+    ax.set_xlabel("rollout round")
+    ax.set_ylabel("tokens per verify step")
+    ax.set_title(f"online draft adaptation ({args.fixture} fixture, fresh draft)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args.out.with_suffix(".png"), dpi=110)
+    print(f"[online] pre-update {pre_level}, recovered after {report['rounds_to_recover_90pct']} rounds / "
+          f"{report['trainer_steps_to_recover_90pct']} trainer steps; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
