@@ -84,11 +84,17 @@ class SpecRLHttpState:
         spec = getattr(getattr(engine_client, "vllm_config", None), "speculative_config", None)
         self.has_draft = getattr(spec, "method", None) in ("eagle3", "eagle", "draft_model")
 
-    async def committed(self, result: dict) -> None:
+    async def committed(self, result: dict, pause_mode: str) -> None:
         """Bookkeeping after a worker applied an update (called inside the pause)."""
         self.versions[result["target"]] = result["version"]
         if result["target"] == "policy":
-            await self.engine_client.reset_prefix_cache()
+            # KV computed with the old weights must not serve anything after the commit. With
+            # requests still holding blocks ("keep" froze them, "none" never stopped them) vLLM
+            # resets only if they are preempted: they resume by recomputing on the new weights.
+            in_flight = pause_mode in ("keep", "none")
+            result["prefix_cache_reset"] = bool(await self.engine_client.reset_prefix_cache(
+                reset_running_requests=in_flight))
+            result["in_flight_recomputed"] = in_flight
             await self.engine_client.update_weight_version(str(result["version"]))
             self.guard.policy_updated(metrics.from_prometheus_registry())
         update_gauges(self)

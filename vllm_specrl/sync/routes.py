@@ -3,9 +3,11 @@
 begin -> upload chunks (safetensors bodies, or a shared-memory file path) ->
 commit. The worker stages and validates everything; the commit pauses
 generation as the caller asks (vLLM's modes: ``wait`` lets in-flight requests
-finish on the old weights, ``keep`` freezes and resumes them, ``abort`` ends
-them; ``none`` applies between two engine steps without pausing), applies the
-weights in place, resets the prefix cache, sets vLLM's weight version (so
+finish on the old weights, ``keep`` freezes them and, after the commit, resumes
+them by recomputing their KV on the new weights, ``abort`` ends them; ``none``
+applies between two engine steps, in-flight requests recomputed as with
+``keep``), applies the weights in place, resets the prefix cache (old-weight KV
+never serves a token after a commit), sets vLLM's weight version (so
 ``/inference/v1/generate`` reports per-token ``weight_versions``) and resumes.
 """
 
@@ -90,7 +92,7 @@ def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
             try:
                 res = await rpc_all(engine, "specrl_commit_update", update_id)
                 if res.get("ok"):
-                    await state.committed(res)
+                    await state.committed(res, mode)
             finally:
                 if mode != "none":
                     await engine.resume_generation()
