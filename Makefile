@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 FIXTURES ?= $(CURDIR)/.fixtures
 export VLLM_SPECRL_FIXTURES := $(FIXTURES)
 
-.PHONY: setup fixtures demo test bench clean-fixtures
+.PHONY: setup fixtures demo demo-rollouts test bench clean-fixtures
 
 setup:
 	@bash scripts/setup_venv.sh
@@ -13,7 +13,12 @@ setup:
 fixtures: setup
 	@$(VENV)/bin/vllm-specrl fixtures --out $(FIXTURES)
 
-demo: fixtures
+demo: setup
+	@$(VENV)/bin/vllm-specrl fixtures --out $(FIXTURES) --only real
+	@$(PY) scripts/rl_demo.py --fixtures $(FIXTURES)
+
+demo-rollouts: setup
+	@$(VENV)/bin/vllm-specrl fixtures --out $(FIXTURES) --only real
 	@$(PY) scripts/demo_rollouts.py --fixtures $(FIXTURES)
 
 test: fixtures

@@ -35,7 +35,14 @@ from pathlib import Path
 METHODS = ("plain", "ngram", "eagle3-random", "eagle3-warm")
 
 
-def make_prompts(n: int) -> list[str]:
+def make_prompts(n: int, prompt_set: str = "code") -> list[str]:
+    """``code``: short coding requests. ``chat``: the offline warm start's default task
+    templates with other numbers (held out), i.e. in-domain prompts for a draft warm-started
+    on its defaults, as an RL run warm-starts on its own task's prompts."""
+    if prompt_set == "chat":
+        from vllm_specrl.trainer.offline import default_prompts
+
+        return default_prompts(n, seed=1234)
     topics = ["a binary search", "a stack", "reading a CSV file", "a retry loop",
               "merging two dicts", "a tiny HTTP client", "a prime sieve", "an LRU cache"]
     return [f"Write a short Python function for {topics[i % len(topics)]} (variant {i})."
@@ -73,7 +80,9 @@ def _engine_offline(cfg: dict) -> list[dict]:
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                        add_generation_prompt=True) for p in cfg["prompts"]]
-    llm.generate(prompts[:1], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    for temperature in cfg["temperatures"]:  # warm-up, each sampling path once
+        llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=temperature, seed=0),
+                     use_tqdm=False)
     cells = []
     for temperature in cfg["temperatures"]:
         for batch in cfg["batch_sizes"]:
@@ -257,6 +266,7 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,4,16")
     ap.add_argument("--waves", type=int, default=2, help="waves of `batch` requests per cell")
     ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompt-set", default="code", choices=["code", "chat"])
     ap.add_argument("--samples", type=int, default=4, help="G samples per prompt")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16")
@@ -286,7 +296,8 @@ def main() -> None:
     engines += [(m, k, speculative_config(m, k, drafts)) for m in methods if m != "plain" for k in ks]
     engines += [(f"custom{i}", json.loads(s).get("num_speculative_tokens", 0), json.loads(s))
                 for i, s in enumerate(args.speculative_config)]
-    base = {"model": model, "mode": args.mode, "prompts": make_prompts(args.prompts),
+    base = {"model": model, "mode": args.mode, "prompts": make_prompts(args.prompts, args.prompt_set),
+            "prompt_set": args.prompt_set,
             "samples": args.samples, "waves": args.waves, "max_tokens": args.max_tokens,
             "temperatures": [float(t) for t in args.temperatures.split(",")],
             "batch_sizes": [int(b) for b in args.batch_sizes.split(",")], "dtype": args.dtype,
