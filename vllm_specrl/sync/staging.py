@@ -70,8 +70,8 @@ class UpdateStager:
                                     f"({self.session.update_id})")
         return self.session
 
-    def stage(self, update_id: str, tensors: dict[str, torch.Tensor]) -> dict:
-        """Validate a chunk and keep private copies of its tensors."""
+    def stage(self, update_id: str, tensors: dict[str, torch.Tensor], owned: bool = False) -> dict:
+        """Validate a chunk and keep private copies of its tensors (``owned``: already private)."""
         session = self.current(update_id)
         if session.failed:
             raise WeightUpdateError(f"update {update_id} already failed ({session.failed}); abort it")
@@ -85,7 +85,8 @@ class UpdateStager:
             session.failed = f"{len(problems)} bad tensors"
             raise WeightUpdateError(f"update {update_id} rejected, nothing applied", problems)
         for name, tensor in tensors.items():
-            session.staged[name] = tensor.detach().to("cpu", copy=True)
+            session.staged[name] = tensor.detach() if owned and tensor.device.type == "cpu" \
+                else tensor.detach().to("cpu", copy=True)
             session.bytes_received += tensor.numel() * tensor.element_size()
         return session.summary()
 

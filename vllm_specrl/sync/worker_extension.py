@@ -78,9 +78,9 @@ class SpecRLWorkerExtension:
             return _refusal(exc)
         return {"ok": True, **session.summary()}
 
-    def specrl_stage_tensors(self, update_id: str, tensors: dict) -> dict:
+    def specrl_stage_tensors(self, update_id: str, tensors: dict, owned: bool = False) -> dict:
         try:
-            return {"ok": True, **self._specrl_stager().stage(update_id, tensors)}
+            return {"ok": True, **self._specrl_stager().stage(update_id, tensors, owned)}
         except WeightUpdateError as exc:
             return _refusal(exc)
 
@@ -93,7 +93,7 @@ class SpecRLWorkerExtension:
         except Exception as exc:  # noqa: BLE001 - a truncated or foreign file is a refusal
             self._specrl_stager().abort(update_id)
             return _refusal(WeightUpdateError(f"cannot read update file {path}: {exc}; update aborted"))
-        return self.specrl_stage_tensors(update_id, tensors)
+        return self.specrl_stage_tensors(update_id, tensors, owned=True)
 
     def specrl_stage_bytes(self, update_id: str, body: bytes) -> dict:
         """Stage one safetensors-serialised chunk (the HTTP transport's bodies).
@@ -110,7 +110,7 @@ class SpecRLWorkerExtension:
             return _refusal(WeightUpdateError(
                 f"update {update_id}: body is not a complete safetensors chunk ({len(body)} bytes: "
                 f"{exc}); update aborted, nothing applied"))
-        return self.specrl_stage_tensors(update_id, tensors)
+        return self.specrl_stage_tensors(update_id, tensors, owned=True)
 
     def specrl_commit_update(self, update_id: str) -> dict:
         stager = self._specrl_stager()
