@@ -32,39 +32,34 @@ from vllm_specrl.sync.routes import build_sync_router, stamp_versions
 _GAUGES: dict[str, Any] = {}
 
 
-def update_capture_gauges(capture: dict | None) -> None:
-    """Capture counters as gauges (refreshed whenever /specrl/status is gathered)."""
+def _gauge(name: str, doc: str) -> Any:
+    """One process-wide gauge per name on vLLM's /metrics registry (created on first use)."""
     import prometheus_client
 
+    if name not in _GAUGES:
+        try:
+            _GAUGES[name] = prometheus_client.Gauge(name, doc)
+        except ValueError:  # already registered in this process
+            _GAUGES[name] = prometheus_client.REGISTRY._names_to_collectors[name]
+    return _GAUGES[name]
+
+
+def update_capture_gauges(capture: dict | None) -> None:
+    """Capture counters as gauges (refreshed whenever /specrl/status is gathered)."""
     if capture is None:
         return
     for key in ("frames_sent", "frames_dropped_queue_full", "frames_dropped_no_peer", "bytes_sent",
                 "trainer_connected"):
-        name = f"specrl_capture_{key}"
-        if name not in _GAUGES:
-            try:
-                _GAUGES[name] = prometheus_client.Gauge(name, f"capture {key.replace('_', ' ')}")
-            except ValueError:
-                _GAUGES[name] = prometheus_client.REGISTRY._names_to_collectors[name]
-        _GAUGES[name].set(float(capture.get(key) or 0))
+        _gauge(f"specrl_capture_{key}", f"capture {key.replace('_', ' ')}").set(float(capture.get(key) or 0))
 
 
 def update_gauges(state: SpecRLHttpState) -> dict:
     """Prometheus gauges on vLLM's /metrics: versions and the stale-draft flag."""
-    import prometheus_client
-
-    if not _GAUGES:
-        for name, doc in (("specrl_policy_version", "policy weight version being served"),
-                          ("specrl_draft_version", "draft weight version being served"),
-                          ("specrl_draft_stale", "1 when the draft no longer helps (see /specrl/status)")):
-            try:
-                _GAUGES[name] = prometheus_client.Gauge(name, doc)
-            except ValueError:  # already registered in this process
-                _GAUGES[name] = prometheus_client.REGISTRY._names_to_collectors[name]
     stale = state.stale_draft()
-    _GAUGES["specrl_policy_version"].set(state.versions["policy"])
-    _GAUGES["specrl_draft_version"].set(state.versions["draft"])
-    _GAUGES["specrl_draft_stale"].set(1 if stale["stale"] else 0)
+    _gauge("specrl_policy_version", "policy weight version being served").set(state.versions["policy"])
+    _gauge("specrl_draft_version", "draft weight version being served").set(state.versions["draft"])
+    _gauge("specrl_draft_stale", "1 when the draft no longer helps (see /specrl/status)").set(
+        1 if stale["stale"] else 0)
     return stale
 
 WORKER_RPC_TIMEOUT_S = 30.0

@@ -40,28 +40,20 @@ def state() -> dict[str, Any]:
 
 def _install_registrations() -> list[str]:
     """Everything the plugin installs, each guarded: a failure is logged, never raised."""
-    done = []
-    try:
-        done.append(f"model_architecture: {vllm_compat.register_eagle3_architecture()}")
-    except Exception as exc:  # noqa: BLE001 - the plugin must never break vLLM
-        log_early(logging.WARNING, "vllm-specrl: EAGLE-3 draft architecture not registered: %r", exc)
-        done.append(f"model_architecture: failed ({exc!r})")
-    try:
-        done.append(f"cpu_expand_kernel_fix: {vllm_compat.install_cpu_expand_fix()}")
-    except Exception as exc:  # noqa: BLE001 - the plugin must never break vLLM
-        log_early(logging.WARNING, "vllm-specrl: CPU expand-kernel fix not installed: %r", exc)
-        done.append(f"cpu_expand_kernel_fix: failed ({exc!r})")
-    try:
-        done.append(f"weight_transfer_backend: {vllm_compat.register_shm_weight_transfer_backend()}")
-    except Exception as exc:  # noqa: BLE001 - the plugin must never break vLLM
-        log_early(logging.WARNING, "vllm-specrl: specrl_shm weight-transfer backend not registered: %r", exc)
-        done.append(f"weight_transfer_backend: failed ({exc!r})")
+    steps = [("model_architecture", "EAGLE-3 draft architecture", vllm_compat.register_eagle3_architecture),
+             ("cpu_expand_kernel_fix", "CPU expand-kernel fix", vllm_compat.install_cpu_expand_fix),
+             ("weight_transfer_backend", "specrl_shm weight-transfer backend",
+              vllm_compat.register_shm_weight_transfer_backend)]
     if _runs_model_here():
+        steps.append(("cpu_seeded_rewind_fix", "CPU seeded-rewind fix",
+                      vllm_compat.install_cpu_seeded_rewind_fix))
+    done = []
+    for key, what, install in steps:
         try:
-            done.append(f"cpu_seeded_rewind_fix: {vllm_compat.install_cpu_seeded_rewind_fix()}")
+            done.append(f"{key}: {install()}")
         except Exception as exc:  # noqa: BLE001 - the plugin must never break vLLM
-            log_early(logging.WARNING, "vllm-specrl: CPU seeded-rewind fix not installed: %r", exc)
-            done.append(f"cpu_seeded_rewind_fix: failed ({exc!r})")
+            log_early(logging.WARNING, "vllm-specrl: %s not installed: %r", what, exc)
+            done.append(f"{key}: failed ({exc!r})")
     return done
 
 

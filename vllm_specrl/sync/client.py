@@ -39,18 +39,23 @@ class WeightSyncError(RuntimeError):
         super().__init__(message)
 
 
-def chunked(named: Iterable[tuple[str, torch.Tensor]], chunk_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def chunked(named: Iterable[tuple[str, torch.Tensor]], chunk_bytes: int
+            ) -> Iterator[tuple[dict[str, torch.Tensor], int]]:
+    """Chunks of about ``chunk_bytes`` (at least one tensor each), with their sizes."""
     chunk: dict[str, torch.Tensor] = {}
     size = 0
     for name, tensor in named:
-        tensor = tensor.detach()
-        chunk[name] = tensor
-        size += tensor.numel() * tensor.element_size()
+        chunk[name] = tensor.detach()
+        size += nbytes(tensor)
         if size >= chunk_bytes:
-            yield chunk
+            yield chunk, size
             chunk, size = {}, 0
     if chunk:
-        yield chunk
+        yield chunk, size
 
 
 class EngineClient:
@@ -115,16 +120,16 @@ class EngineClient:
         if isinstance(named_tensors, dict):
             named_tensors = named_tensors.items()
         named = list(named_tensors)
-        total = sum(t.numel() * t.element_size() for _, t in named)
+        total = sum(nbytes(t) for _, t in named)
         transport = self.resolved_transport()
         t0 = time.perf_counter()
         uid = self._post("/specrl/update/begin", json={"target": target, "version": version})["update_id"]
         try:
             with tqdm(total=total, unit="B", unit_scale=True, desc=f"{target} v{version} ({transport})",
                       disable=not self.progress, leave=False) as bar:
-                for chunk in chunked(named, self.chunk_bytes):
+                for chunk, size in chunked(named, self.chunk_bytes):
                     self._upload(uid, chunk, transport)
-                    bar.update(sum(t.numel() * t.element_size() for t in chunk.values()))
+                    bar.update(size)
             t_upload = time.perf_counter() - t0
             result = self._post(f"/specrl/update/{uid}/commit", json={"pause": pause})
         except BaseException:

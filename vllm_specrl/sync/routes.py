@@ -22,7 +22,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from vllm_specrl import metrics
 from vllm_specrl._log import logger
 from vllm_specrl.sync.shm import SHM_DIR
 
@@ -126,10 +125,6 @@ def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
         return JSONResponse({"ok": True, "paused": False})
 
     return router
-
-
-def spec_counters() -> metrics.SpecDecodeCounters:
-    return metrics.from_prometheus_registry()
 
 
 async def stamp_versions(request: Request, call_next: Callable, state: Any) -> Any:

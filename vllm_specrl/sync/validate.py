@@ -10,11 +10,11 @@ everything else (``d2t``/``t2d`` index maps) must match exactly.
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
@@ -38,12 +38,6 @@ class ParamSpec:
     dtype: torch.dtype
 
 
-def safetensors_header(path: Path) -> dict:
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(length))
-
-
 def checkpoint_specs(model_dir: Path | str) -> dict[str, ParamSpec]:
     """Name -> shape/dtype of every tensor in an HF checkpoint directory (headers only)."""
     model_dir = Path(model_dir)
@@ -52,9 +46,10 @@ def checkpoint_specs(model_dir: Path | str) -> dict[str, ParamSpec]:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
     specs: dict[str, ParamSpec] = {}
     for path in files:
-        for name, info in safetensors_header(path).items():
-            if name != "__metadata__":
-                specs[name] = ParamSpec(tuple(info["shape"]), SAFETENSORS_DTYPES[info["dtype"]])
+        with safe_open(path, "pt") as fh:  # reads the header; tensors stay on disk
+            for name in fh.keys():
+                piece = fh.get_slice(name)
+                specs[name] = ParamSpec(tuple(piece.get_shape()), SAFETENSORS_DTYPES[piece.get_dtype()])
     config = model_dir / "config.json"
     if config.exists() and json.loads(config.read_text()).get("tie_word_embeddings") \
             and TIED_HEAD not in specs and "model.embed_tokens.weight" in specs:

@@ -84,16 +84,22 @@ class SpecRLWorkerExtension:
         except WeightUpdateError as exc:
             return _refusal(exc)
 
+    def _specrl_stage_parsed(self, update_id: str, parse: Any, refusal: Any) -> dict:
+        """Parse a serialised chunk and stage it; an unreadable chunk ends the update."""
+        try:
+            tensors = parse()
+        except Exception as exc:  # noqa: BLE001 - a truncated or foreign chunk is a refusal
+            self._specrl_stager().abort(update_id)
+            return _refusal(WeightUpdateError(refusal(exc)))
+        return self.specrl_stage_tensors(update_id, tensors, owned=True)
+
     def specrl_stage_file(self, update_id: str, path: str) -> dict:
         """Stage a safetensors file (the shared-memory transport writes one to /dev/shm)."""
         from safetensors.torch import load_file
 
-        try:
-            tensors = load_file(Path(path))
-        except Exception as exc:  # noqa: BLE001 - a truncated or foreign file is a refusal
-            self._specrl_stager().abort(update_id)
-            return _refusal(WeightUpdateError(f"cannot read update file {path}: {exc}; update aborted"))
-        return self.specrl_stage_tensors(update_id, tensors, owned=True)
+        return self._specrl_stage_parsed(
+            update_id, lambda: load_file(Path(path)),
+            lambda exc: f"cannot read update file {path}: {exc}; update aborted")
 
     def specrl_stage_bytes(self, update_id: str, body: bytes) -> dict:
         """Stage one safetensors-serialised chunk (the HTTP transport's bodies).
@@ -103,14 +109,10 @@ class SpecRLWorkerExtension:
         """
         from safetensors.torch import load
 
-        try:
-            tensors = load(bytes(body))
-        except Exception as exc:  # noqa: BLE001 - a truncated or foreign body is a refusal
-            self._specrl_stager().abort(update_id)
-            return _refusal(WeightUpdateError(
-                f"update {update_id}: body is not a complete safetensors chunk ({len(body)} bytes: "
-                f"{exc}); update aborted, nothing applied"))
-        return self.specrl_stage_tensors(update_id, tensors, owned=True)
+        return self._specrl_stage_parsed(
+            update_id, lambda: load(bytes(body)),
+            lambda exc: f"update {update_id}: body is not a complete safetensors chunk ({len(body)} "
+                        f"bytes: {exc}); update aborted, nothing applied")
 
     def specrl_commit_update(self, update_id: str) -> dict:
         stager = self._specrl_stager()

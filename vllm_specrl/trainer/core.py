@@ -72,8 +72,12 @@ class DraftTrainer:
         params = [p for n, p in draft.named_parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=self.config.lr, weight_decay=self.config.weight_decay)
         self.draft, self.optimizer = self.accelerator.prepare(draft, opt)
-        self.target_head = target_head.float().to(self.accelerator.device)
+        self.set_target_head(target_head)
         self.step_count = 0
+
+    def set_target_head(self, target_head: torch.Tensor) -> None:
+        """The target's LM head the soft targets come from (replaced when the policy moves)."""
+        self.target_head = target_head.float().to(self.accelerator.device)
 
     @classmethod
     def from_checkpoint(cls, draft_dir: Path | str, target_dir: Path | str,

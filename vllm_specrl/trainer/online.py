@@ -109,7 +109,7 @@ class OnlineDraftTrainer:
             return
         # Hidden states of the old policy no longer describe the target: start afresh.
         self.buffer.clear()
-        self.trainer.target_head = target_lm_head(self.target_dir).float().to(self.trainer.accelerator.device)
+        self.trainer.set_target_head(target_lm_head(self.target_dir))
         with torch.no_grad():
             self.trainer.unwrapped.embed_tokens.weight.copy_(target_embedding(self.target_dir))
 
@@ -118,25 +118,21 @@ class OnlineDraftTrainer:
         batch = collate(self.rng.sample(list(self.buffer), min(self.cfg.batch_size, len(self.buffer))))
         return self.trainer.step(batch)
 
-    def publish(self) -> dict[str, Any] | None:
+    def publish(self) -> tuple[dict[str, Any] | None, dict | None]:
+        """Push the draft into the engine; returns the commit record and the engine's
+        acceptance counters (read from the same status call that gives its draft version)."""
         if self.client is None:
-            return None
+            return None, None
+        spec_decode = None
         try:
-            engine_version = self.client.status()["versions"]["draft"]
-            self.draft_version = max(self.draft_version, engine_version) + 1
+            status = self.client.status()
+            spec_decode = status["spec_decode"]
+            self.draft_version = max(self.draft_version, status["versions"]["draft"]) + 1
             state = {k: v.detach().cpu() for k, v in self.trainer.unwrapped.checkpoint_state_dict().items()}
-            return self.client.update_draft(state, version=self.draft_version)
+            return self.client.update_draft(state, version=self.draft_version), spec_decode
         except Exception as exc:  # noqa: BLE001 - an unreachable engine is retried, never fatal
             self.publish_errors += 1
-            return {"error": repr(exc)}
-
-    def engine_acceptance(self) -> dict | None:
-        if self.client is None:
-            return None
-        try:
-            return self.client.status()["spec_decode"]
-        except Exception:  # noqa: BLE001 - the engine may be restarting
-            return None
+            return {"error": repr(exc)}, spec_decode
 
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -160,9 +156,8 @@ class OnlineDraftTrainer:
                           "frames": dict(self.receiver.counters)}
                 step = self.trainer.step_count
                 if step % cfg.publish_every == 0:
-                    record["publish"] = self.publish()
+                    record["publish"], record["engine_spec_decode"] = self.publish()
                     record["draft_version"] = self.draft_version
-                    record["engine_spec_decode"] = self.engine_acceptance()
                 if step % cfg.checkpoint_every == 0:
                     self.trainer.save(self.checkpoint_dir, extra={"draft_version": self.draft_version})
                 if self.log:
