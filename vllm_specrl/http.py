@@ -140,6 +140,7 @@ async def gather_status(state: SpecRLHttpState) -> dict[str, Any]:
         out["workers_error"] = "no engine (render-only server)"
         return out
     out["speculative_config"] = vllm_compat.speculative_config_summary(engine.vllm_config)
+    out["logprobs_mode"] = str(engine.vllm_config.model_config.logprobs_mode)
     out["versions"] = dict(state.versions)
     out["stale_draft"] = update_gauges(state)
     out["updates_in_progress"] = state.uploads
