@@ -39,6 +39,51 @@ def run_phase(srv, prompts: list[str], concurrency: int, max_tokens: int) -> dic
     return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
 
 
+def receiver_ceiling(hidden: int, aux_layers: int, rows: int, seconds: float) -> dict:
+    """The most a trainer-side receiver takes in: a sender thread pushes synthetic frames of the
+    model's shape (``rows`` committed rows each, bf16) as fast as it can; the receiver decodes and
+    assembles them per request as the online trainer does. No engine: this is the ceiling."""
+    import torch
+
+    from vllm_specrl.capture.receiver import CaptureReceiver, SequenceAssembler
+    from vllm_specrl.capture.sender import CaptureSender
+    from vllm_specrl.server import free_port
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    rx = CaptureReceiver(address)
+    tx = CaptureSender(address, queue_frames=64)
+    tensors = {"aux_hidden": torch.randn(rows, aux_layers * hidden).to(torch.bfloat16),
+               "final_hidden": torch.randn(rows, hidden).to(torch.bfloat16)}
+    stop = threading.Event()
+
+    def produce() -> None:
+        i = 0
+        while not stop.is_set():
+            header = {"request_id": f"r{i % 64}", "positions": list(range(i // 64 * rows, (i // 64 + 1) * rows)),
+                      "token_ids": [1] * rows, "next_token_ids": [2] * rows, "policy_version": 0, "step": i}
+            if not tx.offer(header, tensors):
+                time.sleep(0.0005)  # the queue is full: the engine would drop; here we just wait
+            i += 1
+
+    threading.Thread(target=produce, daemon=True).start()
+    asm = SequenceAssembler()
+    time.sleep(0.5)
+    f0, b0, t0 = rx.counters["frames"], rx.counters["bytes"], time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for header, tensors_ in rx.receive(50):
+            asm.add(header, tensors_)
+        if len(asm.requests) and sum(len(r.rows) for r in asm.requests.values()) > 20000:
+            asm.requests.clear()
+    wall = time.perf_counter() - t0
+    stop.set()
+    frames, nbytes = rx.counters["frames"] - f0, rx.counters["bytes"] - b0
+    tx.close()
+    rx.close()
+    return {"rows_per_frame": rows, "hidden": hidden, "aux_layers": aux_layers, "seconds": wall,
+            "frames_per_s": frames / wall, "rows_per_s": frames * rows / wall, "bytes_per_s": nbytes / wall,
+            "rejected": rx.counters["rejected"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fixtures", type=Path, default=None)
@@ -51,6 +96,9 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=2)
     ap.add_argument("--fraction", type=float, default=1.0)
     ap.add_argument("--out", type=Path, default=Path("results/bench_capture.json"))
+    ap.add_argument("--ceiling-only", action="store_true",
+                    help="only measure the receiver's ceiling (no engine; synthetic frames of the model's shape)")
+    ap.add_argument("--ceiling-seconds", type=float, default=10.0)
     args = ap.parse_args()
 
     from vllm_specrl.capture.receiver import CaptureReceiver, SequenceAssembler
@@ -60,6 +108,17 @@ def main() -> None:
 
     model = Path(fixture_target(args.fixture, args.fixtures))
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    config = json.loads((model / "config.json").read_text())
+    ceiling = [receiver_ceiling(config["hidden_size"], 3, rows, args.ceiling_seconds) for rows in (1, 4, 64)]
+    for c in ceiling:
+        print(f"[capture] receiver ceiling, {c['rows_per_frame']} rows/frame: {c['frames_per_s']:.0f} frames/s, "
+              f"{c['rows_per_s']:.0f} rows/s, {c['bytes_per_s'] / 2**20:.0f} MiB/s", flush=True)
+    if args.ceiling_only:
+        args.out.write_text(json.dumps({"benchmark": "capture_receiver_ceiling", "model": str(model),
+                                        "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
+                                        "receiver_ceiling": ceiling}, indent=2))
+        print(f"wrote {args.out}")
+        return
     draft = args.draft
     if draft is None:
         draft = args.out.parent / "drafts" / f"{args.fixture}-capture-random"
@@ -118,7 +177,7 @@ def main() -> None:
                            "bytes_per_s": sum(p["bytes"] for p in on) / sum(p["wall_s"] for p in on),
                            "decode_busy_fraction": received["busy_s"] / sum(p["wall_s"] for p in on),
                            "rejected": rx.counters["rejected"]},
-              "engine_capture_state": state}
+              "engine_capture_state": state, "receiver_ceiling": ceiling}
     args.out.write_text(json.dumps(report, indent=2))
     print(f"[capture] on/off throughput ratio {ratio:.3f} (overhead {1 - ratio:.1%}); receiver "
           f"{report['receiver']['frames_per_s']:.0f} frames/s, "

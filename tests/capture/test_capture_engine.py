@@ -1,5 +1,8 @@
 """Captured hidden states equal an HF forward of the same tokens on the same weights.
 
+Also for requests the scheduler preempted (KV recomputed: re-sent rows overwrite by position) and
+a request aborted mid-generation (its rows up to the abort).
+
 An in-process engine (float32, EAGLE-3 with a random draft, so most drafts are
 rejected and only committed rows may be sent) streams frames to a PULL socket
 in the same process; the assembled sequences are compared in the test process
@@ -19,55 +22,112 @@ from vllm_specrl.trainer.features import sequence_features
 
 PROMPTS = ["def f(x):\n    return", "import os\nimport sys\n", "class A:\n    def __init__(self):",
            "for i in range(10):\n    print(", "x = " + "[1, 2, 3] + " * 30]
+EIGHT_PROMPTS = PROMPTS + ["while True:\n", "try:\n    pass\n", "with open(p) as f:\n"]
+
+
+# Drain the receiver until the engine's sender is idle, then save each request's assembled rows.
+COLLECT = """
+asm = SequenceAssembler()
+deadline = time.time() + 20
+state = None
+while time.time() < deadline:
+    for header, tensors in rx.receive(200):
+        asm.add(header, tensors)
+    state = llm.collective_rpc("specrl_capture_state")[0]
+    if state["frames_sent"] + state["frames_dropped_queue_full"] + state["frames_dropped_no_peer"] \\
+            >= state["frames_offered"] and state["queued"] == 0 and rx.socket.poll(300) == 0:
+        break
+seqs = {}
+for i, rid in enumerate(request_ids):
+    # vLLM suffixes the engine-side request id ("0" -> "0-1a2b3c4d").
+    key = next(k for k in asm.requests if k == rid or k.startswith(rid + "-"))
+    for k, v in asm.pop(key).items():
+        seqs[f"{i}.{k}"] = v.contiguous()
+save_file(seqs, OUT)
+print("RESULT " + json.dumps({"tokens": tokens, "state": state, "rx": rx.counters, **extra}))
+"""
+
+
+def run_capture(tiny_model, work, engine_kwargs: str, drive: str) -> tuple[dict, dict]:
+    """One in-process engine with capture on; ``drive`` must set ``request_ids``, ``tokens`` (prompt +
+    output ids per request) and ``extra``."""
+    if not (work / "draft" / "config.json").exists():
+        init_draft(tiny_model, work / "draft", seed=0)
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    out = work / f"captured_{free_port()}.safetensors"
+    script = f"""
+import json, time
+import torch
+from safetensors.torch import save_file
+from vllm import LLM, SamplingParams
+from vllm_specrl.capture.receiver import CaptureReceiver, SequenceAssembler
+OUT = {str(out)!r}
+rx = CaptureReceiver({addr!r})
+llm = LLM(model={str(tiny_model)!r}, dtype="float32", enforce_eager=True, max_model_len=512,
+          max_num_batched_tokens=64, max_num_seqs=8, {engine_kwargs}
+          speculative_config={{"method": "eagle3", "model": {str(work / "draft")!r},
+                               "num_speculative_tokens": 3, "draft_sample_method": "probabilistic"}},
+          worker_extension_cls="vllm_specrl.sync.SpecRLWorkerExtension")
+print("START", llm.collective_rpc("specrl_capture_start", args=({addr!r},)))
+{drive}
+{COLLECT}
+"""
+    meta = result_json(run_python(script, env={"VLLM_PLUGINS": "specrl"}))
+    return meta, load_file(out)
 
 
 @pytest.fixture(scope="module")
-def captured(tiny_model, tmp_path_factory):
-    work = tmp_path_factory.mktemp("capture")
-    init_draft(tiny_model, work / "draft", seed=0)
-    addr = f"tcp://127.0.0.1:{free_port()}"
-    out = run_python(f"""
-        import json, time
-        import torch
-        from safetensors.torch import save_file
-        from vllm import LLM, SamplingParams
-        from vllm_specrl.capture.receiver import CaptureReceiver, SequenceAssembler
-        rx = CaptureReceiver({addr!r})
-        llm = LLM(model={str(tiny_model)!r}, dtype="float32", enforce_eager=True, max_model_len=512,
-                  max_num_batched_tokens=64, max_num_seqs=8,
-                  speculative_config={{"method": "eagle3", "model": {str(work / "draft")!r},
-                                       "num_speculative_tokens": 3, "draft_sample_method": "probabilistic"}},
-                  worker_extension_cls="vllm_specrl.sync.SpecRLWorkerExtension")
-        print("START", llm.collective_rpc("specrl_capture_start", args=({addr!r},)))
-        params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=0)
-        outs = llm.generate({PROMPTS!r}, params, use_tqdm=False)
-        asm = SequenceAssembler()
-        deadline = time.time() + 20
-        state = None
-        while time.time() < deadline:
-            for header, tensors in rx.receive(200):
-                asm.add(header, tensors)
-            state = llm.collective_rpc("specrl_capture_state")[0]
-            if state["frames_sent"] + state["frames_dropped_queue_full"] + state["frames_dropped_no_peer"] \\
-                    >= state["frames_offered"] and state["queued"] == 0 and rx.socket.poll(300) == 0:
-                break
-        seqs = {{}}
-        print("KEYS", sorted(asm.requests))
-        for i, o in enumerate(outs):
-            # vLLM suffixes the engine-side request id ("0" -> "0-1a2b3c4d").
-            key = next(k for k in asm.requests if k == o.request_id or k.startswith(o.request_id + "-"))
-            s = asm.pop(key)
-            for k, v in s.items():
-                seqs[f"{{i}}.{{k}}"] = v.contiguous()
-        save_file(seqs, {str(work / "captured.safetensors")!r})
-        print("RESULT " + json.dumps({{"tokens": [list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
-                                                  for o in outs], "state": state, "rx": rx.counters}}))
-    """, env={"VLLM_PLUGINS": "specrl"})
-    return result_json(out), load_file(work / "captured.safetensors")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("capture")
 
 
-def test_capture_streams_every_committed_row(captured):
-    meta, seqs = captured
+@pytest.fixture(scope="module")
+def captured(tiny_model, work):
+    return run_capture(tiny_model, work, "", f"""
+params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=0)
+outs = llm.generate({PROMPTS!r}, params, use_tqdm=False)
+request_ids = [o.request_id for o in outs]
+tokens = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+extra = {{}}
+""")
+
+
+@pytest.fixture(scope="module")
+def captured_preempted_aborted(tiny_model, work):
+    """8 long requests on a KV cache of 8 blocks (128 tokens each) so the scheduler preempts and
+    recomputes them, and one request aborted after 20 tokens, driven step by step."""
+    return run_capture(tiny_model, work, "num_gpu_blocks_override=8, disable_log_stats=False,", f"""
+eng = llm.llm_engine
+prompts = {EIGHT_PROMPTS!r}
+request_ids = [f"r{{i}}" for i in range(len(prompts))]
+for rid, p, seed in zip(request_ids, prompts, range(len(prompts))):
+    eng.add_request(rid, p, SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=True, seed=seed))
+latest, aborted = {{}}, None
+while eng.has_unfinished_requests():
+    for o in eng.step():
+        latest[o.request_id] = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+        if aborted is None and o.request_id == "r3" and len(o.outputs[0].token_ids) >= 20:
+            eng.abort_request(["r3"])
+            aborted = "r3"
+tokens = [latest[rid] for rid in request_ids]
+metrics = {{m.name: getattr(m, "value", None) for m in llm.get_metrics()}}
+extra = {{"preemptions": metrics.get("vllm:num_preemptions"), "aborted": 3}}
+""")
+
+
+@pytest.fixture(params=["plain", "preempted_aborted"])
+def capture_run(request):
+    return request.getfixturevalue("captured" if request.param == "plain" else "captured_preempted_aborted")
+
+
+def test_preemptions_and_abort_happened(captured_preempted_aborted):
+    meta, _ = captured_preempted_aborted
+    assert meta["preemptions"] > 0
+    assert len(meta["tokens"][meta["aborted"]]) < len(meta["tokens"][0])  # cut short
+
+
+def test_capture_streams_every_committed_row(capture_run):
+    meta, seqs = capture_run
     state = meta["state"]
     assert state["tap_errors"] == 0, state
     assert state["frames_dropped_queue_full"] == state["frames_dropped_no_peer"] == 0, state
@@ -82,10 +142,10 @@ def test_capture_streams_every_committed_row(captured):
         assert 0 <= len(ids) - n <= 3, (i, len(ids), n)
 
 
-def test_captured_hidden_states_equal_hf_forward(tiny_model, captured):
+def test_captured_hidden_states_equal_hf_forward(tiny_model, capture_run):
     from transformers import AutoModelForCausalLM
 
-    meta, seqs = captured
+    meta, seqs = capture_run
     cfg = json.loads((tiny_model / "config.json").read_text())
     from vllm_specrl.proposer.eagle3_config import default_aux_layer_ids
 

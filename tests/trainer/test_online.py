@@ -130,3 +130,46 @@ def test_dead_trainer_never_stalls_generation_and_restart_resumes(setup):
     finally:
         restarted.send_signal(signal.SIGINT)
         restarted.wait(60)
+
+
+def test_trainer_survives_an_engine_restart(setup):
+    """The engine goes away and comes back (same address): the trainer keeps running, its
+    publishes fail while the engine is down (counted, not fatal), and it then publishes to
+    the new engine, which serves the trained draft instead of the one on disk."""
+    work, port = setup["work"], free_port()
+    capture = f"tcp://127.0.0.1:{free_port()}"
+    spec = {"method": "eagle3", "model": str(setup["draft"]), "num_speculative_tokens": 3,
+            "draft_sample_method": "probabilistic"}
+    args = ["--dtype", "float32", "--max-model-len", "512", "--speculative-config", json.dumps(spec),
+            "--additional-config", json.dumps({"specrl": {"capture": capture}})]
+    log = work / "restart.jsonl"
+    out = open(work / "trainer_restart.out", "w")  # noqa: SIM115 - kept open for the process
+    pool = code_prompts(264)[200:232]
+    first = VLLMServer(setup["target"], args, port=port, log_path=work / "serve_first.log").start()
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "vllm_specrl.cli", "train-draft", "--capture", capture, "--engine", first.url,
+         "--draft", str(setup["draft"]), "--target", str(setup["target"]), "--checkpoint-dir",
+         str(work / "restart-ckpt"), "--publish-every", "4", "--checkpoint-every", "1000", "--batch-size", "4",
+         "--idle-s", "0.5", "--log", str(log)],
+        stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1"))
+    try:
+        complete(first, pool, 1.0)
+        time.sleep(4.0)
+        first.stop()
+        time.sleep(6.0)  # the trainer trains on its buffer; its publishes now fail
+        assert trainer.poll() is None, (work / "trainer_restart.out").read_text()[-3000:]
+        with VLLMServer(setup["target"], args, port=port, log_path=work / "serve_second.log") as second:
+            assert status(second)["versions"]["draft"] == 0
+            deadline = time.time() + 120
+            while status(second)["versions"]["draft"] == 0 and time.time() < deadline:
+                complete(second, pool[:8], 1.0)
+                time.sleep(2.0)
+            assert status(second)["versions"]["draft"] >= 1, "the trainer never published to the new engine"
+            assert trainer.poll() is None
+    finally:
+        first.stop()
+        trainer.send_signal(signal.SIGINT)
+        trainer.wait(60)
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    publishes = [r["publish"] for r in records if "publish" in r]
+    assert any("error" in p for p in publishes), "no publish failed while the engine was down"
