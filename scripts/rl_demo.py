@@ -193,9 +193,12 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
                  "--engine", srv.url, "--draft", str(draft), "--target", str(policy_dir),
                  "--checkpoint-dir", str(work / f"draft-online-{mode}"), "--publish-every", "4",
                  "--checkpoint-every", "50", "--batch-size", "4", "--lr", "1e-3", "--idle-s", "0.5",
-                 "--log", str(work / f"online_draft_{mode}.jsonl")],
+                 "--replay-ratio", str(args.draft_replay_ratio), "--log", str(work / f"online_draft_{mode}.jsonl")],
                 stdout=open(work / f"draft_trainer_{mode}.out", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
-                env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
+                env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"),
+                # The draft trainer shares these 2 cores with the engine and this loop (on a GPU
+                # cluster it has its own device): it takes cycles they leave, and a bounded number.
+                preexec_fn=lambda: os.nice(args.draft_nice))
         pool = ThreadPoolExecutor(1)
 
         def rollouts(step: int):
@@ -259,7 +262,8 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
                 before = after
                 print(f"[rl:{mode}] step {step}: reward {rec['mean_reward']:.2f}, gen {t_gen:.1f}s "
                       f"(exposed {t_exposed:.1f}s), logp {t_logp:.1f}s, train {t_train:.1f}s, sync {t_sync:.1f}s, "
-                      f"step {rec['step_s']:.1f}s, accept {rec['acceptance_length'] or 0:.2f}, versions {versions}, "
+                      f"step {rec['step_s']:.1f}s, accept {rec['acceptance_length'] or float('nan'):.2f}, "
+                      f"versions {versions}, "
                       f"|dlogp| max {rec['logprob_abs_diff_max']:.3f}", flush=True)
         finally:
             if pending is not None:
@@ -283,13 +287,16 @@ def summarize(runs: dict) -> dict:
         rewards = [x for s in steps for x in s["rewards"]]
         p = sum(rewards) / len(rewards)
         accepted = [s["acceptance_length"] for s in steps if s["acceptance_length"]]
-        on_policy = [s["on_policy_logprob_abs_diff_max"] for s in steps if s["on_policy_logprob_abs_diff_max"] is not None]
+        on_policy = [s["on_policy_logprob_abs_diff_max"] for s in steps
+                     if s["on_policy_logprob_abs_diff_max"] is not None]
         summary[mode] = {**{k: mean(k) for k in ("generation_s", *STAGES, "step_s")},
                          "mean_reward": p, "reward_se": (p * (1 - p) / len(rewards)) ** 0.5,
                          "rollouts": sum(s["rollouts"] for s in steps),
                          "acceptance_length_first": accepted[0] if accepted else None,
                          "acceptance_length_last": accepted[-1] if accepted else None,
                          "logprob_abs_diff_max": max(s["logprob_abs_diff_max"] for s in steps),
+                         "logprob_abs_diff_mean": sum(s["logprob_abs_diff_mean"] * s["tokens"] for s in steps)
+                         / max(1, sum(s["tokens"] for s in steps)),
                          "on_policy_logprob_abs_diff_max": max(on_policy) if on_policy else None}
     comparisons = {}
     for mode in runs:
@@ -346,7 +353,8 @@ def plot(report: dict, path: Path) -> None:
 
 def print_table(report: dict) -> None:
     summary = report["summary"]
-    print("\nrun          gen_s exposed  logp_s train_s  sync_s  step_s  reward  accept(first->last)  max|dlogp| on-policy")
+    print("\nrun          gen_s exposed  logp_s train_s  sync_s  step_s  reward  accept(first->last)  "
+          "|dlogp| mean/max  on-policy max")
     for mode in report["runs"]:
         s = summary[mode]
         acc = (f"{s['acceptance_length_first']:.2f}->{s['acceptance_length_last']:.2f}"
@@ -354,7 +362,7 @@ def print_table(report: dict) -> None:
         onp = f"{s['on_policy_logprob_abs_diff_max']:.3f}" if s["on_policy_logprob_abs_diff_max"] is not None else "-"
         print(f"{mode:11s} {s['generation_s']:6.1f} {s['exposed_generation_s']:7.1f} {s['logprob_s']:7.1f} "
               f"{s['training_s']:7.1f} {s['sync_s']:7.1f} {s['step_s']:7.1f} {s['mean_reward']:7.2f}  "
-              f"{acc:>19s} {s['logprob_abs_diff_max']:10.3f} {onp:>9s}")
+              f"{acc:>19s}  {s['logprob_abs_diff_mean']:.4f}/{s['logprob_abs_diff_max']:.3f} {onp:>14s}")
     for name, c in summary["comparisons"].items():
         extra = (f", rollout time {c['rollout_time']:.2f}, reward diff {c['reward_difference']:+.3f} "
                  f"(z {c['reward_z']:+.2f}, {'agree' if c['rewards_agree_within_noise'] else 'DISAGREE'})"
@@ -377,6 +385,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--draft", default=None, help="EAGLE-3 draft to start from (default: fresh)")
     ap.add_argument("--draft-vocab-size", type=int, default=8192)
+    ap.add_argument("--draft-replay-ratio", type=float, default=4.0,
+                    help="online draft trainer: samples trained per captured rollout")
+    ap.add_argument("--draft-nice", type=int, default=5, help="niceness of the online draft trainer process")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("results/rl_demo.json"))

@@ -92,7 +92,8 @@ def _cmd_train_online(args: argparse.Namespace) -> int:
     cfg = OnlineConfig(capture=args.capture, engine=args.engine, api_key=args.api_key,
                        batch_size=args.batch_size, publish_every=args.publish_every,
                        checkpoint_every=args.checkpoint_every, max_steps=args.max_steps,
-                       max_seconds=args.max_seconds, idle_s=args.idle_s, seed=args.seed)
+                       max_seconds=args.max_seconds, idle_s=args.idle_s, seed=args.seed,
+                       replay_ratio=args.replay_ratio)
     train_cfg = TrainConfig(lr=args.lr, ttt_steps=args.ttt_steps, seed=args.seed,
                             mixed_precision=args.mixed_precision)
     trainer = OnlineDraftTrainer(args.draft, args.target, cfg, train_cfg, args.checkpoint_dir, args.log)
@@ -182,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--max-steps", type=int, default=None)
     tr.add_argument("--max-seconds", type=float, default=None)
     tr.add_argument("--idle-s", type=float, default=1.0, help="online: a request quiet this long is done")
+    tr.add_argument("--replay-ratio", type=float, default=None,
+                    help="online: train on at most this many samples per captured sequence, then idle "
+                         "until new ones arrive (default: train continuously on the replay buffer)")
     tr.add_argument("--target", type=Path, required=True)
     tr.add_argument("--draft", type=Path, required=True,
                     help="draft directory (offline: output; online: the draft the engine serves)")

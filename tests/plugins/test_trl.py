@@ -89,7 +89,8 @@ def test_every_sync_is_one_policy_version(trained):
     client, after = trained["client"], trained["after"]
     # TRL syncs before every rollout (the first one included), plus the final sync of the fixture.
     assert client.syncs >= STEPS + 1
-    assert after["versions"]["policy"] == client.policy_version == trained["before"]["versions"]["policy"] + client.syncs
+    start = trained["before"]["versions"]["policy"]
+    assert after["versions"]["policy"] == client.policy_version == start + client.syncs
     assert after["updates_in_progress"] == {}
 
 

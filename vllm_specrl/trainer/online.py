@@ -50,6 +50,10 @@ class OnlineConfig:
     max_steps: int | None = None
     max_seconds: float | None = None
     seed: int = 0
+    # Samples trained per captured sequence before idling; None trains continuously. On hardware the
+    # trainer shares with the engine and the RL loop (a CPU box), a cap keeps it from taking cycles
+    # that rollouts and the policy update need.
+    replay_ratio: float | None = None
 
 
 class OnlineDraftTrainer:
@@ -72,6 +76,8 @@ class OnlineDraftTrainer:
         self.assembler = SequenceAssembler()
         self.last_seen: dict[str, float] = {}
         self.buffer: deque = deque(maxlen=cfg.buffer_sequences)
+        self.ingested = 0
+        self.trained_samples = 0
         self.policy_version: int | None = None
         self.draft_version = 0
         self.publish_errors = 0
@@ -99,6 +105,7 @@ class OnlineDraftTrainer:
             seq = self.assembler.pop(rid)
             if len(seq["token_ids"]) >= 4 and versions == {self.policy_version}:
                 self.buffer.append({k: v[: self.cfg.max_len] for k, v in seq.items()})
+                self.ingested += 1
         return len(frames)
 
     def on_policy_version(self, version: int) -> None:
@@ -114,9 +121,14 @@ class OnlineDraftTrainer:
             self.trainer.unwrapped.embed_tokens.weight.copy_(target_embedding(self.target_dir))
 
     # -- training ----------------------------------------------------------------------------
+    def replay_exhausted(self) -> bool:
+        ratio = self.cfg.replay_ratio
+        return ratio is not None and self.trained_samples >= ratio * self.ingested
+
     def train_step(self) -> dict[str, Any]:
-        batch = collate(self.rng.sample(list(self.buffer), min(self.cfg.batch_size, len(self.buffer))))
-        return self.trainer.step(batch)
+        picked = self.rng.sample(list(self.buffer), min(self.cfg.batch_size, len(self.buffer)))
+        self.trained_samples += len(picked)
+        return self.trainer.step(collate(picked))
 
     def publish(self) -> tuple[dict[str, Any] | None, dict | None]:
         """Push the draft into the engine; returns the commit record and the engine's
@@ -146,8 +158,9 @@ class OnlineDraftTrainer:
                     break
                 if cfg.max_seconds is not None and time.time() - t0 >= cfg.max_seconds:
                     break
-                self.pump(timeout_ms=10 if len(self.buffer) >= cfg.min_sequences else 200)
-                if len(self.buffer) < cfg.min_sequences:
+                ready = len(self.buffer) >= cfg.min_sequences and not self.replay_exhausted()
+                self.pump(timeout_ms=10 if ready else 200)
+                if len(self.buffer) < cfg.min_sequences or self.replay_exhausted():
                     continue
                 last_metrics = self.train_step()
                 bar.update(1)

@@ -1,0 +1,65 @@
+"""The online trainer's replay cap: at most ``replay_ratio`` samples per captured sequence, then it idles.
+
+No engine: frames of the tiny target's shape go through a real ZeroMQ sender
+to the trainer's receiver, as the worker tap would send them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from vllm_specrl.capture.sender import CaptureSender
+from vllm_specrl.proposer.checkpoint import init_draft
+from vllm_specrl.server import free_port
+from vllm_specrl.trainer.online import OnlineConfig, OnlineDraftTrainer
+
+
+def send_sequences(address: str, n: int, rows: int, hidden: int) -> CaptureSender:
+    tx = CaptureSender(address)
+    gen = torch.Generator().manual_seed(0)
+    for i in range(n):
+        tokens = torch.randint(0, 1000, (rows + 1,), generator=gen).tolist()
+        tx.offer({"request_id": f"req-{i}", "positions": list(range(rows)), "token_ids": tokens[:-1],
+                  "next_token_ids": tokens[1:], "policy_version": 0, "step": 0},
+                 {"aux_hidden": torch.randn(rows, 3 * hidden, generator=gen).to(torch.bfloat16),
+                  "final_hidden": torch.randn(rows, hidden, generator=gen).to(torch.bfloat16)})
+    return tx
+
+
+def test_replay_ratio_caps_training_then_new_data_resumes_it(tiny_model, tmp_path):
+    init_draft(tiny_model, tmp_path / "draft", 1024, seed=0)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    cfg = OnlineConfig(capture=address, batch_size=4, min_sequences=4, idle_s=0.2, publish_every=1000,
+                       checkpoint_every=1000, replay_ratio=1.0, max_seconds=4.0)
+    trainer = OnlineDraftTrainer(tmp_path / "draft", tiny_model, cfg, checkpoint_dir=tmp_path / "ckpt")
+    try:
+        tx = send_sequences(address, 8, 12, 256)
+        first = trainer.run()
+        assert trainer.ingested == 8
+        assert first["steps"] == 2  # 8 sequences x ratio 1 / batch 4, then idle for the rest of 4 s
+        tx.close()
+        tx = send_sequences(address, 4, 12, 256)
+        trainer.cfg.max_seconds = 3.0
+        second = trainer.run()
+        assert trainer.ingested == 12 and second["steps"] == 3
+        tx.close()
+    finally:
+        trainer.close()
+
+
+def test_without_a_cap_it_trains_continuously(tiny_model, tmp_path):
+    init_draft(tiny_model, tmp_path / "draft", 1024, seed=0)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    cfg = OnlineConfig(capture=address, batch_size=4, min_sequences=4, idle_s=0.2, publish_every=1000,
+                       checkpoint_every=1000, max_seconds=4.0)
+    trainer = OnlineDraftTrainer(tmp_path / "draft", tiny_model, cfg, checkpoint_dir=tmp_path / "ckpt")
+    try:
+        tx = send_sequences(address, 8, 12, 256)
+        t0 = time.time()
+        result = trainer.run()
+        assert result["steps"] > 2 and time.time() - t0 >= 3.5
+        tx.close()
+    finally:
+        trainer.close()
