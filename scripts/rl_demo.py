@@ -114,7 +114,7 @@ class Policy:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
-        return float(loss)
+        return float(loss.detach())
 
     def save(self, model_dir: Path) -> None:
         """Write the policy where the online draft trainer reads the target's LM head."""

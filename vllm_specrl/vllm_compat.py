@@ -27,7 +27,10 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | runner ``propose_draft_token_ids`` (instance  | capture tap (hidden states of     | 0.32.0 (cpu)      |
 | wrap), ``input_batch.req_ids/num_reqs``,       | committed rows)                   |                   |
 | ``query_start_loc.cpu``, ``input_ids.gpu``,    |                                   |                   |
-| ``positions``, ``discard_request_mask.np``     |                                   |                   |
+| ``positions``, ``discard_request_mask.np``,    |                                   |                   |
+| runner ``sample_tokens`` (instance wrap),      | sampled tokens' logprobs from the |                   |
+| ``execute_model_state.logits`` (rows: per      | step's own target logits          |                   |
+| request num_spec + 1, batch order)             |                                   |                   |
 | ``model.lm_head.quant_method``,                | re-pack a tied LM head after an   | 0.32.0 (cpu)      |
 | ``.process_weights_after_loading``, ``cpu_linear``| in-place reload on CPU         |                   |
 | ``AsyncLLM.pause_generation/resume_generation``| pause around commits (public      | 0.32.0 (cpu)      |
@@ -398,17 +401,29 @@ def capture_step_view(runner: Any, scheduler_output: Any, sampled_token_ids: Any
         sampled = [list(row) for row in sampled_token_ids]
     discard = runner.discard_request_mask.np[:n_reqs].tolist()
     requests = []
+    logit_row = 0
     for i, rid in enumerate(runner.input_batch.req_ids[:n_reqs]):
-        requests.append({"request_id": rid, "start": qsl[i], "end": qsl[i + 1],
-                         "num_spec": len(scheduler_output.scheduled_spec_decode_tokens.get(rid, ())),
-                         "sampled": [] if discard[i] else sampled[i]})
+        num_spec = len(scheduler_output.scheduled_spec_decode_tokens.get(rid, ()))
+        requests.append({"request_id": rid, "start": qsl[i], "end": qsl[i + 1], "num_spec": num_spec,
+                         "sampled": [] if discard[i] else sampled[i], "logit_row": logit_row})
+        # The step's logits hold num_spec + 1 rows per request, in batch order (spec decode metadata's
+        # logits_indices; one row per request when nothing is speculated).
+        logit_row += num_spec + 1
+    logits = getattr(runner, "_specrl_step_logits", None)
+    if logits is not None and logits.shape[0] != logit_row:
+        logits = None  # a layout this was not checked against: send no logprobs rather than wrong ones
     return {"input_ids": runner.input_ids.gpu[:total], "positions": runner.positions[:total],
             "final_hidden": hidden_states[:total], "aux_hidden": [h[:total] for h in aux_hidden_states],
-            "requests": requests}
+            "logits": logits, "requests": requests}
 
 
 def install_capture_tap(runner: Any, on_step: Any) -> str:
-    """Call ``on_step(view)`` with ``capture_step_view(...)`` before each draft proposal."""
+    """Call ``on_step(view)`` with ``capture_step_view(...)`` before each draft proposal.
+
+    Also keeps a reference to the step's target logits (``execute_model_state.logits``, computed by
+    ``execute_model`` and consumed by ``sample_tokens``, which calls the proposer) so the tap can send
+    the sampled tokens' logprobs without a second LM-head pass.
+    """
     import inspect
 
     if getattr(runner, "_specrl_capture_original", None) is not None:
@@ -416,6 +431,15 @@ def install_capture_tap(runner: Any, on_step: Any) -> str:
         return "replaced"
     original = runner.propose_draft_token_ids
     signature = inspect.signature(original)
+    original_sample = runner.sample_tokens
+
+    def sample_tokens(*args: Any, **kwargs: Any) -> Any:
+        state = getattr(runner, "execute_model_state", None)
+        runner._specrl_step_logits = getattr(state, "logits", None)
+        try:
+            return original_sample(*args, **kwargs)
+        finally:
+            runner._specrl_step_logits = None
 
     def propose_draft_token_ids(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -430,8 +454,10 @@ def install_capture_tap(runner: Any, on_step: Any) -> str:
         return original(*args, **kwargs)
 
     runner._specrl_capture_original = original
+    runner._specrl_capture_sample_original = original_sample
     runner._specrl_capture_on_step = on_step
     runner.propose_draft_token_ids = propose_draft_token_ids
+    runner.sample_tokens = sample_tokens
     return "installed"
 
 
@@ -439,7 +465,9 @@ def remove_capture_tap(runner: Any) -> None:
     original = getattr(runner, "_specrl_capture_original", None)
     if original is not None:
         runner.propose_draft_token_ids = original
+        runner.sample_tokens = runner._specrl_capture_sample_original
         runner._specrl_capture_original = None
+        runner._specrl_capture_sample_original = None
 
 
 def specrl_additional_config(vllm_config: Any) -> dict[str, Any]:

@@ -84,11 +84,12 @@ def work(tmp_path_factory):
 @pytest.fixture(scope="module")
 def captured(tiny_model, work):
     return run_capture(tiny_model, work, "", f"""
-params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=0)
+params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=0, logprobs=0)
 outs = llm.generate({PROMPTS!r}, params, use_tqdm=False)
 request_ids = [o.request_id for o in outs]
 tokens = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
-extra = {{}}
+extra = {{"vllm_logprobs": [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+                           for o in outs]}}
 """)
 
 
@@ -101,17 +102,20 @@ eng = llm.llm_engine
 prompts = {EIGHT_PROMPTS!r}
 request_ids = [f"r{{i}}" for i in range(len(prompts))]
 for rid, p, seed in zip(request_ids, prompts, range(len(prompts))):
-    eng.add_request(rid, p, SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=True, seed=seed))
-latest, aborted = {{}}, None
+    eng.add_request(rid, p, SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=True, seed=seed,
+                                           logprobs=0))
+latest, aborted, logprobs = {{}}, None, {{}}
 while eng.has_unfinished_requests():
     for o in eng.step():
         latest[o.request_id] = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+        logprobs[o.request_id] = [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
         if aborted is None and o.request_id == "r3" and len(o.outputs[0].token_ids) >= 20:
             eng.abort_request(["r3"])
             aborted = "r3"
 tokens = [latest[rid] for rid in request_ids]
 metrics = {{m.name: getattr(m, "value", None) for m in llm.get_metrics()}}
-extra = {{"preemptions": metrics.get("vllm:num_preemptions"), "aborted": 3}}
+extra = {{"preemptions": metrics.get("vllm:num_preemptions"), "aborted": 3,
+         "vllm_logprobs": [logprobs[rid] for rid in request_ids]}}
 """)
 
 
@@ -159,3 +163,14 @@ def test_captured_hidden_states_equal_hf_forward(tiny_model, capture_run):
             err = (got - r[key]).abs().max() / scale
             assert err < 0.02, f"request {i} {key}: max error {err:.4f} of scale {scale:.2f}"
 
+
+
+def test_captured_logprobs_equal_vllms(capture_run):
+    """The sampled tokens' logprobs the tap sends are those vLLM returns (raw_logprobs, float32)."""
+    meta, seqs = capture_run
+    for i, (tokens, want) in enumerate(zip(meta["tokens"], meta["vllm_logprobs"])):
+        got = seqs[f"{i}.logprobs"]
+        first = len(tokens) - len(want) - 1  # the row whose next token is the first output token
+        assert torch.isnan(got[:first]).all(), f"request {i}: prompt rows carry a logprob"
+        torch.testing.assert_close(got[first:first + len(want)], torch.tensor(want), atol=1e-3, rtol=0,
+                                   msg=lambda m: f"request {i}: {m}")

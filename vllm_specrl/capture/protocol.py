@@ -11,13 +11,20 @@ Header::
      "token_ids": [t0, t1, ...],          # input token at each position
      "next_token_ids": [n0, n1, ...],     # token committed at position + 1 (-1: not known yet)
      "tensors": [{"name": "aux_hidden", "dtype": "bfloat16", "shape": [n, 3H]},
-                 {"name": "final_hidden", "dtype": "bfloat16", "shape": [n, H]}]}
+                 {"name": "final_hidden", "dtype": "bfloat16", "shape": [n, H]},
+                 {"name": "logprobs", "dtype": "float32", "shape": [n]},            # optional
+                 {"name": "topk_logprobs", "dtype": "float32", "shape": [n, K]},    # optional
+                 {"name": "topk_ids", "dtype": "int32", "shape": [n, K]}]}          # optional
 
 ``aux_hidden`` is the concatenation of the EAGLE-3 layers' residual streams
 (vLLM's ``aux_hidden_states``, pre-norm); ``final_hidden`` is the target's
 post-norm last hidden state, from which the trainer computes the target's
-distribution with the LM head. Only committed rows are sent (rows of rejected
-drafts never are).
+distribution with the LM head. ``logprobs[j]`` is the target's logprob of
+``next_token_ids[j]`` where that token was sampled (T=1 and before sampling
+parameters, vLLM's ``raw_logprobs``; NaN where the next token is a prompt
+token), and ``topk_*`` the target's top K there (``capture_topk`` in the
+config; absent when 0). Only committed rows are sent (rows of rejected drafts
+never are).
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ Malformed or foreign frames are rejected and counted, never raised.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,13 +55,20 @@ class RequestRows:
     """Rows of one request, keyed by position (a re-sent position overwrites)."""
 
     policy_versions: set = field(default_factory=set)
-    rows: dict[int, tuple[int, int, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    rows: dict[int, tuple[int, int, torch.Tensor, torch.Tensor, float]] = field(default_factory=dict)
 
     def add(self, header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         self.policy_versions.add(header.get("policy_version"))
+        logprobs = tensors.get("logprobs")
         for j, pos in enumerate(header["positions"]):
+            logprob = float(logprobs[j]) if logprobs is not None else float("nan")
+            old = self.rows.get(pos)
+            if old is not None and math.isnan(logprob) and header["next_token_ids"][j] in (old[1], -1):
+                # A preempted request's recomputed rows carry no logprob (and a chunk's last row no
+                # next token yet): keep the sampled one.
+                logprob = old[4]
             self.rows[pos] = (header["token_ids"][j], header["next_token_ids"][j],
-                              tensors["aux_hidden"][j], tensors["final_hidden"][j])
+                              tensors["aux_hidden"][j], tensors["final_hidden"][j], logprob)
 
     def contiguous_prefix(self) -> int:
         n = 0
@@ -76,7 +85,8 @@ class RequestRows:
         return {"token_ids": torch.tensor([r[0] for r in rows], dtype=torch.long),
                 "next_token_ids": torch.tensor(nxt, dtype=torch.long),
                 "aux_hidden": torch.stack([r[2] for r in rows]) if rows else torch.empty(0),
-                "final_hidden": torch.stack([r[3] for r in rows]) if rows else torch.empty(0)}
+                "final_hidden": torch.stack([r[3] for r in rows]) if rows else torch.empty(0),
+                "logprobs": torch.tensor([r[4] for r in rows], dtype=torch.float32)}
 
 
 class SequenceAssembler:

@@ -9,7 +9,9 @@ prompt token for prefill rows, and unknown (-1) at the end of a partial
 prefill chunk. At a length or stop limit the engine may trim accepted tokens
 from the output after verification; their rows are still sent (they are the
 target's true states for a sampled prefix). Everything is copied before returning: the runner reuses its
-buffers next step.
+buffers next step. Logprobs of sampled tokens come from the logits vLLM computed for
+this step (no second LM-head pass); the rows of a verify step's logits are the
+request's committed rows in order, a prefill chunk has one (its last row).
 """
 
 from __future__ import annotations
@@ -29,10 +31,23 @@ def selected(request_id: str, fraction: float) -> bool:
     return (zlib.crc32(request_id.encode()) % 10_000) < fraction * 10_000
 
 
-def step_frames(view: dict[str, Any], fraction: float = 1.0, dtype: torch.dtype = torch.bfloat16
-                ) -> list[tuple[dict[str, Any], dict[str, torch.Tensor]]]:
+def sampled_logprobs(logits: torch.Tensor, first_row: int, tokens: list[int], topk: int
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Logprobs (T=1, before any sampling parameter: vLLM's ``raw_logprobs``) of the tokens sampled
+    from logit rows ``first_row ..``, and the target's top-k there."""
+    logp = logits[first_row:first_row + len(tokens)].float().log_softmax(-1)
+    chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].cpu()
+    if not topk:
+        return chosen, None, None
+    values, indices = logp.topk(topk, dim=-1)
+    return chosen, values.cpu(), indices.to(torch.int32).cpu()
+
+
+def step_frames(view: dict[str, Any], fraction: float = 1.0, dtype: torch.dtype = torch.bfloat16,
+                topk: int = 0) -> list[tuple[dict[str, Any], dict[str, torch.Tensor]]]:
     ids = view["input_ids"].tolist()
     positions = view["positions"].tolist()
+    logits = view.get("logits")
     frames = []
     aux_all = None
     for req in view["requests"]:
@@ -54,6 +69,19 @@ def step_frames(view: dict[str, Any], fraction: float = 1.0, dtype: torch.dtype 
                   "token_ids": ids[rows], "next_token_ids": nxt}
         tensors = {"aux_hidden": aux_all[rows].to("cpu", dtype, copy=True),
                    "final_hidden": view["final_hidden"][rows].to("cpu", dtype, copy=True)}
+        if logits is not None and sampled:
+            # Rows whose next token was sampled: every committed verify row; of a prefill chunk
+            # only the last (the rest are followed by prompt tokens: NaN).
+            first = 0 if req["num_spec"] else n - 1
+            chosen, top_values, top_ids = sampled_logprobs(logits, req["logit_row"], nxt[first:n], topk)
+            logprobs = torch.full((n,), float("nan"))
+            logprobs[first:] = chosen
+            tensors["logprobs"] = logprobs
+            if topk:
+                tensors["topk_logprobs"] = torch.full((n, topk), float("nan"))
+                tensors["topk_ids"] = torch.full((n, topk), -1, dtype=torch.int32)
+                tensors["topk_logprobs"][first:] = top_values
+                tensors["topk_ids"][first:] = top_ids
         frames.append((header, tensors))
     return frames
 
@@ -62,9 +90,10 @@ class CaptureTap:
     """What the worker installs: builds frames each step and offers them to the sender."""
 
     def __init__(self, sender: CaptureSender, fraction: float, policy_version: Any,
-                 dtype: torch.dtype = torch.bfloat16):
+                 dtype: torch.dtype = torch.bfloat16, topk: int = 0):
         self.sender = sender
         self.fraction = fraction
+        self.topk = topk
         self.policy_version = policy_version  # zero-arg callable
         self.dtype = dtype
         self.steps = 0
@@ -72,6 +101,6 @@ class CaptureTap:
     def __call__(self, view: dict[str, Any]) -> None:
         self.steps += 1
         version = self.policy_version()
-        for header, tensors in step_frames(view, self.fraction, self.dtype):
+        for header, tensors in step_frames(view, self.fraction, self.dtype, self.topk):
             header.update(policy_version=version, step=self.steps)
             self.sender.offer(header, tensors)

@@ -156,7 +156,8 @@ class SpecRLWorkerExtension:
             return {"ok": False, "error": str(exc)}
         fraction = float(fraction if fraction is not None else cfg.get("capture_fraction", 1.0))
         stager = self._specrl_stager()
-        tap = CaptureTap(sender, fraction, lambda: stager.versions["policy"])
+        tap = CaptureTap(sender, fraction, lambda: stager.versions["policy"],
+                         topk=int(cfg.get("capture_topk", 0)))
         how = vllm_compat.install_capture_tap(self.model_runner, tap)
         self._specrl_capture = tap
         return {"ok": True, "tap": how, "address": address, "fraction": fraction}

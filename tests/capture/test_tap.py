@@ -1,0 +1,61 @@
+"""``step_frames``: committed rows only, with the sampled tokens' logprobs from the step's own logits."""
+
+import math
+
+import torch
+
+from vllm_specrl.capture.receiver import SequenceAssembler
+from vllm_specrl.capture.tap import step_frames
+
+H, V = 4, 32
+
+
+def view(logits: torch.Tensor | None) -> dict:
+    # Request "a" verifies 3 drafts at positions 5..8 (rows 0..3), 1 accepted + bonus => 2 sampled.
+    # Request "b" ends its prefill: rows 4..6 are prompt positions 0..2, one sampled token.
+    ids = torch.tensor([11, 12, 13, 14, 21, 22, 23])
+    return {"input_ids": ids, "positions": torch.tensor([5, 6, 7, 8, 0, 1, 2]),
+            "final_hidden": torch.arange(7 * H, dtype=torch.float32).view(7, H),
+            "aux_hidden": [torch.ones(7, H) * k for k in range(3)], "logits": logits,
+            "requests": [{"request_id": "a", "start": 0, "end": 4, "num_spec": 3, "sampled": [12, 7],
+                          "logit_row": 0},
+                         {"request_id": "b", "start": 4, "end": 7, "num_spec": 0, "sampled": [9],
+                          "logit_row": 4}]}
+
+
+def test_committed_rows_and_their_sampled_logprobs():
+    logits = torch.randn(5, V)  # a: 4 rows (3 drafts + 1), b: 1 row
+    logp = logits.log_softmax(-1)
+    frames = dict((h["request_id"], (h, t)) for h, t in step_frames(view(logits), topk=2))
+    ha, ta = frames["a"]
+    assert ha["positions"] == [5, 6] and ha["token_ids"] == [11, 12] and ha["next_token_ids"] == [12, 7]
+    torch.testing.assert_close(ta["logprobs"], torch.stack([logp[0, 12], logp[1, 7]]))
+    assert ta["topk_ids"].tolist() == logp[:2].topk(2).indices.tolist()
+    hb, tb = frames["b"]
+    assert hb["next_token_ids"] == [22, 23, 9]
+    assert math.isnan(tb["logprobs"][0]) and math.isnan(tb["logprobs"][1])  # followed by prompt tokens
+    torch.testing.assert_close(tb["logprobs"][2], logp[4, 9])
+    assert tb["topk_ids"][0].tolist() == [-1, -1]
+
+
+def test_no_logits_no_logprobs():
+    for _, tensors in step_frames(view(None)):
+        assert set(tensors) == {"aux_hidden", "final_hidden"}
+
+
+def test_recomputed_rows_keep_the_sampled_logprob():
+    """After preemption a request's generated tokens come back as prefill rows, without logprobs."""
+    logits = torch.randn(5, V)
+    asm = SequenceAssembler()
+    for header, tensors in step_frames(view(logits)):
+        asm.add(header, tensors)
+    before = asm.requests["b"].rows[2][4]
+    header = {"request_id": "b", "positions": [2], "token_ids": [23], "next_token_ids": [9]}
+    asm.add(header, {"aux_hidden": torch.zeros(1, 3 * H), "final_hidden": torch.zeros(1, H),
+                     "logprobs": torch.tensor([float("nan")])})
+    assert asm.requests["b"].rows[2][4] == before
+    header = dict(header, next_token_ids=[-1])  # the row ends a recomputed prefill chunk
+    asm.add(header, {"aux_hidden": torch.zeros(1, 3 * H), "final_hidden": torch.zeros(1, H)})
+    assert asm.requests["b"].rows[2][4] == before
+    seq = asm.pop("b")
+    assert seq["logprobs"].shape == (3,) and seq["logprobs"][2] == before
