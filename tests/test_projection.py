@@ -35,3 +35,24 @@ def test_cli_checks_the_paper():
     out = subprocess.run([sys.executable, str(REPO / "scripts" / "project_speedup.py"), "--check-paper"],
                          capture_output=True, text=True, check=True).stdout
     assert "projected step speedup 1.39x-1.46x" in out
+
+
+def test_cli_checks_a_demo_report(tmp_path):
+    """Projected vs measured from an rl_demo report: when only rollouts change, the two agree."""
+    import json
+
+    def steps(gen, other):
+        return [{"generation_s": gen, "training_s": other, "logprob_s": 0.0, "sync_s": 0.0, "step_s": gen + other}
+                for _ in range(3)]
+
+    report = {"runs": {"plain": {"steps": steps(6.0, 4.0)}, "spec": {"steps": steps(3.0, 4.0)}}}
+    path = tmp_path / "rl_demo.json"
+    path.write_text(json.dumps(report))
+    out_json = tmp_path / "check.json"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "project_speedup.py"), "--check-demo", str(path),
+                    "--out", str(out_json)], capture_output=True, text=True, check=True)
+    check = json.loads(out_json.read_text())
+    assert check["measured_rollout_speedup"] == pytest.approx(2.0)
+    assert check["projected_step_speedup"] == pytest.approx(10 / 7)
+    assert check["measured_step_speedup"] == pytest.approx(10 / 7)
+    assert check["measured_other_stages_ratio"] == pytest.approx(1.0)
