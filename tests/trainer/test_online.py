@@ -151,12 +151,21 @@ def test_trainer_survives_an_engine_restart(setup):
          "--draft", str(setup["draft"]), "--target", str(setup["target"]), "--checkpoint-dir",
          str(work / "restart-ckpt"), "--publish-every", "4", "--checkpoint-every", "1000", "--batch-size", "4",
          "--idle-s", "0.5", "--log", str(log)],
-        stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1"))
+        stdout=out, stderr=subprocess.STDOUT,
+        env=dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1"))
     try:
-        complete(first, pool, 1.0)
-        time.sleep(4.0)
+        # The trainer must be listening and training before the engine goes away (on a loaded CI
+        # machine it can take longer to start than the first traffic takes).
+        wait_for(lambda: '"event": "started"' in (work / "trainer_restart.out").read_text(), 180, "trainer start")
+
+        def traffic_then_trained() -> bool:
+            complete(first, pool[:8], 1.0)
+            return steps_logged(log) >= 4
+
+        wait_for(traffic_then_trained, 180, "trainer steps on the first engine")
         first.stop()
-        time.sleep(6.0)  # the trainer trains on its buffer; its publishes now fail
+        # It keeps training on its buffer; its publishes now fail (logged, not fatal).
+        wait_for(lambda: any("error" in p for p in publishes(log)), 120, "a failed publish")
         assert trainer.poll() is None, (work / "trainer_restart.out").read_text()[-3000:]
         with VLLMServer(setup["target"], args, port=port, log_path=work / "serve_second.log") as second:
             # It starts from the draft on disk (version 0); any later version came from the trainer.
@@ -170,6 +179,25 @@ def test_trainer_survives_an_engine_restart(setup):
         first.stop()
         trainer.send_signal(signal.SIGINT)
         trainer.wait(60)
-    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-    publishes = [r["publish"] for r in records if "publish" in r]
-    assert any("error" in p for p in publishes), "no publish failed while the engine was down"
+    assert any("error" in p for p in publishes(log)), "no publish failed while the engine was down"
+
+
+def records(log) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
+
+
+def steps_logged(log) -> int:
+    return len(records(log))
+
+
+def publishes(log) -> list[dict]:
+    return [r["publish"] for r in records(log) if r.get("publish")]
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if condition():
+            return
+        time.sleep(1.0)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
