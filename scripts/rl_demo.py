@@ -171,7 +171,6 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
     shutil.copytree(target, policy_dir)
     server_args = ["--dtype", args.dtype, "--max-model-len", "1024", "--seed", str(args.seed)]
     trainer = None
-    pending = None
     speculative = mode.startswith("spec")
     asynchronous = mode.endswith("-async")
     if speculative:
@@ -227,8 +226,8 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
                 t0 = time.perf_counter()
                 logps = policy.token_logprobs(samples)
                 t_logp = time.perf_counter() - t0
-                diffs = torch.cat([(lp.detach() - torch.tensor(s["vllm_logprobs"])).abs()
-                                   for lp, s in zip(logps, samples)])
+                abs_diffs = [(lp.detach() - torch.tensor(s["vllm_logprobs"])).abs() for lp, s in zip(logps, samples)]
+                diffs = torch.cat(abs_diffs)
                 on_policy = [s["policy_version_start"] == s["policy_version_end"] == policy.version for s in samples]
                 t0 = time.perf_counter()
                 loss = policy.grpo_step(samples, logps, args.group, args.clip)
@@ -255,8 +254,7 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
                        "rollouts_from_trained_version": sum(on_policy),
                        "logprob_abs_diff_max": float(diffs.max()), "logprob_abs_diff_mean": float(diffs.mean())}
                 # Same sequences, recomputed by the trainer: only on-policy rollouts can match vLLM exactly.
-                same = [(lp.detach() - torch.tensor(s["vllm_logprobs"])).abs()
-                        for lp, s, on in zip(logps, samples, on_policy) if on]
+                same = [d for d, on in zip(abs_diffs, on_policy) if on]
                 rec["on_policy_logprob_abs_diff_max"] = float(torch.cat(same).max()) if same else None
                 steps.append(rec)
                 before = after
@@ -266,9 +264,7 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
                       f"versions {versions}, "
                       f"|dlogp| max {rec['logprob_abs_diff_max']:.3f}", flush=True)
         finally:
-            if pending is not None:
-                pending.cancel()
-            pool.shutdown(wait=True, cancel_futures=True)
+            pool.shutdown(wait=True, cancel_futures=True)  # a queued next-step rollout is dropped
             if trainer is not None:
                 trainer.send_signal(signal.SIGINT)
                 trainer.wait(60)

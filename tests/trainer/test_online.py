@@ -169,11 +169,11 @@ def test_trainer_survives_an_engine_restart(setup):
         assert trainer.poll() is None, (work / "trainer_restart.out").read_text()[-3000:]
         with VLLMServer(setup["target"], args, port=port, log_path=work / "serve_second.log") as second:
             # It starts from the draft on disk (version 0); any later version came from the trainer.
-            deadline = time.time() + 120
-            while status(second)["versions"]["draft"] == 0 and time.time() < deadline:
+            def traffic_then_published() -> bool:
                 complete(second, pool[:8], 1.0)
-                time.sleep(2.0)
-            assert status(second)["versions"]["draft"] >= 1, "the trainer never published to the new engine"
+                return status(second)["versions"]["draft"] >= 1
+
+            wait_for(traffic_then_published, 120, "the trainer to publish to the new engine")
             assert trainer.poll() is None
     finally:
         first.stop()

@@ -7,7 +7,6 @@ Malformed or foreign frames are rejected and counted, never raised.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 from typing import Any
 
