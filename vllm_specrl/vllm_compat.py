@@ -33,6 +33,9 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | request num_spec + 1, batch order)             |                                   |                   |
 | ``model.lm_head.quant_method``,                | re-pack a tied LM head after an   | 0.32.0 (cpu)      |
 | ``.process_weights_after_loading``, ``cpu_linear``| in-place reload on CPU         |                   |
+| runner ``propose_draft_token_ids`` (instance  | draft recorder: the drafter's own | 0.32.0 (cpu)      |
+| wrap), ``_draft_probs``, ``_draft_prob_req_ids``,| tokens and probabilities per step |                   |
+| ``input_batch.num_tokens_no_spec``             | (drafter parity test)             |                   |
 | ``AsyncLLM.pause_generation/resume_generation``| pause around commits (public      | 0.32.0 (cpu)      |
 | ``/update_weight_version``/``reset_prefix_cache``| EngineClient methods)           |                   |
 
@@ -468,6 +471,51 @@ def remove_capture_tap(runner: Any) -> None:
         runner.sample_tokens = runner._specrl_capture_sample_original
         runner._specrl_capture_original = None
         runner._specrl_capture_sample_original = None
+
+
+# --- draft recorder (worker side) -----------------------------------------------------
+#
+# What the drafter actually proposed, read out of the running engine: after
+# ``propose_draft_token_ids`` returns, the runner holds the drafts (its return
+# value, ``[num_reqs, K]``, batch order) and, with probabilistic drafting, the
+# draft distributions it will verify them against (``_draft_probs``
+# ``[num_reqs, K, V]`` over the target vocabulary, rows in ``_draft_prob_req_ids``
+# order). ``input_batch.num_tokens_no_spec[i]`` counts the request's committed
+# tokens including the one just sampled, so the draft's base position (the row
+# whose hidden state feeds draft step 0) is that count minus 2.
+
+
+def install_draft_recorder(runner: Any, on_draft: Any) -> str:
+    """Call ``on_draft(records)`` after every draft proposal; ``None`` removes the recorder."""
+    import torch
+
+    original = getattr(runner, "_specrl_recorder_original", None)
+    if on_draft is None:
+        if original is not None:
+            runner.propose_draft_token_ids = original
+            runner._specrl_recorder_original = None
+        return "removed"
+    if original is None:
+        original = runner._specrl_recorder_original = runner.propose_draft_token_ids
+
+        def propose_draft_token_ids(*args: Any, **kwargs: Any) -> Any:
+            drafts = original(*args, **kwargs)
+            probs = getattr(runner, "_draft_probs", None)
+            req_ids = getattr(runner, "_draft_prob_req_ids", None) or list(runner.input_batch.req_ids)
+            if isinstance(drafts, torch.Tensor):
+                rows = drafts.tolist()
+            else:
+                rows = [list(r) for r in drafts]
+            committed = runner.input_batch.num_tokens_no_spec
+            records = [{"request_id": rid, "num_tokens": int(committed[i]), "draft_token_ids": rows[i],
+                        "draft_probs": probs[i].detach().float().cpu().clone() if probs is not None else None}
+                       for i, rid in enumerate(req_ids[: len(rows)])]
+            runner._specrl_on_draft(records)
+            return drafts
+
+        runner.propose_draft_token_ids = propose_draft_token_ids
+    runner._specrl_on_draft = on_draft
+    return "installed"
 
 
 def specrl_additional_config(vllm_config: Any) -> dict[str, Any]:

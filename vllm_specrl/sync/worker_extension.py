@@ -179,3 +179,19 @@ class SpecRLWorkerExtension:
         return {**tap.sender.state(), "fraction": tap.fraction, "steps": tap.steps,
                 "tap_errors": getattr(runner, "_specrl_capture_errors", 0),
                 "last_tap_error": getattr(runner, "_specrl_capture_last_error", None)}
+
+    def specrl_record_drafts(self, enabled: bool = True, limit: int = 10_000) -> dict:
+        """Start (or stop) recording what the drafter proposes: tokens and, with probabilistic
+        drafting, the distributions vLLM verifies them against. For parity checks, not production."""
+        records = self._specrl_draft_records = []
+
+        def on_draft(batch: list[dict]) -> None:
+            room = limit - len(records)
+            records.extend(batch[:max(room, 0)])
+
+        state = vllm_compat.install_draft_recorder(self.model_runner, on_draft if enabled else None)
+        return {"ok": True, "recorder": state}
+
+    def specrl_recorded_drafts(self) -> list[dict]:
+        """The records since ``specrl_record_drafts`` (request id, committed tokens, drafts, probs)."""
+        return list(getattr(self, "_specrl_draft_records", []))

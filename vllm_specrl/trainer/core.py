@@ -19,7 +19,7 @@ from accelerate import Accelerator
 
 from vllm_specrl.proposer.checkpoint import load_draft, save_draft, target_lm_head
 from vllm_specrl.proposer.eagle3_torch import Eagle3Draft
-from vllm_specrl.trainer.loss import eagle3_loss
+from vllm_specrl.trainer.loss import LossConfig, TargetRows, eagle3_loss
 
 TRAINER_STATE = "trainer_state.pt"
 TRAINER_META = "trainer_meta.json"
@@ -31,6 +31,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     ttt_steps: int = 3
     decay: float = 0.8
+    tv_weight: float = 0.0           # weight of the TV(p, q) term (1 - acceptance at T=1)
+    accept_weighted: bool = False    # weight step k by P(vLLM reaches it) (see trainer.loss)
     grad_clip: float = 1.0
     mixed_precision: str = "no"  # "no" (fp32) or "bf16"
     seed: int = 0
@@ -38,34 +40,67 @@ class TrainConfig:
 
 @dataclass
 class Batch:
-    """Target features for a batch of sequences (padded to T)."""
+    """Target features for a batch of sequences (padded to T).
+
+    ``first`` is the first base position vLLM drafts from (prompt length - 1): the loss and
+    every metric count only positions from there on. The target's distributions come from
+    ``final_hidden`` through the LM head (``target_lse`` caches its logsumexp per row) or, from
+    capture, from the engine's top-K logprobs (``topk_*``) and the sampled tokens' ``logprobs``.
+    """
 
     token_ids: torch.Tensor      # [B, T] long
     aux_hidden: torch.Tensor     # [B, T, n_aux * H]
-    final_hidden: torch.Tensor   # [B, T, H] post-norm
+    final_hidden: torch.Tensor | None   # [B, T, H] post-norm
     lengths: torch.Tensor        # [B] long
+    first: torch.Tensor          # [B] long
+    target_lse: torch.Tensor | None = None      # [B, T]
+    topk_logprobs: torch.Tensor | None = None   # [B, T, K]
+    topk_ids: torch.Tensor | None = None        # [B, T, K]
+    logprobs: torch.Tensor | None = None        # [B, T]
+
+    def target_rows(self, device: torch.device | str = "cpu") -> TargetRows:
+        def dev(x):
+            return None if x is None else x.to(device)
+        return TargetRows(self.token_ids.to(device), dev(self.final_hidden), dev(self.target_lse),
+                          dev(self.topk_logprobs), dev(self.topk_ids), dev(self.logprobs))
+
+
+def _pad(sequences: list[dict[str, torch.Tensor]], key: str, t: int, fill: float,
+         dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    if any(key not in s for s in sequences):
+        return None
+    first = sequences[0][key]
+    out = torch.full((len(sequences), t, *first.shape[1:]), fill, dtype=dtype)
+    for i, s in enumerate(sequences):
+        out[i, : len(s[key])] = s[key].to(dtype)
+    return out
 
 
 def collate(sequences: list[dict[str, torch.Tensor]]) -> Batch:
-    """Pad per-sequence features ({token_ids, aux_hidden, final_hidden}) into a Batch."""
+    """Pad per-sequence features into a Batch.
+
+    Each sequence has ``token_ids``, ``aux_hidden`` and either ``final_hidden`` (optionally
+    ``target_lse``) or ``topk_logprobs``/``topk_ids``/``logprobs``, and ``first_draft`` (the
+    prompt length - 1; 0 when absent, i.e. every position is a completion position).
+    """
     lengths = torch.tensor([len(s["token_ids"]) for s in sequences])
     t = int(lengths.max())
-    b = len(sequences)
-    aux_dim = sequences[0]["aux_hidden"].shape[-1]
-    hid_dim = sequences[0]["final_hidden"].shape[-1]
-    tokens = torch.zeros(b, t, dtype=torch.long)
-    aux = torch.zeros(b, t, aux_dim)
-    final = torch.zeros(b, t, hid_dim)
-    for i, s in enumerate(sequences):
-        n = len(s["token_ids"])
-        tokens[i, :n] = s["token_ids"]
-        aux[i, :n] = s["aux_hidden"].float()
-        final[i, :n] = s["final_hidden"].float()
-    return Batch(tokens, aux, final, lengths)
+    topk = all("topk_logprobs" in s for s in sequences)
+    return Batch(
+        token_ids=_pad(sequences, "token_ids", t, 0, torch.long),
+        aux_hidden=_pad(sequences, "aux_hidden", t, 0.0),
+        final_hidden=None if topk else _pad(sequences, "final_hidden", t, 0.0),
+        lengths=lengths,
+        first=torch.tensor([int(s.get("first_draft", 0)) for s in sequences]),
+        target_lse=None if topk else _pad(sequences, "target_lse", t, 0.0),
+        topk_logprobs=_pad(sequences, "topk_logprobs", t, float("nan")) if topk else None,
+        topk_ids=_pad(sequences, "topk_ids", t, -1, torch.long) if topk else None,
+        logprobs=_pad(sequences, "logprobs", t, float("nan")) if topk else None,
+    )
 
 
 class DraftTrainer:
-    def __init__(self, draft: Eagle3Draft, target_head: torch.Tensor, config: TrainConfig | None = None):
+    def __init__(self, draft: Eagle3Draft, target_head: torch.Tensor | None, config: TrainConfig | None = None):
         self.config = config or TrainConfig()
         torch.manual_seed(self.config.seed)
         self.accelerator = Accelerator(mixed_precision=self.config.mixed_precision, cpu=not torch.cuda.is_available())
@@ -75,9 +110,10 @@ class DraftTrainer:
         self.set_target_head(target_head)
         self.step_count = 0
 
-    def set_target_head(self, target_head: torch.Tensor) -> None:
-        """The target's LM head the soft targets come from (replaced when the policy moves)."""
-        self.target_head = target_head.float().to(self.accelerator.device)
+    def set_target_head(self, target_head: torch.Tensor | None) -> None:
+        """The target's LM head the soft targets come from with hidden-state features (None when
+        every batch carries the engine's top-K logprobs instead)."""
+        self.target_head = None if target_head is None else target_head.float().to(self.accelerator.device)
 
     @classmethod
     def from_checkpoint(cls, draft_dir: Path | str, target_dir: Path | str,
@@ -95,16 +131,24 @@ class DraftTrainer:
     def unwrapped(self) -> Eagle3Draft:
         return self.accelerator.unwrap_model(self.draft)
 
+    @property
+    def loss_config(self) -> LossConfig:
+        c = self.config
+        return LossConfig(decay=c.decay, tv_weight=c.tv_weight, accept_weighted=c.accept_weighted)
+
+    def _loss(self, batch: Batch, with_metrics: bool, served: bool = False):
+        dev = self.accelerator.device
+        logits = self.unwrapped.unroll(batch.aux_hidden.to(dev), batch.token_ids.to(dev),
+                                       self.config.ttt_steps)
+        return eagle3_loss(logits, batch.target_rows(dev), self.target_head,
+                           self.unwrapped.draft_token_ids(), batch.lengths.to(dev), batch.first.to(dev),
+                           self.loss_config, with_metrics=with_metrics, served=served)
+
     def step(self, batch: Batch) -> dict[str, float]:
         draft = self.draft
         draft.train()
-        dev = self.accelerator.device
         with self.accelerator.autocast():
-            logits = self.unwrapped.unroll(batch.aux_hidden.to(dev), batch.token_ids.to(dev),
-                                           self.config.ttt_steps)
-            out = eagle3_loss(logits, batch.final_hidden.to(dev), self.target_head,
-                              self.unwrapped.draft_token_ids(), batch.lengths.to(dev),
-                              decay=self.config.decay)
+            out = self._loss(batch, with_metrics=True)
         self.optimizer.zero_grad(set_to_none=True)
         self.accelerator.backward(out.loss)
         if self.config.grad_clip:
@@ -115,14 +159,28 @@ class DraftTrainer:
 
     @torch.no_grad()
     def evaluate(self, batch: Batch) -> dict[str, float]:
+        """Loss and metrics, including the expected vLLM counters (``served_*``)."""
         self.draft.eval()
-        dev = self.accelerator.device
-        logits = self.unwrapped.unroll(batch.aux_hidden.to(dev), batch.token_ids.to(dev),
-                                       self.config.ttt_steps)
-        out = eagle3_loss(logits, batch.final_hidden.to(dev), self.target_head,
-                          self.unwrapped.draft_token_ids(), batch.lengths.to(dev),
-                          decay=self.config.decay)
-        return out.metrics
+        return self._loss(batch, with_metrics=True, served=True).metrics
+
+    def evaluate_many(self, sequences: list[dict[str, torch.Tensor]], batch_size: int = 16) -> dict[str, float]:
+        """``evaluate`` over many sequences, the served estimate pooled exactly across batches."""
+        from vllm_specrl.trainer.acceptance import pool
+
+        parts, metrics = [], []
+        for i in range(0, len(sequences), batch_size):
+            m = self.evaluate(collate(sequences[i:i + batch_size]))
+            metrics.append(m)
+            if "served_drafts" in m:
+                parts.append({"drafts": m["served_drafts"], "accepted_per_pos": m["served_accepted"]})
+        out = {k: sum(m[k] for m in metrics) / len(metrics) for k in metrics[0]
+               if isinstance(metrics[0][k], float) and not k.startswith("served")}
+        if parts:
+            est = pool(parts)
+            out.update({f"served_accept_pos{k}": v for k, v in enumerate(est["per_position"])})
+            out["served_acceptance_length"] = est["acceptance_length"]
+            out["served_drafts"] = est["drafts"]
+        return out
 
     def save(self, out_dir: Path | str, extra: dict | None = None) -> Path:
         """Draft (servable) + optimizer state + metadata, replacing ``out_dir`` atomically."""

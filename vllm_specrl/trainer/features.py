@@ -15,8 +15,11 @@ import torch
 
 @torch.no_grad()
 def target_features(model, token_ids: torch.Tensor, aux_layer_ids: Sequence[int],
-                    attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(aux [B, T, n_aux*H], final post-norm hidden [B, T, H]) for right-padded ``token_ids``."""
+                    attention_mask: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(aux [B, T, n_aux*H], final post-norm hidden [B, T, H], logsumexp of the logits [B, T])
+    for right-padded ``token_ids``. The logsumexp lets the loss normalise the target's
+    distribution over the full vocabulary without a full-vocabulary matmul per step."""
     num_layers = model.config.num_hidden_layers
     bad = [i for i in aux_layer_ids if not 0 <= i < num_layers]
     if bad:
@@ -24,12 +27,14 @@ def target_features(model, token_ids: torch.Tensor, aux_layer_ids: Sequence[int]
     out = model(input_ids=token_ids, attention_mask=attention_mask, output_hidden_states=True)
     states = out.hidden_states
     aux = torch.cat([states[i] for i in aux_layer_ids], dim=-1)
-    return aux.float(), states[-1].float()
+    return aux.float(), states[-1].float(), out.logits.float().logsumexp(-1)
 
 
 def sequence_features(model, sequences: list[list[int]], aux_layer_ids: Sequence[int],
-                      batch_size: int = 8, dtype: torch.dtype = torch.bfloat16) -> list[dict[str, torch.Tensor]]:
-    """Per-sequence {token_ids, aux_hidden, final_hidden}, stored in ``dtype`` to save memory."""
+                      batch_size: int = 8, dtype: torch.dtype = torch.bfloat16,
+                      prompt_lengths: Sequence[int] | None = None) -> list[dict[str, torch.Tensor]]:
+    """Per-sequence {token_ids, aux_hidden, final_hidden, target_lse, first_draft}, hidden states
+    stored in ``dtype`` to save memory. ``first_draft`` = prompt length - 1 (0 without lengths)."""
     items = []
     device = next(model.parameters()).device
     for start in range(0, len(sequences), batch_size):
@@ -40,9 +45,11 @@ def sequence_features(model, sequences: list[list[int]], aux_layer_ids: Sequence
         for i, s in enumerate(chunk):
             ids[i, : len(s)] = torch.tensor(s)
             mask[i, : len(s)] = 1
-        aux, final = target_features(model, ids.to(device), aux_layer_ids, mask.to(device))
+        aux, final, lse = target_features(model, ids.to(device), aux_layer_ids, mask.to(device))
         for i, s in enumerate(chunk):
             n = len(s)
+            first = max(prompt_lengths[start + i] - 1, 0) if prompt_lengths is not None else 0
             items.append({"token_ids": ids[i, :n].clone(), "aux_hidden": aux[i, :n].to(dtype).cpu(),
-                          "final_hidden": final[i, :n].to(dtype).cpu()})
+                          "final_hidden": final[i, :n].to(dtype).cpu(), "target_lse": lse[i, :n].cpu(),
+                          "first_draft": first})
     return items

@@ -44,7 +44,8 @@ class OfflineConfig:
     temperature: float = 1.0
     steps: int = 300
     batch_size: int = 8
-    eval_fraction: float = 0.1
+    eval_fraction: float = 0.1   # of the *prompts*: held-out rollouts never share a prompt with training
+    eval_every: int = 0          # evaluate on the held-out prompts every N steps (the learning curve)
     seed: int = 0
     chat: bool = True
     dtype: str = "float32"
@@ -59,8 +60,10 @@ def default_prompts(n: int, seed: int) -> list[str]:
     return out
 
 
-def generate_rollouts(target_dir: Path, prompts: list[str], cfg: OfflineConfig) -> list[list[int]]:
-    """Prompt + completion token ids of ``samples_per_prompt`` T=1 rollouts per prompt."""
+def generate_rollouts(target_dir: Path, prompts: list[str], cfg: OfflineConfig
+                      ) -> tuple[list[list[int]], list[int], list[int]]:
+    """Prompt + completion token ids of ``samples_per_prompt`` T=1 rollouts per prompt, with each
+    rollout's prompt length and prompt index."""
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=str(target_dir), dtype=cfg.dtype, enforce_eager=True, seed=cfg.seed,
@@ -74,9 +77,22 @@ def generate_rollouts(target_dir: Path, prompts: list[str], cfg: OfflineConfig) 
     params = SamplingParams(n=cfg.samples_per_prompt, temperature=cfg.temperature,
                             max_tokens=cfg.max_tokens, seed=cfg.seed)
     outs = llm.generate(texts, params)
-    sequences = [list(o.prompt_token_ids) + list(c.token_ids) for o in outs for c in o.outputs]
+    sequences, prompt_lengths, prompt_index = [], [], []
+    for i, o in enumerate(outs):
+        for c in o.outputs:
+            sequences.append(list(o.prompt_token_ids) + list(c.token_ids))
+            prompt_lengths.append(len(o.prompt_token_ids))
+            prompt_index.append(i)
     del llm
-    return sequences
+    return sequences, prompt_lengths, prompt_index
+
+
+def split_by_prompt(prompt_index: list[int], eval_fraction: float, seed: int) -> tuple[set[int], set[int]]:
+    """(train, held-out) prompt indices: every rollout of a prompt lands on the same side."""
+    prompts = sorted(set(prompt_index))
+    random.Random(seed).shuffle(prompts)
+    n_eval = max(1, round(len(prompts) * eval_fraction)) if len(prompts) > 1 else 0
+    return set(prompts[n_eval:]), set(prompts[:n_eval])
 
 
 def warm_start(target_dir: Path | str, draft_dir: Path | str, prompts: list[str] | None = None,
@@ -91,10 +107,13 @@ def warm_start(target_dir: Path | str, draft_dir: Path | str, prompts: list[str]
     target_dir, draft_dir = Path(target_dir), Path(draft_dir)
     t0 = time.time()
     prompts = prompts or default_prompts(cfg.num_prompts, cfg.seed)
-    sequences = generate_rollouts(target_dir, prompts, cfg)
+    sequences, prompt_lengths, prompt_index = generate_rollouts(target_dir, prompts, cfg)
     t_gen = time.time() - t0
+    train_prompts, eval_prompts = split_by_prompt(prompt_index, cfg.eval_fraction, cfg.seed)
 
-    counts = Counter(t for s in sequences for t in s)
+    # The draft vocabulary: the most frequent tokens the target *generates* on the training prompts.
+    counts = Counter(t for s, n, i in zip(sequences, prompt_lengths, prompt_index)
+                     if i in train_prompts for t in s[n:])
     token_counts = torch.zeros(json.loads((target_dir / "config.json").read_text())["vocab_size"])
     for tok_id, c in counts.items():
         token_counts[tok_id] = c
@@ -104,32 +123,47 @@ def warm_start(target_dir: Path | str, draft_dir: Path | str, prompts: list[str]
 
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
     target.eval()
-    features = sequence_features(target, sequences, aux_ids)
+    features = sequence_features(target, sequences, aux_ids, prompt_lengths=prompt_lengths)
     del target
     t_feat = time.time() - t0 - t_gen
 
     rng = random.Random(cfg.seed)
-    rng.shuffle(features)
-    n_eval = max(1, int(len(features) * cfg.eval_fraction))
-    eval_items, train_items = features[:n_eval], features[n_eval:]
+    train_items = [f for f, i in zip(features, prompt_index) if i in train_prompts]
+    eval_items = [f for f, i in zip(features, prompt_index) if i in eval_prompts] or train_items[:1]
     trainer = DraftTrainer(draft, target_lm_head(target_dir), train_cfg)
-    eval_batch = collate(eval_items)
-    before = trainer.evaluate(eval_batch)
+    before = trainer.evaluate_many(eval_items)
+    curve = [{"step": 0, "completion_tokens": 0, **_curve_point(before)}]
+    seen_tokens = 0
     log = open(log_path, "w") if log_path else None  # noqa: SIM115
-    for step in tqdm(range(cfg.steps), desc="warm start", mininterval=5):
-        batch = collate(rng.sample(train_items, min(cfg.batch_size, len(train_items))))
-        metrics = trainer.step(batch)
+    for step in tqdm(range(1, cfg.steps + 1), desc="warm start", mininterval=5):
+        picked = rng.sample(train_items, min(cfg.batch_size, len(train_items)))
+        seen_tokens += sum(len(f["token_ids"]) - int(f["first_draft"]) - 1 for f in picked)
+        metrics = trainer.step(collate(picked))
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+            curve.append({"step": step, "completion_tokens": seen_tokens,
+                          **_curve_point(trainer.evaluate_many(eval_items))})
         if log:
             log.write(json.dumps(metrics) + "\n")
     if log:
         log.close()
-    after = trainer.evaluate(eval_batch)
+    after = trainer.evaluate_many(eval_items)
+    curve.append({"step": cfg.steps, "completion_tokens": seen_tokens, **_curve_point(after)})
+    completion_tokens = sum(len(s) - n for s, n in zip(sequences, prompt_lengths))
     summary = {
         "rollouts": len(sequences), "tokens": sum(len(s) for s in sequences),
+        "completion_tokens": completion_tokens,
+        "train_prompts": len(train_prompts), "eval_prompts": len(eval_prompts),
+        "eval_rollouts": len(eval_items),
         "steps": cfg.steps, "draft_vocab_size": draft.shape.draft_vocab_size,
-        "eval_before": before, "eval_after": after,
+        "train_config": {k: v for k, v in vars(train_cfg).items()},
+        "eval_before": before, "eval_after": after, "curve": curve,
         "seconds": {"generate": round(t_gen, 1), "features": round(t_feat, 1),
                     "train": round(time.time() - t0 - t_gen - t_feat, 1)},
     }
     trainer.save(draft_dir, extra={"warm_start": summary})
     return summary
+
+
+def _curve_point(metrics: dict) -> dict:
+    keys = [k for k in metrics if k.startswith("served_") or k in ("loss", "expected_acceptance_length")]
+    return {k: metrics[k] for k in keys}
