@@ -85,8 +85,15 @@ def _cmd_convert_draft(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_train_online(args: argparse.Namespace) -> int:
+def _train_config(args: argparse.Namespace):
     from vllm_specrl.trainer.core import TrainConfig
+
+    return TrainConfig(lr=args.lr, ttt_steps=args.ttt_steps, seed=args.seed, decay=args.decay,
+                       tv_weight=args.tv_weight, accept_weighted=args.accept_weighted,
+                       mixed_precision=args.mixed_precision)
+
+
+def _cmd_train_online(args: argparse.Namespace) -> int:
     from vllm_specrl.trainer.online import OnlineConfig, OnlineDraftTrainer
 
     cfg = OnlineConfig(capture=args.capture, engine=args.engine, api_key=args.api_key,
@@ -94,9 +101,7 @@ def _cmd_train_online(args: argparse.Namespace) -> int:
                        checkpoint_every=args.checkpoint_every, max_steps=args.max_steps,
                        max_seconds=args.max_seconds, idle_s=args.idle_s, seed=args.seed,
                        replay_ratio=args.replay_ratio)
-    train_cfg = TrainConfig(lr=args.lr, ttt_steps=args.ttt_steps, seed=args.seed,
-                            mixed_precision=args.mixed_precision)
-    trainer = OnlineDraftTrainer(args.draft, args.target, cfg, train_cfg, args.checkpoint_dir, args.log)
+    trainer = OnlineDraftTrainer(args.draft, args.target, cfg, _train_config(args), args.checkpoint_dir, args.log)
     print(json.dumps({"event": "started", "resumed_from_step": trainer.resumed_from_step,
                       "checkpoint_dir": str(trainer.checkpoint_dir)}), flush=True)
     try:
@@ -117,7 +122,6 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
         print("error: pass --offline (warm start from the target's rollouts) or --capture ADDR "
               "(online, from hidden states streamed by vllm serve)", file=sys.stderr)
         return 2
-    from vllm_specrl.trainer.core import TrainConfig
     from vllm_specrl.trainer.offline import OfflineConfig, warm_start
 
     prompts = None
@@ -126,10 +130,9 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
         prompts = [json.loads(ln)["prompt"] if ln.startswith("{") else ln for ln in lines if ln.strip()]
     cfg = OfflineConfig(num_prompts=args.num_prompts, samples_per_prompt=args.samples,
                         max_tokens=args.max_tokens, steps=args.steps, batch_size=args.batch_size,
-                        seed=args.seed, chat=not args.raw_prompts, dtype=args.dtype)
-    train_cfg = TrainConfig(lr=args.lr, ttt_steps=args.ttt_steps, seed=args.seed,
-                            mixed_precision=args.mixed_precision)
-    summary = warm_start(args.target, args.draft, prompts, cfg, train_cfg, args.draft_vocab_size,
+                        seed=args.seed, chat=not args.raw_prompts, dtype=args.dtype,
+                        eval_fraction=args.eval_fraction, eval_every=args.eval_every)
+    summary = warm_start(args.target, args.draft, prompts, cfg, _train_config(args), args.draft_vocab_size,
                          args.init_from, args.log)
     print(json.dumps(summary, indent=2))
     return 0
@@ -199,6 +202,15 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--batch-size", type=int, default=8)
     tr.add_argument("--lr", type=float, default=1e-3)
     tr.add_argument("--ttt-steps", type=int, default=3)
+    tr.add_argument("--decay", type=float, default=0.8, help="weight of TTT step k is decay**k")
+    tr.add_argument("--tv-weight", type=float, default=0.0,
+                    help="add this times TV(p, q) = 1 - acceptance at T=1 to the loss")
+    tr.add_argument("--accept-weighted", action="store_true",
+                    help="weight TTT step k by the probability that vLLM reaches it (on-policy contexts)")
+    tr.add_argument("--eval-fraction", type=float, default=0.1,
+                    help="offline: share of prompts held out (all their rollouts) for evaluation")
+    tr.add_argument("--eval-every", type=int, default=0,
+                    help="offline: evaluate on the held-out prompts every N steps (learning curve)")
     tr.add_argument("--draft-vocab-size", type=int, default=None)
     tr.add_argument("--mixed-precision", choices=["no", "bf16"], default="no")
     tr.add_argument("--dtype", default="float32", help="vLLM dtype for generating rollouts")

@@ -27,6 +27,7 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | runner ``propose_draft_token_ids`` (instance  | capture tap (hidden states of     | 0.32.0 (cpu)      |
 | wrap), ``input_batch.req_ids/num_reqs``,       | committed rows)                   |                   |
 | ``query_start_loc.cpu``, ``input_ids.gpu``,    |                                   |                   |
+| ``input_batch.num_prompt_tokens``,             |                                   |                   |
 | ``positions``, ``discard_request_mask.np``,    |                                   |                   |
 | runner ``sample_tokens`` (instance wrap),      | sampled tokens' logprobs from the |                   |
 | ``execute_model_state.logits`` (rows: per      | step's own target logits          |                   |
@@ -403,12 +404,14 @@ def capture_step_view(runner: Any, scheduler_output: Any, sampled_token_ids: Any
     else:
         sampled = [list(row) for row in sampled_token_ids]
     discard = runner.discard_request_mask.np[:n_reqs].tolist()
+    prompt_lens = runner.input_batch.num_prompt_tokens[:n_reqs].tolist()
     requests = []
     logit_row = 0
     for i, rid in enumerate(runner.input_batch.req_ids[:n_reqs]):
         num_spec = len(scheduler_output.scheduled_spec_decode_tokens.get(rid, ()))
         requests.append({"request_id": rid, "start": qsl[i], "end": qsl[i + 1], "num_spec": num_spec,
-                         "sampled": [] if discard[i] else sampled[i], "logit_row": logit_row})
+                         "sampled": [] if discard[i] else sampled[i], "logit_row": logit_row,
+                         "num_prompt_tokens": int(prompt_lens[i])})
         # The step's logits hold num_spec + 1 rows per request, in batch order (spec decode metadata's
         # logits_indices; one row per request when nothing is speculated).
         logit_row += num_spec + 1

@@ -44,3 +44,28 @@ def test_misfit_draft_names_every_mismatch():
     assert "target hidden size 64, target has 128" in msg
     assert "draft vocab size 1000 != target vocab size 999" in msg
     assert "[40] outside the target's 0..30" in msg and "repeat a layer" in msg
+
+
+@pytest.mark.parametrize("key,value", [("norm_before_residual", True), ("fc_norm", True), ("norm_output", True),
+                                       ("norm_before_fc", True), ("logit_scale", 2.0), ("attention_bias", True)])
+def test_flags_vllm_reads_but_the_trainer_does_not_implement_are_refused_by_name(key, value):
+    from vllm_specrl.proposer.eagle3_config import DraftShape
+
+    cfg = draft_config_from_target(LLAMA)
+    cfg[key] = value
+    with pytest.raises(DraftConfigError, match=key):
+        DraftShape.from_config(cfg)
+    with pytest.raises(DraftConfigError, match=key):
+        check_fits_target(cfg, 64, 1000, 30)
+
+
+def test_rope_scaling_and_unsorted_aux_layers_are_refused():
+    from vllm_specrl.proposer.eagle3_config import DraftShape
+
+    cfg = draft_config_from_target(LLAMA)
+    cfg["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}
+    with pytest.raises(DraftConfigError, match="rope scaling"):
+        DraftShape.from_config(cfg)
+    cfg = draft_config_from_target(LLAMA, aux_layer_ids=(15, 2, 27))
+    with pytest.raises(DraftConfigError, match="must be increasing"):
+        DraftShape.from_config(cfg)

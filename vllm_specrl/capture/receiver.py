@@ -55,17 +55,25 @@ class RequestRows:
 
     policy_versions: set = field(default_factory=set)
     rows: dict[int, tuple[int, int, torch.Tensor, torch.Tensor, float]] = field(default_factory=dict)
+    # The engine's top-K logprobs of the target at a row (capture_topk), where it sampled.
+    topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    num_prompt_tokens: int | None = None
 
     def add(self, header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         self.policy_versions.add(header.get("policy_version"))
+        if header.get("num_prompt_tokens") is not None:
+            self.num_prompt_tokens = int(header["num_prompt_tokens"])
         logprobs = tensors.get("logprobs")
+        top_values, top_ids = tensors.get("topk_logprobs"), tensors.get("topk_ids")
         for j, pos in enumerate(header["positions"]):
             logprob = float(logprobs[j]) if logprobs is not None else float("nan")
             old = self.rows.get(pos)
             if old is not None and math.isnan(logprob) and header["next_token_ids"][j] in (old[1], -1):
                 # A preempted request's recomputed rows carry no logprob (and a chunk's last row no
-                # next token yet): keep the sampled one.
+                # next token yet): keep the sampled one (and its top-K).
                 logprob = old[4]
+            elif top_values is not None and not math.isnan(float(top_values[j, 0])):
+                self.topk[pos] = (top_values[j], top_ids[j])
             self.rows[pos] = (header["token_ids"][j], header["next_token_ids"][j],
                               tensors["aux_hidden"][j], tensors["final_hidden"][j], logprob)
 
@@ -75,17 +83,33 @@ class RequestRows:
             n += 1
         return n
 
-    def sequence(self) -> dict[str, torch.Tensor]:
-        """The contiguous rows from position 0 as training features (token_ids, aux, final)."""
+    def sequence(self) -> dict[str, Any]:
+        """The contiguous rows from position 0 as training features.
+
+        token_ids, next_token_ids, aux_hidden, final_hidden, logprobs (of each row's successor,
+        NaN where it was not sampled), ``first_draft`` (prompt length - 1: the first position vLLM
+        drafts from) and, when every sampled row carries them, ``topk_logprobs``/``topk_ids``.
+        """
         n = self.contiguous_prefix()
         rows = [self.rows[p] for p in range(n)]
         # A chunked prefill's last row does not know its successor; the next chunk does.
         nxt = [r[1] if r[1] != -1 or j + 1 >= n else rows[j + 1][0] for j, r in enumerate(rows)]
-        return {"token_ids": torch.tensor([r[0] for r in rows], dtype=torch.long),
-                "next_token_ids": torch.tensor(nxt, dtype=torch.long),
-                "aux_hidden": torch.stack([r[2] for r in rows]) if rows else torch.empty(0),
-                "final_hidden": torch.stack([r[3] for r in rows]) if rows else torch.empty(0),
-                "logprobs": torch.tensor([r[4] for r in rows], dtype=torch.float32)}
+        out: dict[str, Any] = {
+            "token_ids": torch.tensor([r[0] for r in rows], dtype=torch.long),
+            "next_token_ids": torch.tensor(nxt, dtype=torch.long),
+            "aux_hidden": torch.stack([r[2] for r in rows]) if rows else torch.empty(0),
+            "final_hidden": torch.stack([r[3] for r in rows]) if rows else torch.empty(0),
+            "logprobs": torch.tensor([r[4] for r in rows], dtype=torch.float32),
+            "first_draft": max((self.num_prompt_tokens or 1) - 1, 0)}
+        sampled = [p for p in range(n) if p >= out["first_draft"]]
+        if self.topk and sampled and all(p in self.topk for p in sampled):
+            k = self.topk[sampled[0]][0].shape[0]
+            values = torch.full((n, k), float("nan"))
+            ids = torch.full((n, k), -1, dtype=torch.int32)
+            for p in sampled:
+                values[p], ids[p] = self.topk[p]
+            out["topk_logprobs"], out["topk_ids"] = values, ids
+        return out
 
 
 class SequenceAssembler:

@@ -67,6 +67,8 @@ def step_frames(view: dict[str, Any], fraction: float = 1.0, dtype: torch.dtype 
         rows = slice(start, start + n)
         header = {"request_id": req["request_id"], "positions": positions[rows],
                   "token_ids": ids[rows], "next_token_ids": nxt}
+        if "num_prompt_tokens" in req:
+            header["num_prompt_tokens"] = req["num_prompt_tokens"]
         tensors = {"aux_hidden": aux_all[rows].to("cpu", dtype, copy=True),
                    "final_hidden": view["final_hidden"][rows].to("cpu", dtype, copy=True)}
         if logits is not None and sampled:

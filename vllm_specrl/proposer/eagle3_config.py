@@ -57,11 +57,14 @@ class DraftShape:
     max_position_embeddings: int
 
     @classmethod
-    def from_config(cls, cfg: dict[str, Any]) -> DraftShape:
+    def from_config(cls, cfg: dict[str, Any], check_flags: bool = True) -> DraftShape:
         eagle = cfg.get("eagle_config") or {}
         ids = cfg.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids")
         if not ids:
             raise DraftConfigError("draft config has no eagle_aux_hidden_state_layer_ids")
+        if check_flags and unsupported_flags(cfg):
+            raise DraftConfigError("EAGLE-3 draft uses settings vllm-specrl does not train or serve "
+                                   "identically: " + "; ".join(unsupported_flags(cfg)))
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_parameters") or {}
         return cls(
@@ -78,6 +81,37 @@ class DraftShape:
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         )
+
+
+# Flags vLLM's Eagle3LlamaForCausalLM (0.32) reads that change the draft's math, with the value the
+# torch module (and so training) implements. A draft that sets another value is refused by name:
+# serving it while training something else would put the estimate and the served acceptance apart.
+SUPPORTED_FLAG_VALUES: dict[str, Any] = {
+    "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+    "attention_bias": False, "mlp_bias": False, "logit_scale": 1.0, "num_hidden_layers": 1,
+    "hidden_act": "silu",
+}
+
+
+def unsupported_flags(cfg: dict[str, Any]) -> list[str]:
+    """Every EAGLE-3 setting whose value the trainer does not implement, by name."""
+    eagle = cfg.get("eagle_config") or {}
+    problems = []
+    for key, want in SUPPORTED_FLAG_VALUES.items():
+        value = eagle.get(key, cfg.get(key, want))
+        if value is not None and value != want:
+            problems.append(f"{key}={value!r} (supported: {want!r})")
+    if eagle.get("use_aux_hidden_state", True) is False:
+        problems.append("use_aux_hidden_state=False (supported: True)")
+    rope = cfg.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type != "default" or cfg.get("rope_scaling"):
+        problems.append(f"rope scaling {cfg.get('rope_scaling') or rope} (supported: plain RoPE)")
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or eagle.get("eagle_aux_hidden_state_layer_ids") or []
+    if list(ids) != sorted(set(ids)):
+        # vLLM sorts and de-duplicates the layer ids, then concatenates in that order.
+        problems.append(f"eagle_aux_hidden_state_layer_ids {list(ids)} must be increasing (vLLM sorts them)")
+    return problems
 
 
 def read_config(directory: Path | str) -> dict[str, Any]:
@@ -133,8 +167,8 @@ def draft_config_from_target(target_cfg: dict[str, Any], draft_vocab_size: int |
 def check_fits_target(draft_cfg: dict[str, Any], target_hidden_size: int, target_vocab_size: int,
                       target_num_layers: int) -> None:
     """Raise DraftConfigError naming every way the draft does not fit the target."""
-    shape = DraftShape.from_config(draft_cfg)
-    problems = []
+    shape = DraftShape.from_config(draft_cfg, check_flags=False)
+    problems = unsupported_flags(draft_cfg)
     if shape.target_hidden_size != target_hidden_size:
         problems.append(f"draft expects target hidden size {shape.target_hidden_size}, "
                         f"target has {target_hidden_size}")

@@ -6,12 +6,15 @@
 Receives capture frames (``vllm_specrl.capture``), assembles each request's
 committed rows into a training sequence once the request has been quiet for
 ``--idle-s``, keeps a bounded replay buffer of recent sequences, and runs the
-shared training core (soft targets from the captured final hidden state
-through the target's LM head). Every ``--publish-every`` steps it pushes the
+shared training core on completion positions only (soft targets from the
+engine's top-K logprobs when the engine captures them, ``capture_topk``;
+otherwise from the captured final hidden state through the target's LM
+head). Every ``--publish-every`` steps it pushes the
 draft into the engine in place (``EngineClient.update_draft``); every
 ``--checkpoint-every`` steps it saves a resumable checkpoint, from which it
-restarts. When frames carry a new policy version it reloads the target's LM
-head and embedding from ``--target`` (the RL loop saves its policy there).
+restarts. When frames carry a new policy version it drops older sequences
+(and, without top-K targets, reloads the LM head and embedding from
+``--target``).
 The engine never waits for it: if the trainer is slow or gone, the engine
 drops frames; if the engine is gone, publishing fails, is logged, and is
 retried at the next publish.
@@ -79,6 +82,7 @@ class OnlineDraftTrainer:
         self.ingested = 0
         self.trained_samples = 0
         self.policy_version: int | None = None
+        self.topk_targets = False  # whether captured sequences carry the engine's top-K logprobs
         self.draft_version = 0
         self.publish_errors = 0
         self.client = None
@@ -103,19 +107,30 @@ class OnlineDraftTrainer:
             del self.last_seen[rid]
             versions = self.assembler.requests[rid].policy_versions
             seq = self.assembler.pop(rid)
-            if len(seq["token_ids"]) >= 4 and versions == {self.policy_version}:
-                self.buffer.append({k: v[: self.cfg.max_len] for k, v in seq.items()})
+            # Only sequences with completion rows teach the draft anything vLLM will ask of it.
+            drafted = len(seq["token_ids"]) - seq["first_draft"] - 1
+            if drafted >= 2 and versions == {self.policy_version}:
+                self.buffer.append({k: v[: self.cfg.max_len] if torch.is_tensor(v) else v
+                                    for k, v in seq.items()})
                 self.ingested += 1
+                self.topk_targets = "topk_logprobs" in seq
         return len(frames)
 
     def on_policy_version(self, version: int) -> None:
-        """The policy moved: refresh the target's head and embedding (the soft targets)."""
+        """The policy moved: drop the old policy's sequences.
+
+        With ``capture_topk`` the soft targets travel in the frames (the engine's own logits
+        for the version that generated them), so nothing is read from disk and nothing can be
+        stale. Without it they come from the target's LM head, re-read from ``--target``, which
+        the RL loop must have written before the commit.
+        """
         first = self.policy_version is None
         self.policy_version = version
         if first:
             return
-        # Hidden states of the old policy no longer describe the target: start afresh.
         self.buffer.clear()
+        if self.topk_targets:
+            return
         self.trainer.set_target_head(target_lm_head(self.target_dir))
         with torch.no_grad():
             self.trainer.unwrapped.embed_tokens.weight.copy_(target_embedding(self.target_dir))
