@@ -35,14 +35,15 @@ from pathlib import Path
 METHODS = ("plain", "ngram", "eagle3-random", "eagle3-warm")
 
 
-def make_prompts(n: int, prompt_set: str = "code") -> list[str]:
-    """``code``: short coding requests. ``chat``: the offline warm start's default task
-    templates with other numbers (held out), i.e. in-domain prompts for a draft warm-started
-    on its defaults, as an RL run warm-starts on its own task's prompts."""
-    if prompt_set == "chat":
+def make_prompts(n: int, prompt_set: str = "code", exclude: set[str] | None = None) -> list[str]:
+    """``code``: short coding requests. ``chat``/``arithmetic``: an offline warm start's task
+    family with other numbers, minus ``exclude`` (the prompts a draft was trained on): in-domain,
+    held-out prompts, as an RL run warm-starts on its own task's prompts."""
+    if prompt_set in ("chat", "arithmetic"):
         from vllm_specrl.trainer.offline import default_prompts
 
-        return default_prompts(n, seed=1234)
+        pool = [p for p in default_prompts(4 * n + 64, seed=1234, task=prompt_set) if p not in (exclude or set())]
+        return pool[:n]
     topics = ["a binary search", "a stack", "reading a CSV file", "a retry loop",
               "merging two dicts", "a tiny HTTP client", "a prime sieve", "an LRU cache"]
     return [f"Write a short Python function for {topics[i % len(topics)]} (variant {i})."
@@ -266,7 +267,7 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,4,16")
     ap.add_argument("--waves", type=int, default=2, help="waves of `batch` requests per cell")
     ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--prompt-set", default="code", choices=["code", "chat"])
+    ap.add_argument("--prompt-set", default="code", choices=["code", "chat", "arithmetic"])
     ap.add_argument("--samples", type=int, default=4, help="G samples per prompt")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16")
@@ -296,7 +297,13 @@ def main() -> None:
     engines += [(m, k, speculative_config(m, k, drafts)) for m in methods if m != "plain" for k in ks]
     engines += [(f"custom{i}", json.loads(s).get("num_speculative_tokens", 0), json.loads(s))
                 for i, s in enumerate(args.speculative_config)]
-    base = {"model": model, "mode": args.mode, "prompts": make_prompts(args.prompts, args.prompt_set),
+    trained_on: set[str] = set()
+    for draft_dir in drafts.values():
+        meta = Path(draft_dir) / "trainer_meta.json"
+        if meta.is_file():
+            trained_on |= set(json.loads(meta.read_text()).get("warm_start", {}).get("train_prompt_texts", []))
+    base = {"model": model, "mode": args.mode,
+            "prompts": make_prompts(args.prompts, args.prompt_set, trained_on),
             "prompt_set": args.prompt_set,
             "samples": args.samples, "waves": args.waves, "max_tokens": args.max_tokens,
             "temperatures": [float(t) for t in args.temperatures.split(",")],

@@ -131,7 +131,7 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
     cfg = OfflineConfig(num_prompts=args.num_prompts, samples_per_prompt=args.samples,
                         max_tokens=args.max_tokens, steps=args.steps, batch_size=args.batch_size,
                         seed=args.seed, chat=not args.raw_prompts, dtype=args.dtype,
-                        eval_fraction=args.eval_fraction, eval_every=args.eval_every)
+                        eval_fraction=args.eval_fraction, eval_every=args.eval_every, task=args.task)
     summary = warm_start(args.target, args.draft, prompts, cfg, _train_config(args), args.draft_vocab_size,
                          args.init_from, args.log)
     print(json.dumps(summary, indent=2))
@@ -196,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--prompts", type=Path, default=None, help="text or JSONL ({\"prompt\":...}) file")
     tr.add_argument("--raw-prompts", action="store_true", help="do not apply the chat template")
     tr.add_argument("--num-prompts", type=int, default=64)
+    tr.add_argument("--task", default="chat", choices=["chat", "arithmetic"],
+                    help="offline: built-in prompt family when --prompts is not given")
     tr.add_argument("--samples", type=int, default=4, help="rollouts per prompt")
     tr.add_argument("--max-tokens", type=int, default=128)
     tr.add_argument("--steps", type=int, default=300)

@@ -36,7 +36,7 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | ``.process_weights_after_loading``, ``cpu_linear``| in-place reload on CPU         |                   |
 | runner ``propose_draft_token_ids`` (instance  | draft recorder: the drafter's own | 0.32.0 (cpu)      |
 | wrap), ``_draft_probs``, ``_draft_prob_req_ids``,| tokens and probabilities per step |                   |
-| ``input_batch.num_tokens_no_spec``             | (drafter parity test)             |                   |
+| the capture step view (above)                  | (drafter parity test)             |                   |
 | ``AsyncLLM.pause_generation/resume_generation``| pause around commits (public      | 0.32.0 (cpu)      |
 | ``/update_weight_version``/``reset_prefix_cache``| EngineClient methods)           |                   |
 
@@ -483,13 +483,16 @@ def remove_capture_tap(runner: Any) -> None:
 # value, ``[num_reqs, K]``, batch order) and, with probabilistic drafting, the
 # draft distributions it will verify them against (``_draft_probs``
 # ``[num_reqs, K, V]`` over the target vocabulary, rows in ``_draft_prob_req_ids``
-# order). ``input_batch.num_tokens_no_spec[i]`` counts the request's committed
-# tokens including the one just sampled, so the draft's base position (the row
-# whose hidden state feeds draft step 0) is that count minus 2.
+# order). The draft's base position (the row whose hidden state feeds draft
+# step 0) is the position of the request's last committed row this step, read
+# from the same step view the capture tap uses (EAGLE drafters run before the
+# runner's bookkeeping, so its token counts are not yet updated there).
 
 
 def install_draft_recorder(runner: Any, on_draft: Any) -> str:
     """Call ``on_draft(records)`` after every draft proposal; ``None`` removes the recorder."""
+    import inspect
+
     import torch
 
     original = getattr(runner, "_specrl_recorder_original", None)
@@ -500,19 +503,26 @@ def install_draft_recorder(runner: Any, on_draft: Any) -> str:
         return "removed"
     if original is None:
         original = runner._specrl_recorder_original = runner.propose_draft_token_ids
+        signature = inspect.signature(original)
 
         def propose_draft_token_ids(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs).arguments
+            view = capture_step_view(runner, bound["scheduler_output"], bound["sampled_token_ids"],
+                                     bound["hidden_states"], bound["aux_hidden_states"] or [])
+            positions = view["positions"].tolist()
+            bases = {}
+            for req in view["requests"]:
+                n = min(len(req["sampled"]), req["end"] - req["start"]) if req["num_spec"] else \
+                    req["end"] - req["start"]
+                if req["sampled"] and n > 0:
+                    bases[req["request_id"]] = positions[req["start"] + n - 1]
             drafts = original(*args, **kwargs)
             probs = getattr(runner, "_draft_probs", None)
             req_ids = getattr(runner, "_draft_prob_req_ids", None) or list(runner.input_batch.req_ids)
-            if isinstance(drafts, torch.Tensor):
-                rows = drafts.tolist()
-            else:
-                rows = [list(r) for r in drafts]
-            committed = runner.input_batch.num_tokens_no_spec
-            records = [{"request_id": rid, "num_tokens": int(committed[i]), "draft_token_ids": rows[i],
+            rows = drafts.tolist() if isinstance(drafts, torch.Tensor) else [list(r) for r in drafts]
+            records = [{"request_id": rid, "base_position": bases[rid], "draft_token_ids": rows[i],
                         "draft_probs": probs[i].detach().float().cpu().clone() if probs is not None else None}
-                       for i, rid in enumerate(req_ids[: len(rows)])]
+                       for i, rid in enumerate(req_ids[: len(rows)]) if rid in bases]
             runner._specrl_on_draft(records)
             return drafts
 

@@ -59,11 +59,10 @@ def sequence_of(outputs: dict, request_id: str) -> list[int]:
     raise KeyError(request_id)
 
 
-def unroll_distributions(draft, target, seq: list[int], num_tokens: int, drafts: list[int],
+def unroll_distributions(draft, target, seq: list[int], base: int, drafts: list[int],
                          aux_order: list[int] | None = None) -> torch.Tensor:
-    """[K, V] draft distributions at base num_tokens - 2, chain inputs = the draft's own tokens."""
-    base = num_tokens - 2
-    ids = torch.tensor(seq[:num_tokens] + drafts[: K - 1])[None]
+    """[K, V] draft distributions at ``base``; the chain's inputs are the draft's own tokens."""
+    ids = torch.tensor(seq[: base + 2] + drafts[: K - 1])[None]
     aux, _, _ = target_features(target, ids[:, : base + 1], draft.shape.aux_layer_ids)
     if aux_order is not None:
         aux = torch.cat([aux.chunk(len(aux_order), -1)[i] for i in aux_order], -1)
@@ -85,15 +84,16 @@ def test_vllm_drafter_distributions_equal_the_torch_unroll(tiny_model, warm_draf
     planted = [0.0] * K
     for r in records[:40]:
         seq = sequence_of(recorded["outputs"], r["request_id"])
-        if r["num_tokens"] > len(seq):
+        if r["base_position"] + 2 > len(seq):
             continue
         # The recorded tokens are samples of the recorded distributions (probabilistic drafting).
         for j, tok in enumerate(r["draft_token_ids"]):
             assert r["draft_probs"][j, tok] > 0, "a draft token outside its own distribution"
-        ours = unroll_distributions(draft, target, seq, r["num_tokens"], r["draft_token_ids"])
+        ours = unroll_distributions(draft, target, seq, r["base_position"], r["draft_token_ids"])
         tv = 0.5 * (ours - r["draft_probs"]).abs().sum(-1)
         worst = [max(w, float(x)) for w, x in zip(worst, tv)]
-        swapped = unroll_distributions(draft, target, seq, r["num_tokens"], r["draft_token_ids"], [1, 0, 2])
+        swapped = unroll_distributions(draft, target, seq, r["base_position"], r["draft_token_ids"],
+                                       [1, 0, 2])
         planted = [max(w, float(x)) for w, x in zip(planted, 0.5 * (swapped - r["draft_probs"]).abs().sum(-1))]
     assert max(worst) < TOLERANCE, {"per_step_worst_tv": worst}
     # The same comparison catches a planted mismatch (aux layers fed in another order).

@@ -193,5 +193,5 @@ class SpecRLWorkerExtension:
         return {"ok": True, "recorder": state}
 
     def specrl_recorded_drafts(self) -> list[dict]:
-        """The records since ``specrl_record_drafts`` (request id, committed tokens, drafts, probs)."""
+        """The records since ``specrl_record_drafts`` (request id, base position, drafts, probs)."""
         return list(getattr(self, "_specrl_draft_records", []))

@@ -49,14 +49,33 @@ class OfflineConfig:
     seed: int = 0
     chat: bool = True
     dtype: str = "float32"
+    task: str = "chat"           # prompt family when no prompts are given (TASK_PROMPTS)
 
 
-def default_prompts(n: int, seed: int) -> list[str]:
+# The RL demo's task family (scripts/rl_demo.py): small-number arithmetic, answered in a few
+# tokens or, when asked to, with a worked explanation, so completion lengths vary as in RL.
+ARITHMETIC_PROMPTS = [
+    "What is {a} + {b}? Answer with just the number.",
+    "What is {a} + {b}? Explain your reasoning step by step.",
+    "A shop sells {a} apples in the morning and {b} in the afternoon. How many apples does it sell "
+    "in total? Think step by step.",
+    "Add {a} and {b}, then say whether the result is even or odd.",
+]
+TASK_PROMPTS = {"chat": DEFAULT_CHAT_PROMPTS, "arithmetic": ARITHMETIC_PROMPTS}
+
+
+def default_prompts(n: int, seed: int, task: str = "chat") -> list[str]:
+    """``n`` prompts of a task family (``chat``: general requests; ``arithmetic``: the demo's).
+    Different seeds give different numbers: a held-out prompt set for the same family."""
     rng = random.Random(seed)
+    templates = TASK_PROMPTS[task]
     out = []
     for i in range(n):
-        template = DEFAULT_CHAT_PROMPTS[i % len(DEFAULT_CHAT_PROMPTS)]
-        out.append(template.format(a=rng.randint(2, 99), b=rng.randint(2, 99), c=rng.randint(3, 9)))
+        template = templates[i % len(templates)]
+        if task == "arithmetic":
+            out.append(template.format(a=rng.randint(1, 20), b=rng.randint(1, 20)))
+        else:
+            out.append(template.format(a=rng.randint(2, 99), b=rng.randint(2, 99), c=rng.randint(3, 9)))
     return out
 
 
@@ -106,7 +125,7 @@ def warm_start(target_dir: Path | str, draft_dir: Path | str, prompts: list[str]
     train_cfg = train_cfg or TrainConfig(seed=cfg.seed)
     target_dir, draft_dir = Path(target_dir), Path(draft_dir)
     t0 = time.time()
-    prompts = prompts or default_prompts(cfg.num_prompts, cfg.seed)
+    prompts = prompts or default_prompts(cfg.num_prompts, cfg.seed, cfg.task)
     sequences, prompt_lengths, prompt_index = generate_rollouts(target_dir, prompts, cfg)
     t_gen = time.time() - t0
     train_prompts, eval_prompts = split_by_prompt(prompt_index, cfg.eval_fraction, cfg.seed)
@@ -153,6 +172,8 @@ def warm_start(target_dir: Path | str, draft_dir: Path | str, prompts: list[str]
         "rollouts": len(sequences), "tokens": sum(len(s) for s in sequences),
         "completion_tokens": completion_tokens,
         "train_prompts": len(train_prompts), "eval_prompts": len(eval_prompts),
+        # So benchmarks can hold out every prompt the draft was trained on.
+        "train_prompt_texts": [prompts[i] for i in sorted(train_prompts)],
         "eval_rollouts": len(eval_items),
         "steps": cfg.steps, "draft_vocab_size": draft.shape.draft_vocab_size,
         "train_config": {k: v for k, v in vars(train_cfg).items()},
