@@ -116,16 +116,6 @@ class Policy:
         self.opt.step()
         return float(loss.detach())
 
-    def save(self, model_dir: Path) -> None:
-        """Write the policy where the online draft trainer reads the target's LM head."""
-        from safetensors.torch import save_file
-
-        state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in self.model.state_dict().items()
-                 if k != "lm_head.weight" or not self.model.config.tie_word_embeddings}
-        tmp = model_dir / "model.safetensors.tmp"
-        save_file(state, tmp, metadata={"format": "pt"})
-        tmp.replace(model_dir / "model.safetensors")
-
 
 def generate(srv, policy: Policy, tasks: list[tuple[str, int]], group: int, max_tokens: int,
              seed: int, step: int) -> tuple[list[dict], float]:
@@ -181,7 +171,7 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
         spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": args.k,
                 "draft_sample_method": "probabilistic"}
         server_args += ["--speculative-config", json.dumps(spec),
-                        "--additional-config", json.dumps({"specrl": {"capture": capture}})]
+                        "--additional-config", json.dumps({"specrl": {"capture": capture, "capture_topk": 64}})]
     policy = Policy(policy_dir, args.lr, args.seed)
     steps = []
     with VLLMServer(policy_dir, server_args, log_path=work / f"serve_{mode}.log") as srv:
@@ -236,8 +226,8 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
                 client.update_policy(policy.model.named_parameters(), version=step + 1,
                                      pause="keep" if asynchronous else "wait")
                 policy.version = step + 1
-                if speculative:
-                    policy.save(policy_dir)
+                # Nothing to write for the draft trainer: capture_topk sends it the policy's own
+                # next-token distributions with every captured row.
                 t_sync = time.perf_counter() - t0
                 sd0, sd1 = before["spec_decode"], after["spec_decode"]
                 drafts = sd1["num_drafts"] - sd0["num_drafts"]

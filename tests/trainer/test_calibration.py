@@ -13,14 +13,10 @@ chained per-step means) are reported beside it in the benchmark table.
 import json
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from helpers import result_json, run_python
 from prompts import code_prompts
-from vllm_specrl.proposer.checkpoint import load_draft, target_lm_head
-from vllm_specrl.trainer.core import DraftTrainer, TrainConfig
-from vllm_specrl.trainer.features import sequence_features
+from vllm_specrl.trainer.calibration import estimate_from_rollouts
 
 K = 3
 NUM_PROMPTS = 96
@@ -53,27 +49,17 @@ def served(tiny_model, warm_draft):
 
 @pytest.fixture(scope="module")
 def estimate(tiny_model, warm_draft, served):
-    target = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    draft = load_draft(warm_draft, tiny_model)
-    features = sequence_features(target, served["sequences"], draft.shape.aux_layer_ids, dtype=torch.float32,
-                                 prompt_lengths=served["prompt_lengths"])
-    trainer = DraftTrainer(draft, target_lm_head(tiny_model), TrainConfig(ttt_steps=K))
-    completion_only = trainer.evaluate_many(features)
-    everything = trainer.evaluate_many([dict(f, first_draft=0) for f in features])
-    return completion_only, everything
+    return estimate_from_rollouts(tiny_model, warm_draft, served["sequences"], served["prompt_lengths"], K)
 
 
 def test_served_per_position_acceptance_matches_the_trainer_estimate(served, estimate):
-    completion_only, everything = estimate
     sd = served["spec_decode"]
     assert sd["num_drafts"] > 1500, sd
     got = sd["per_position_acceptance"]
-    want = [completion_only[f"served_accept_pos{j}"] for j in range(K)]
+    want = estimate["served"]
     assert len(got) == K
     assert max(abs(a - b) for a, b in zip(got, want)) < 0.05, {"served": got, "estimate": want}
-    assert abs(sd["acceptance_length"] - completion_only["served_acceptance_length"]) < 0.1
+    assert abs(sd["acceptance_length"] - estimate["served_acceptance_length"]) < 0.1
     # The estimate's draft count is the engine's (same rollouts, its expected draft starts).
-    assert abs(completion_only["served_drafts"] - sd["num_drafts"]) / sd["num_drafts"] < 0.05
-    print(json.dumps({"served": got, "estimate": want,
-                      "chained_mean": [completion_only[f"expected_accept_step{j}"] for j in range(K)],
-                      "with_prompt_positions": [everything[f"served_accept_pos{j}"] for j in range(K)]}))
+    assert abs(estimate["served_drafts"] - sd["num_drafts"]) / sd["num_drafts"] < 0.05
+    print(json.dumps({"served": got, **estimate}))

@@ -38,16 +38,18 @@ def setup(tiny_model, tmp_path_factory):
     spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3,
             "draft_sample_method": "probabilistic"}
     args = ["--dtype", "float32", "--max-model-len", "512", "--speculative-config", json.dumps(spec),
-            "--additional-config", json.dumps({"specrl": {"capture": capture}})]
+            "--worker-extension-cls", "vllm_specrl.sync.SpecRLWorkerExtension",
+            "--additional-config", json.dumps({"specrl": {"capture": capture, "capture_topk": 64}})]
     with VLLMServer(tiny_model, args, log_path=work / "serve.log") as srv:
         yield {"server": srv, "draft": draft, "capture": capture, "work": work, "target": tiny_model}
 
 
-def start_trainer(setup, tag: str) -> subprocess.Popen:
+def start_trainer(setup, tag: str, target=None) -> subprocess.Popen:
     out = open(setup["work"] / f"trainer_{tag}.out", "w")  # noqa: SIM115 - kept open for the process
     return subprocess.Popen(
         [sys.executable, "-m", "vllm_specrl.cli", "train-draft", "--capture", setup["capture"],
-         "--engine", setup["server"].url, "--draft", str(setup["draft"]), "--target", str(setup["target"]),
+         "--engine", setup["server"].url, "--draft", str(setup["draft"]),
+         "--target", str(target or setup["target"]),
          "--publish-every", "4", "--checkpoint-every", "4", "--batch-size", "4", "--lr", "3e-3",
          "--idle-s", "0.5", "--log", str(setup["work"] / "online.jsonl")],
         stdout=out, stderr=subprocess.STDOUT,
@@ -102,6 +104,42 @@ def test_online_training_raises_acceptance_and_stays_lossless(setup):
     assert curve[-1]["draft_version"] >= 2, curve
     assert sum(lengths[-3:]) / 3 > sum(lengths[:2]) / 2 + 0.1, lengths
     assert curve[-1]["capture"]["frames_sent"] > 0 and curve[-1]["capture"]["trainer_connected"]
+
+
+def test_policy_update_needs_no_files_for_the_trainer(setup, tmp_path):
+    """With capture_topk the soft targets travel in the frames: after a policy update the trainer
+    keeps training on the new version's rollouts without reading the policy from disk (here the
+    directory it was started from is gone)."""
+    import shutil
+
+    from vllm_specrl.sync.client import EngineClient
+
+    srv = setup["server"]
+    target_copy = tmp_path / "policy"
+    shutil.copytree(setup["target"], target_copy)
+    log = setup["work"] / "online.jsonl"
+    trainer = start_trainer(setup, "nofiles", target=target_copy)
+    try:
+        wait_for(lambda: '"event": "started"' in (setup["work"] / "trainer_nofiles.out").read_text(), 180,
+                 "trainer start")
+        shutil.rmtree(target_copy)
+        from safetensors.torch import load_file
+
+        client = EngineClient(srv.url, progress=False)
+        version = client.status()["versions"]["policy"] + 1
+        weights = load_file(str(next(setup["target"].glob("*.safetensors"))))
+        client.update_policy(weights.items(), version=version)
+        pool = code_prompts(264)[200:216]
+
+        def trained_on_new_version() -> bool:
+            complete(srv, pool, 1.0)
+            return any(r.get("policy_version") == version for r in records(log))
+
+        wait_for(trained_on_new_version, 240, "training steps on the new policy version")
+        assert trainer.poll() is None, (setup["work"] / "trainer_nofiles.out").read_text()[-3000:]
+    finally:
+        trainer.send_signal(signal.SIGINT)
+        trainer.wait(60)
 
 
 def test_dead_trainer_never_stalls_generation_and_restart_resumes(setup):

@@ -1,0 +1,47 @@
+"""Estimate vs served: what the trainer predicts for rollouts vLLM actually served.
+
+Given the rollouts a speculative engine produced (they are samples of the
+target: speculation is lossless), the draft and the target, compute the
+trainer's estimates of vLLM's per-position acceptance counters three ways:
+
+- ``served``: completion positions only, averaged over vLLM's draft starts
+  (``acceptance.served_acceptance``): what the engine should report;
+- ``chained_mean``: per-step mean acceptance over completion positions,
+  chained as if steps were independent (the trainer's cheap running metric);
+- ``with_prompt_positions``: the served estimate with prompt positions counted
+  as completions (what the trainer measured before it was completion-only).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from vllm_specrl.proposer.checkpoint import load_draft, target_lm_head
+from vllm_specrl.trainer.core import DraftTrainer, TrainConfig
+from vllm_specrl.trainer.features import sequence_features
+
+
+def estimate_from_rollouts(target_dir: Path | str, draft_dir: Path | str, sequences: list[list[int]],
+                           prompt_lengths: list[int], k: int, batch_size: int = 16) -> dict[str, list[float]]:
+    """Per-position estimates (lists of length ``k``) for ``sequences`` (prompt + completion ids)."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    draft = load_draft(draft_dir, target_dir)
+    features = sequence_features(target, sequences, draft.shape.aux_layer_ids, dtype=torch.float32,
+                                 prompt_lengths=prompt_lengths)
+    del target
+    trainer = DraftTrainer(draft, target_lm_head(Path(target_dir)), TrainConfig(ttt_steps=k))
+    completion = trainer.evaluate_many(features, batch_size)
+    everything = trainer.evaluate_many([dict(f, first_draft=0) for f in features], batch_size)
+    chained, chain = [], 1.0
+    for j in range(k):
+        chain *= completion[f"expected_accept_step{j}"]
+        chained.append(chain)
+    return {"served": [completion[f"served_accept_pos{j}"] for j in range(k)],
+            "served_acceptance_length": completion["served_acceptance_length"],
+            "served_drafts": completion["served_drafts"],
+            "chained_mean": chained,
+            "with_prompt_positions": [everything[f"served_accept_pos{j}"] for j in range(k)]}
