@@ -133,8 +133,13 @@ class Eagle3Draft(nn.Module):
 
     # -- forward --------------------------------------------------------------------
     def unroll(self, aux_hidden: torch.Tensor, token_ids: torch.Tensor, steps: int,
-               positions: torch.Tensor | None = None) -> list[torch.Tensor]:
+               positions: torch.Tensor | None = None,
+               logits_masks: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Draft logits [B, T, draft_vocab] for each of ``steps`` TTT steps.
+
+        With ``logits_masks`` (one [B, T] bool mask per step) the LM head runs only where the
+        mask is set (the positions a loss reads; the rest stay 0): the head is the largest
+        matmul of a step, and prompt positions never need it.
 
         aux_hidden: [B, T, n_aux * H_target] target states at positions 0..T-1.
         token_ids:  [B, T] tokens; step k at index t consumes token t+1+k
@@ -169,7 +174,13 @@ class Eagle3Draft(nn.Module):
             attn = layer.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
             residual = attn + hidden
             out = layer.mlp(layer.post_attention_layernorm(residual)) + residual
-            outputs.append(self.lm_head(self.norm(out)))
+            if logits_masks is None:
+                outputs.append(self.lm_head(self.norm(out)))
+            else:
+                mask = logits_masks[k]
+                logits = out.new_zeros(b, t, self.lm_head.out_features)
+                logits[mask] = self.lm_head(self.norm(out[mask]))
+                outputs.append(logits)
             hidden = out
         return outputs
 

@@ -19,7 +19,7 @@ from accelerate import Accelerator
 
 from vllm_specrl.proposer.checkpoint import load_draft, save_draft, target_lm_head
 from vllm_specrl.proposer.eagle3_torch import Eagle3Draft
-from vllm_specrl.trainer.loss import LossConfig, TargetRows, eagle3_loss
+from vllm_specrl.trainer.loss import LossConfig, TargetRows, eagle3_loss, valid_mask
 
 TRAINER_STATE = "trainer_state.pt"
 TRAINER_META = "trainer_meta.json"
@@ -138,10 +138,12 @@ class DraftTrainer:
 
     def _loss(self, batch: Batch, with_metrics: bool, served: bool = False):
         dev = self.accelerator.device
+        lengths, first = batch.lengths.to(dev), batch.first.to(dev)
+        masks = [valid_mask(lengths, batch.token_ids.shape[1], k, first) for k in range(self.config.ttt_steps)]
         logits = self.unwrapped.unroll(batch.aux_hidden.to(dev), batch.token_ids.to(dev),
-                                       self.config.ttt_steps)
+                                       self.config.ttt_steps, logits_masks=masks)
         return eagle3_loss(logits, batch.target_rows(dev), self.target_head,
-                           self.unwrapped.draft_token_ids(), batch.lengths.to(dev), batch.first.to(dev),
+                           self.unwrapped.draft_token_ids(), lengths, first,
                            self.loss_config, with_metrics=with_metrics, served=served)
 
     def step(self, batch: Batch) -> dict[str, float]:

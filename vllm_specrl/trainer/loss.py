@@ -123,6 +123,17 @@ def eagle3_loss(step_logits: list[torch.Tensor], rows: TargetRows, target_lm_hea
     metrics: dict[str, float] = {}
     steps = StepAcceptance([], [], [])
     reach = torch.ones(b, t, device=device)  # P(vLLM reaches step k at base t | emitted tokens)
+    # Step k at base t reads row t+1+k: every step reads the same rows, so their target
+    # distributions are computed once (rows after the first drafted base, inside the sequence).
+    rows_needed = valid_mask(lengths, t, 0, first).roll(1, dims=1)
+    rows_needed[:, 0] = False
+    for k in range(1, len(step_logits)):
+        rows_needed |= valid_mask(lengths, t, k, first).roll(1 + k, dims=1) & (
+            torch.arange(t, device=device)[None, :] >= 1 + k)
+    rb, rr = rows_needed.nonzero(as_tuple=True)
+    row_slot = torch.full((b, t), -1, dtype=torch.long, device=device)
+    row_slot[rb, rr] = torch.arange(len(rb), device=device)
+    row_p_draft, row_p_next = target_on_draft(rows, rb, rr, target_lm_head, draft_token_ids, draft_index)
     for k, logits in enumerate(step_logits):
         mask = valid_mask(lengths, t, k, first)
         if not mask.any():  # no sequence long enough: nothing drafted at this step
@@ -132,8 +143,8 @@ def eagle3_loss(step_logits: list[torch.Tensor], rows: TargetRows, target_lm_hea
                 steps.accept_weight.append(torch.zeros(b, t, device=device))
             continue
         b_idx, t_idx = mask.nonzero(as_tuple=True)
-        p_draft, p_next = target_on_draft(rows, b_idx, t_idx + 1 + k, target_lm_head, draft_token_ids,
-                                          draft_index)
+        slots = row_slot[b_idx, t_idx + 1 + k]
+        p_draft, p_next = row_p_draft[slots], row_p_next[slots]
         logq = logits[mask].float().log_softmax(-1)
         q = logq.exp()
         p_restricted = p_draft / p_draft.sum(-1, keepdim=True).clamp(min=1e-12)

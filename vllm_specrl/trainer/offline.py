@@ -36,6 +36,9 @@ DEFAULT_CHAT_PROMPTS = [
 ]
 
 
+ROLLOUTS = "warm_start_rollouts.json"
+
+
 @dataclass
 class OfflineConfig:
     num_prompts: int = 64
@@ -182,6 +185,10 @@ def warm_start(target_dir: Path | str, draft_dir: Path | str, prompts: list[str]
                     "train": round(time.time() - t0 - t_gen - t_feat, 1)},
     }
     trainer.save(draft_dir, extra={"warm_start": summary})
+    # The rollouts themselves (token ids), so budgets and objectives can be compared on the same data.
+    (draft_dir / ROLLOUTS).write_text(json.dumps({
+        "prompts": prompts, "sequences": sequences, "prompt_lengths": prompt_lengths,
+        "prompt_index": prompt_index, "eval_prompts": sorted(eval_prompts)}))
     return summary
 
 
