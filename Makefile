@@ -5,10 +5,17 @@ PY := $(VENV)/bin/python
 FIXTURES ?= $(CURDIR)/.fixtures
 export VLLM_SPECRL_FIXTURES := $(FIXTURES)
 
-# The demo's warm-started EAGLE-3 draft for SmolLM2 (built once, cached like the fixtures).
+# EAGLE-3 drafts for SmolLM2 warm-started on the demo's task family (arithmetic), built once
+# and cached like the fixtures: `make draft` is the full one (bench_rollout / bench_calibration),
+# `make demo` uses a smaller one so a fresh clone stays within its time budget.
 DRAFT ?= $(FIXTURES)/real/drafts/warm-arithmetic
-DRAFT_ARGS ?= --num-prompts 96 --samples 8 --max-tokens 96 --steps 600 --batch-size 8 --lr 2e-3 \
-	--draft-vocab-size 8192 --dtype bfloat16 --eval-every 150
+DRAFT_ARGS ?= --num-prompts 96 --samples 8 --max-tokens 96 --steps 400 --batch-size 8 --lr 2e-3 \
+	--draft-vocab-size 8192 --dtype float32 --eval-every 100
+DEMO_DRAFT ?= $(FIXTURES)/real/drafts/demo-arithmetic
+DEMO_DRAFT_ARGS ?= --num-prompts 48 --samples 4 --max-tokens 64 --steps 150 --batch-size 8 --lr 2e-3 \
+	--draft-vocab-size 8192 --dtype float32 --eval-every 50
+TRAIN_DRAFT = VLLM_PLUGINS=specrl VLLM_CPU_KVCACHE_SPACE=2 $(VENV)/bin/vllm-specrl train-draft --offline \
+	--task arithmetic --target $(FIXTURES)/real/target
 
 .PHONY: setup fixtures draft demo demo-rollouts test bench clean-fixtures
 
@@ -20,12 +27,12 @@ fixtures: setup
 
 draft: setup
 	@$(VENV)/bin/vllm-specrl fixtures --out $(FIXTURES) --only real
-	@test -f $(DRAFT)/trainer_meta.json || VLLM_PLUGINS=specrl VLLM_CPU_KVCACHE_SPACE=1 \
-		$(VENV)/bin/vllm-specrl train-draft --offline --task arithmetic \
-		--target $(FIXTURES)/real/target --draft $(DRAFT) $(DRAFT_ARGS)
+	@test -f $(DRAFT)/trainer_meta.json || $(TRAIN_DRAFT) --draft $(DRAFT) $(DRAFT_ARGS)
 
-demo: draft
-	@$(PY) scripts/rl_demo.py --fixtures $(FIXTURES) --draft $(DRAFT)
+demo: setup
+	@$(VENV)/bin/vllm-specrl fixtures --out $(FIXTURES) --only real
+	@test -f $(DEMO_DRAFT)/trainer_meta.json || $(TRAIN_DRAFT) --draft $(DEMO_DRAFT) $(DEMO_DRAFT_ARGS)
+	@$(PY) scripts/rl_demo.py --fixtures $(FIXTURES) --draft $(DEMO_DRAFT)
 
 demo-rollouts: setup
 	@$(VENV)/bin/vllm-specrl fixtures --out $(FIXTURES) --only real

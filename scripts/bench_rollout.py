@@ -5,8 +5,8 @@ warm-started draft), k (num_speculative_tokens), temperature and batch size.
 One engine per (method, k), each in its own subprocess (vLLM allows one engine
 per process), started once and then measured at every (temperature, batch
 size): ``batch`` concurrent sequences are generated in ``--waves`` waves of
-``batch`` requests (ignore_eos, same length), so exactly ``batch`` sequences
-decode together. Every speculative cell is reported as a ratio against the
+``batch`` requests (ignore_eos, same length, unless ``--stop-at-eos``), so exactly
+``batch`` sequences decode together. Every speculative cell is reported as a ratio against the
 plain cell of the same temperature and batch size from this run, with vLLM's
 acceptance counters (``vllm:spec_decode_*``) and the per-step cost that
 explains the ratio: ``step_cost_vs_plain = acceptance_length / ratio`` (a
@@ -93,7 +93,7 @@ def _engine_offline(cfg: dict) -> list[dict]:
             for w in range(0, len(jobs), batch):
                 wave = jobs[w:w + batch]
                 params = [SamplingParams(temperature=temperature, max_tokens=cfg["max_tokens"],
-                                         ignore_eos=True, seed=seed) for _, seed in wave]
+                                         ignore_eos=cfg["ignore_eos"], seed=seed) for _, seed in wave]
                 outs = llm.generate([prompts[i] for i, _ in wave], params, use_tqdm=False)
                 tokens += sum(len(o.outputs[0].token_ids) for o in outs)
             wall = time.perf_counter() - t0
@@ -127,7 +127,7 @@ def _engine_server(cfg: dict) -> list[dict]:
             r = client.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": cfg["prompts"][i]}],
                 temperature=temperature, max_tokens=cfg["max_tokens"], seed=seed,
-                logprobs=True, extra_body={"ignore_eos": True})
+                logprobs=True, extra_body={"ignore_eos": cfg["ignore_eos"]})
             return r.usage.completion_tokens
 
         def counters():
@@ -270,6 +270,8 @@ def main() -> None:
     ap.add_argument("--prompt-set", default="code", choices=["code", "chat", "arithmetic"])
     ap.add_argument("--samples", type=int, default=4, help="G samples per prompt")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--stop-at-eos", action="store_true",
+                    help="let completions end at EOS (natural lengths, as in RL) instead of ignore_eos")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
@@ -306,6 +308,7 @@ def main() -> None:
             "prompts": make_prompts(args.prompts, args.prompt_set, trained_on),
             "prompt_set": args.prompt_set,
             "samples": args.samples, "waves": args.waves, "max_tokens": args.max_tokens,
+            "ignore_eos": not args.stop_at_eos,
             "temperatures": [float(t) for t in args.temperatures.split(",")],
             "batch_sizes": [int(b) for b in args.batch_sizes.split(",")], "dtype": args.dtype,
             "max_model_len": args.max_model_len, "seed": args.seed, "log_dir": str(args.out.parent)}

@@ -25,6 +25,11 @@ from vllm_specrl.sync.staging import UpdateStager
 from vllm_specrl.sync.validate import WeightUpdateError, checkpoint_specs
 
 
+# Top-K logprobs of the target sent with every sampled row: the online trainer's soft targets,
+# taken from the engine's own logits of the policy version that produced the row (0 disables).
+DEFAULT_CAPTURE_TOPK = 64
+
+
 def _refusal(exc: Exception) -> dict[str, Any]:
     return {"ok": False, "error": str(exc), "problems": getattr(exc, "problems", [])}
 
@@ -157,7 +162,7 @@ class SpecRLWorkerExtension:
         fraction = float(fraction if fraction is not None else cfg.get("capture_fraction", 1.0))
         stager = self._specrl_stager()
         tap = CaptureTap(sender, fraction, lambda: stager.versions["policy"],
-                         topk=int(cfg.get("capture_topk", 0)))
+                         topk=int(cfg.get("capture_topk", DEFAULT_CAPTURE_TOPK)))
         how = vllm_compat.install_capture_tap(self.model_runner, tap)
         self._specrl_capture = tap
         return {"ok": True, "tap": how, "address": address, "fraction": fraction}
