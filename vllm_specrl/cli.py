@@ -133,7 +133,7 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
                         seed=args.seed, chat=not args.raw_prompts, dtype=args.dtype,
                         eval_fraction=args.eval_fraction, eval_every=args.eval_every, task=args.task)
     summary = warm_start(args.target, args.draft, prompts, cfg, _train_config(args), args.draft_vocab_size,
-                         args.init_from, args.log)
+                         args.init_from, args.log, args.rollouts)
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -193,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--draft", type=Path, required=True,
                     help="draft directory (offline: output; online: the draft the engine serves)")
     tr.add_argument("--init-from", type=Path, default=None, help="start from this draft")
+    tr.add_argument("--rollouts", type=Path, default=None,
+                    help="offline: reuse a warm start's saved rollouts (warm_start_rollouts.json)")
     tr.add_argument("--prompts", type=Path, default=None, help="text or JSONL ({\"prompt\":...}) file")
     tr.add_argument("--raw-prompts", action="store_true", help="do not apply the chat template")
     tr.add_argument("--num-prompts", type=int, default=64)

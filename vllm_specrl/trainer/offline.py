@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from vllm_specrl.proposer.checkpoint import init_draft, load_draft, target_lm_head
-from vllm_specrl.trainer.core import DraftTrainer, TrainConfig, collate
+from vllm_specrl.trainer.core import TRAINER_STATE, DraftTrainer, TrainConfig, collate
 from vllm_specrl.trainer.features import sequence_features
 
 DEFAULT_CHAT_PROMPTS = [
@@ -120,18 +120,29 @@ def split_by_prompt(prompt_index: list[int], eval_fraction: float, seed: int) ->
 def warm_start(target_dir: Path | str, draft_dir: Path | str, prompts: list[str] | None = None,
                cfg: OfflineConfig | None = None, train_cfg: TrainConfig | None = None,
                draft_vocab_size: int | None = None, init_from: Path | str | None = None,
-               log_path: Path | str | None = None) -> dict:
-    """Run the whole warm start; returns a summary (also written next to the draft)."""
+               log_path: Path | str | None = None, rollouts_path: Path | str | None = None) -> dict:
+    """Run the whole warm start; returns a summary (also written next to the draft).
+
+    ``rollouts_path``: reuse the rollouts (and held-out split) an earlier warm start saved
+    (``warm_start_rollouts.json``) instead of generating new ones.
+    """
     from transformers import AutoModelForCausalLM
 
     cfg = cfg or OfflineConfig()
     train_cfg = train_cfg or TrainConfig(seed=cfg.seed)
     target_dir, draft_dir = Path(target_dir), Path(draft_dir)
     t0 = time.time()
-    prompts = prompts or default_prompts(cfg.num_prompts, cfg.seed, cfg.task)
-    sequences, prompt_lengths, prompt_index = generate_rollouts(target_dir, prompts, cfg)
+    if rollouts_path is not None:
+        saved = json.loads(Path(rollouts_path).read_text())
+        prompts, sequences = saved["prompts"], saved["sequences"]
+        prompt_lengths, prompt_index = saved["prompt_lengths"], saved["prompt_index"]
+        eval_prompts = set(saved["eval_prompts"])
+        train_prompts = set(prompt_index) - eval_prompts
+    else:
+        prompts = prompts or default_prompts(cfg.num_prompts, cfg.seed, cfg.task)
+        sequences, prompt_lengths, prompt_index = generate_rollouts(target_dir, prompts, cfg)
+        train_prompts, eval_prompts = split_by_prompt(prompt_index, cfg.eval_fraction, cfg.seed)
     t_gen = time.time() - t0
-    train_prompts, eval_prompts = split_by_prompt(prompt_index, cfg.eval_fraction, cfg.seed)
 
     # The draft vocabulary: the most frequent tokens the target *generates* on the training prompts.
     counts = Counter(t for s, n, i in zip(sequences, prompt_lengths, prompt_index)
@@ -152,7 +163,11 @@ def warm_start(target_dir: Path | str, draft_dir: Path | str, prompts: list[str]
     rng = random.Random(cfg.seed)
     train_items = [f for f, i in zip(features, prompt_index) if i in train_prompts]
     eval_items = [f for f, i in zip(features, prompt_index) if i in eval_prompts] or train_items[:1]
-    trainer = DraftTrainer(draft, target_lm_head(target_dir), train_cfg)
+    if init_from and (Path(init_from) / TRAINER_STATE).exists():
+        # Continue a warm start: its weights, optimizer state and step count.
+        trainer = DraftTrainer.from_checkpoint(init_from, target_dir, train_cfg)
+    else:
+        trainer = DraftTrainer(draft, target_lm_head(target_dir), train_cfg)
     before = trainer.evaluate_many(eval_items)
     curve = [{"step": 0, "completion_tokens": 0, **_curve_point(before)}]
     seen_tokens = 0
