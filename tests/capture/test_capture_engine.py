@@ -27,7 +27,6 @@ EIGHT_PROMPTS = PROMPTS + ["while True:\n", "try:\n    pass\n", "with open(p) as
 
 # Drain the receiver until the engine's sender is idle, then save each request's assembled rows.
 COLLECT = """
-asm = SequenceAssembler()
 deadline = time.time() + 20
 state = None
 while time.time() < deadline:
@@ -42,7 +41,7 @@ for i, rid in enumerate(request_ids):
     # vLLM suffixes the engine-side request id ("0" -> "0-1a2b3c4d").
     key = next(k for k in asm.requests if k == rid or k.startswith(rid + "-"))
     for k, v in asm.pop(key).items():
-        seqs[f"{i}.{k}"] = v.contiguous()
+        seqs[f"{i}.{k}"] = v.contiguous() if torch.is_tensor(v) else torch.tensor(v)
 save_file(seqs, OUT)
 print("RESULT " + json.dumps({"tokens": tokens, "state": state, "rx": rx.counters, **extra}))
 """
@@ -63,6 +62,7 @@ from vllm import LLM, SamplingParams
 from vllm_specrl.capture.receiver import CaptureReceiver, SequenceAssembler
 OUT = {str(out)!r}
 rx = CaptureReceiver({addr!r})
+asm = SequenceAssembler()
 llm = LLM(model={str(tiny_model)!r}, dtype="float32", enforce_eager=True, max_model_len=512,
           max_num_batched_tokens=64, max_num_seqs=8, {engine_kwargs}
           speculative_config={{"method": "eagle3", "model": {str(work / "draft")!r},
@@ -106,6 +106,8 @@ for rid, p, seed in zip(request_ids, prompts, range(len(prompts))):
                                            logprobs=0))
 latest, aborted, logprobs = {{}}, None, {{}}
 while eng.has_unfinished_requests():
+    for header, tensors in rx.receive(0):  # drain as a trainer does (ZeroMQ's buffers are bounded)
+        asm.add(header, tensors)
     for o in eng.step():
         latest[o.request_id] = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
         logprobs[o.request_id] = [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
@@ -174,3 +176,21 @@ def test_captured_logprobs_equal_vllms(capture_run):
         assert torch.isnan(got[:first]).all(), f"request {i}: prompt rows carry a logprob"
         torch.testing.assert_close(got[first:first + len(want)], torch.tensor(want), atol=1e-3, rtol=0,
                                    msg=lambda m: f"request {i}: {m}")
+
+
+def test_captured_prompt_length_and_topk_targets(capture_run):
+    """Each sequence knows where vLLM starts drafting (prompt length - 1), and the default top-K
+    soft targets agree with the sampled tokens' logprobs wherever those are in the top K."""
+    meta, seqs = capture_run
+    for i, (tokens, want) in enumerate(zip(meta["tokens"], meta["vllm_logprobs"])):
+        first = len(tokens) - len(want) - 1
+        assert int(seqs[f"{i}.first_draft"]) == first, f"request {i}"
+        values, ids = seqs[f"{i}.topk_logprobs"], seqs[f"{i}.topk_ids"]
+        assert values.shape[1] == 64
+        assert torch.isnan(values[:first]).all() and not torch.isnan(values[first:first + len(want)]).any()
+        nxt = seqs[f"{i}.next_token_ids"]
+        for row in range(first, first + len(want)):
+            assert values[row, 0] >= seqs[f"{i}.logprobs"][row] - 1e-4   # sorted: the top is the max
+            hit = (ids[row] == nxt[row]).nonzero()
+            if len(hit):
+                assert abs(float(values[row, hit[0, 0]]) - float(seqs[f"{i}.logprobs"][row])) < 1e-4
