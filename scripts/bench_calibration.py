@@ -14,48 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 
-def serve(target: str, draft: str, prompts: list[str], k: int, dtype: str, max_tokens: int,
-          ignore_eos: bool) -> dict:
-    code = textwrap.dedent(f"""
-        import json
-        from vllm import LLM, SamplingParams
-        from vllm_specrl import metrics
-        llm = LLM(model={target!r}, dtype={dtype!r}, enforce_eager=True, seed=0, max_model_len=1024,
-                  max_num_seqs=16, disable_log_stats=False,
-                  speculative_config={{"method": "eagle3", "model": {draft!r}, "num_speculative_tokens": {k},
-                                      "draft_sample_method": "probabilistic"}})
-        tok = llm.get_tokenizer()
-        prompts = {prompts!r}
-        if tok.chat_template:
-            prompts = [tok.apply_chat_template([{{"role": "user", "content": p}}], tokenize=False,
-                                               add_generation_prompt=True) for p in prompts]
-        params = [SamplingParams(temperature=1.0, max_tokens={max_tokens}, ignore_eos={ignore_eos}, seed=i)
-                  for i in range(len(prompts))]
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        print("RESULT " + json.dumps({{
-            "sequences": [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs],
-            "prompt_lengths": [len(o.prompt_token_ids) for o in outs],
-            "spec_decode": metrics.from_llm_metrics(llm.get_metrics()).summary()}}))
-    """)
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_PLUGINS="specrl")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise RuntimeError((proc.stdout + proc.stderr)[-4000:])
-
-
 def main() -> None:
-    from vllm_specrl.trainer.calibration import estimate_from_rollouts
+    from vllm_specrl.trainer.calibration import estimate_from_rollouts, serve_rollouts
     from vllm_specrl.trainer.offline import default_prompts
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -83,7 +48,8 @@ def main() -> None:
         prompts = [p for p in default_prompts(4 * args.prompts + 64, 4321, args.prompt_set)
                    if p not in trained][: args.prompts]
     t0 = time.time()
-    served = serve(args.target, args.draft, prompts, args.k, args.dtype, args.max_tokens, args.ignore_eos)
+    served = serve_rollouts(args.target, args.draft, prompts, args.k, args.dtype, args.max_tokens,
+                            args.ignore_eos, chat=args.prompt_set != "code")
     est = estimate_from_rollouts(args.target, args.draft, served["sequences"], served["prompt_lengths"], args.k)
     sd = served["spec_decode"]
     row = {"label": args.label or f"{Path(args.target).parent.name} {args.dtype}", "target": args.target,

@@ -14,9 +14,8 @@ import json
 
 import pytest
 
-from helpers import result_json, run_python
 from prompts import code_prompts
-from vllm_specrl.trainer.calibration import estimate_from_rollouts
+from vllm_specrl.trainer.calibration import estimate_from_rollouts, serve_rollouts
 
 K = 3
 NUM_PROMPTS = 96
@@ -26,25 +25,8 @@ MAX_TOKENS = 48
 @pytest.fixture(scope="module")
 def served(tiny_model, warm_draft):
     prompts = code_prompts(300 + NUM_PROMPTS)[300:]   # held out: the warm start trained on prompts 200..263
-    spec = {"method": "eagle3", "model": str(warm_draft), "num_speculative_tokens": K,
-            "draft_sample_method": "probabilistic"}
-    out = run_python(f"""
-        import json
-        from vllm import LLM, SamplingParams
-        from vllm_specrl import metrics
-        llm = LLM(model={str(tiny_model)!r}, dtype="float32", enforce_eager=True, seed=0,
-                  max_model_len=512, max_num_seqs=32, disable_log_stats=False,
-                  speculative_config={spec!r})
-        prompts = json.loads({json.dumps(json.dumps(prompts))})
-        params = [SamplingParams(temperature=1.0, max_tokens={MAX_TOKENS}, ignore_eos=True, seed=i)
-                  for i in range(len(prompts))]
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        print("RESULT " + json.dumps({{
-            "sequences": [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs],
-            "prompt_lengths": [len(o.prompt_token_ids) for o in outs],
-            "spec_decode": metrics.from_llm_metrics(llm.get_metrics()).summary()}}))
-    """, env={"VLLM_PLUGINS": "specrl"})
-    return result_json(out)
+    return serve_rollouts(tiny_model, warm_draft, prompts, K, "float32", MAX_TOKENS, ignore_eos=True,
+                          chat=False, max_num_seqs=32)
 
 
 @pytest.fixture(scope="module")
@@ -62,4 +44,4 @@ def test_served_per_position_acceptance_matches_the_trainer_estimate(served, est
     assert abs(sd["acceptance_length"] - estimate["served_acceptance_length"]) < 0.1
     # The estimate's draft count is the engine's (same rollouts, its expected draft starts).
     assert abs(estimate["served_drafts"] - sd["num_drafts"]) / sd["num_drafts"] < 0.05
-    print(json.dumps({"served": got, **estimate}))
+    print(json.dumps({"vllm_counters": got, **estimate}))

@@ -14,6 +14,11 @@ trainer's estimates of vLLM's per-position acceptance counters three ways:
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import torch
@@ -45,3 +50,37 @@ def estimate_from_rollouts(target_dir: Path | str, draft_dir: Path | str, sequen
             "served_drafts": completion["served_drafts"],
             "chained_mean": chained,
             "with_prompt_positions": [everything[f"served_accept_pos{j}"] for j in range(k)]}
+
+
+def serve_rollouts(target: str | Path, draft: str | Path, prompts: list[str], k: int, dtype: str, max_tokens: int,
+                   ignore_eos: bool, chat: bool = True, max_num_seqs: int = 16) -> dict:
+    """T=1 rollouts from an in-process engine (its own subprocess) serving ``draft`` with k
+    probabilistic drafts: sequences, prompt lengths and vLLM's ``spec_decode`` counters."""
+    code = textwrap.dedent(f"""
+        import json
+        from vllm import LLM, SamplingParams
+        from vllm_specrl import metrics
+        llm = LLM(model={str(target)!r}, dtype={dtype!r}, enforce_eager=True, seed=0, max_model_len=1024,
+                  max_num_seqs={max_num_seqs}, disable_log_stats=False,
+                  speculative_config={{"method": "eagle3", "model": {str(draft)!r}, "num_speculative_tokens": {k},
+                                      "draft_sample_method": "probabilistic"}})
+        tok = llm.get_tokenizer()
+        prompts = {prompts!r}
+        if {chat} and tok.chat_template:
+            prompts = [tok.apply_chat_template([{{"role": "user", "content": p}}], tokenize=False,
+                                               add_generation_prompt=True) for p in prompts]
+        params = [SamplingParams(temperature=1.0, max_tokens={max_tokens}, ignore_eos={ignore_eos}, seed=i)
+                  for i in range(len(prompts))]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        print("RESULT " + json.dumps({{
+            "sequences": [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs],
+            "prompt_lengths": [len(o.prompt_token_ids) for o in outs],
+            "spec_decode": metrics.from_llm_metrics(llm.get_metrics()).summary()}}))
+    """)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_PLUGINS="specrl")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError((proc.stdout + proc.stderr)[-4000:])
