@@ -45,7 +45,7 @@ def simulate(p: torch.Tensor, q: torch.Tensor, first: int, gen: torch.Generator)
 def estimate(seqs, p, q, first):
     b, t = len(seqs), p.shape[0]
     x = torch.tensor(seqs)
-    valid, weight, prob = [], [], []
+    valid, weight = [], []
     for j in range(K):
         pos = torch.arange(t) + 2 + j
         ok = (pos < t) & (torch.arange(t) >= first)
@@ -58,8 +58,7 @@ def estimate(seqs, p, q, first):
                 qx[:, s] = q[s, j, x[:, pos[s]]]
         valid.append(v)
         weight.append(torch.where(v, (qx / px).clamp(max=1.0), 0.0))
-        prob.append(torch.zeros(b, t))
-    return served_acceptance(StepAcceptance(valid, prob, weight), torch.full((b,), first))
+    return served_acceptance(StepAcceptance(valid, weight), torch.full((b,), first))
 
 
 def test_estimate_matches_simulated_vllm_counters():

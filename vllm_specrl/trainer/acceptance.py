@@ -33,7 +33,6 @@ class StepAcceptance:
     """Per base position of a batch, for each TTT step (lists over steps of [B, T])."""
 
     valid: list[torch.Tensor]          # bool: step j at base t is a position vLLM drafts from
-    accept_prob: list[torch.Tensor]    # sum_x min(p_j, q_j): acceptance over the draft's own sample
     accept_weight: list[torch.Tensor]  # min(1, q_j(x) / p_j(x)) for the emitted token x
 
 

@@ -121,7 +121,7 @@ def eagle3_loss(step_logits: list[torch.Tensor], rows: TargetRows, target_lm_hea
     total = torch.zeros((), device=device)
     weight_sum = 0.0
     metrics: dict[str, float] = {}
-    steps = StepAcceptance([], [], [])
+    steps = StepAcceptance([], [])
     reach = torch.ones(b, t, device=device)  # P(vLLM reaches step k at base t | emitted tokens)
     # Step k at base t reads row t+1+k: every step reads the same rows, so their target
     # distributions are computed once (rows after the first drafted base, inside the sequence).
@@ -139,7 +139,6 @@ def eagle3_loss(step_logits: list[torch.Tensor], rows: TargetRows, target_lm_hea
         if not mask.any():  # no sequence long enough: nothing drafted at this step
             if with_metrics or served:
                 steps.valid.append(mask)
-                steps.accept_prob.append(torch.zeros(b, t, device=device))
                 steps.accept_weight.append(torch.zeros(b, t, device=device))
             continue
         b_idx, t_idx = mask.nonzero(as_tuple=True)
@@ -168,11 +167,8 @@ def eagle3_loss(step_logits: list[torch.Tensor], rows: TargetRows, target_lm_hea
         full_weight[b_idx, t_idx] = weight_next
         reach = reach * full_weight
         if with_metrics or served:
-            full_accept = torch.zeros(b, t, device=device)
-            full_accept[b_idx, t_idx] = accept.detach()
             # A draft starts at t only if the token at t + 1 was not the rollout's last.
             steps.valid.append(mask & (torch.arange(t, device=device)[None, :] + 2 < lengths[:, None]))
-            steps.accept_prob.append(full_accept)
             steps.accept_weight.append(full_weight)
         if with_metrics:
             with torch.no_grad():
