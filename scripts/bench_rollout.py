@@ -32,7 +32,8 @@ import sys
 import time
 from pathlib import Path
 
-METHODS = ("plain", "ngram", "eagle3-random", "eagle3-warm")
+METHODS = ("plain", "ngram", "eagle3-random", "eagle3-warm", "eagle3-warm-adaptive")
+ADAPTIVE_SCHEDULER = "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"
 
 
 def make_prompts(n: int, prompt_set: str = "code", exclude: set[str] | None = None) -> list[str]:
@@ -56,7 +57,7 @@ def speculative_config(method: str, k: int, drafts: dict[str, str]) -> dict | No
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3,
                 "prompt_lookup_min": 1}
-    return {"method": "eagle3", "model": drafts[method], "num_speculative_tokens": k,
+    return {"method": "eagle3", "model": drafts[method.removesuffix("-adaptive")], "num_speculative_tokens": k,
             "draft_sample_method": "probabilistic"}
 
 
@@ -73,22 +74,30 @@ def _engine_offline(cfg: dict) -> list[dict]:
     from vllm import LLM, SamplingParams
 
     from vllm_specrl import metrics
+    from vllm_specrl.adaptive import state as adaptive_state
 
     spec = cfg["speculative_config"]
     llm = LLM(model=cfg["model"], dtype=cfg["dtype"], enforce_eager=True, seed=cfg["seed"],
               max_model_len=cfg["max_model_len"], max_num_seqs=max(cfg["batch_sizes"]),
-              speculative_config=spec, disable_log_stats=False)
+              speculative_config=spec, disable_log_stats=False,
+              **({"scheduler_cls": cfg["scheduler_cls"]} if cfg.get("scheduler_cls") else {}))
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                        add_generation_prompt=True) for p in cfg["prompts"]]
     for temperature in cfg["temperatures"]:  # warm-up, each sampling path once
         llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=temperature, seed=0),
                      use_tqdm=False)
+    for batch in cfg["batch_sizes"] if cfg["warmup_steps"] else ():
+        # Every engine, measured or not: an adaptive-k engine calibrates here, as a rollout server
+        # does over its first steps (its exploration after this is part of every measured cell).
+        llm.generate(prompts[-batch:], SamplingParams(max_tokens=cfg["warmup_steps"], temperature=1.0,
+                                                      ignore_eos=True, seed=1), use_tqdm=False)
     cells = []
     for temperature in cfg["temperatures"]:
         for batch in cfg["batch_sizes"]:
             jobs = cell_jobs(cfg, batch)
             before = metrics.from_llm_metrics(llm.get_metrics())
+            k_before = (adaptive_state.read() or {}).get("chosen_k_counts")
             tokens, t0 = 0, time.perf_counter()
             for w in range(0, len(jobs), batch):
                 wave = jobs[w:w + batch]
@@ -99,7 +108,18 @@ def _engine_offline(cfg: dict) -> list[dict]:
             wall = time.perf_counter() - t0
             stats = metrics.from_llm_metrics(llm.get_metrics()).minus(before).summary()
             cells.append(_cell(temperature, batch, len(jobs), tokens, wall, stats if spec else None))
+            if cfg.get("scheduler_cls"):
+                cells[-1]["adaptive_k"] = chosen_k(k_before, (adaptive_state.read() or {}).get("chosen_k_counts"))
     return cells
+
+
+def chosen_k(before: list[int] | None, after: list[int] | None) -> dict | None:
+    """Steps per k the adaptive controller scheduled between two snapshots, and their mean."""
+    if not after:
+        return None
+    counts = [a - b for a, b in zip(after, before or [0] * len(after))]
+    total = sum(counts)
+    return {"steps_per_k": counts, "mean_k": sum(k * n for k, n in enumerate(counts)) / total if total else None}
 
 
 def _engine_server(cfg: dict) -> list[dict]:
@@ -114,6 +134,8 @@ def _engine_server(cfg: dict) -> list[dict]:
     spec = cfg["speculative_config"]
     extra = ["--dtype", cfg["dtype"], "--max-model-len", str(cfg["max_model_len"]),
              "--max-num-seqs", str(max(cfg["batch_sizes"])), "--seed", str(cfg["seed"])]
+    if cfg.get("scheduler_cls"):
+        extra += ["--scheduler-cls", cfg["scheduler_cls"]]
     if spec:
         extra += ["--speculative-config", json.dumps(spec)]
     log = Path(cfg["log_dir"]) / f"server_{cfg['name']}.log"
@@ -175,7 +197,7 @@ def prepare_drafts(args: argparse.Namespace, model: str, methods: list[str]) -> 
     drafts: dict[str, str] = {}
     warm = Path(args.warm_draft or args.out.parent / "drafts" / f"{args.fixture}-warm")
     vocab = args.draft_vocab_size
-    if "eagle3-warm" in methods:
+    if "eagle3-warm" in methods or "eagle3-warm-adaptive" in methods:
         if not (warm / "config.json").exists():
             print(f"[bench] warm-starting a draft into {warm} (vllm-specrl train-draft --offline)",
                   flush=True)
@@ -219,7 +241,8 @@ def plot(report: dict, path: Path) -> None:
     temps = sorted({c["temperature"] for c in cells})
     fig, axes = plt.subplots(len(temps), 2, figsize=(11, 3.6 * len(temps)), squeeze=False)
     styles = ["-", "--", ":", "-."]
-    colors = {"ngram": "tab:orange", "eagle3-random": "tab:gray", "eagle3-warm": "tab:blue"}
+    colors = {"ngram": "tab:orange", "eagle3-random": "tab:gray", "eagle3-warm": "tab:blue",
+              "eagle3-warm-adaptive": "tab:green"}
     batches = sorted({c["batch_size"] for c in cells})
     for row, temp in enumerate(temps):
         for method in sorted({c["method"] for c in cells}):
@@ -265,7 +288,10 @@ def main() -> None:
     ap.add_argument("--mode", default="offline", choices=["offline", "server"])
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--batch-sizes", default="1,4,16")
-    ap.add_argument("--waves", type=int, default=2, help="waves of `batch` requests per cell")
+    ap.add_argument("--waves", type=int, default=3, help="waves of `batch` requests per cell")
+    ap.add_argument("--warmup-steps", type=int, default=96,
+                    help="tokens decoded at every batch size before measuring (adaptive k calibrates)")
+    ap.add_argument("--adaptive-max-k", type=int, default=3, help="k limit of eagle3-warm-adaptive")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-set", default="code", choices=["code", "chat", "arithmetic"])
     ap.add_argument("--samples", type=int, default=4, help="G samples per prompt")
@@ -296,7 +322,11 @@ def main() -> None:
     drafts = prepare_drafts(args, model, methods)
     ks = [int(k) for k in args.ks.split(",")]
     engines = [("plain", 0, None)] if "plain" in methods else []
-    engines += [(m, k, speculative_config(m, k, drafts)) for m in methods if m != "plain" for k in ks]
+    engines += [(m, k, speculative_config(m, k, drafts)) for m in methods
+                if m not in ("plain", "eagle3-warm-adaptive") for k in ks]
+    if "eagle3-warm-adaptive" in methods:
+        engines.append(("eagle3-warm-adaptive", args.adaptive_max_k,
+                        speculative_config("eagle3-warm-adaptive", args.adaptive_max_k, drafts)))
     engines += [(f"custom{i}", json.loads(s).get("num_speculative_tokens", 0), json.loads(s))
                 for i, s in enumerate(args.speculative_config)]
     trained_on: set[str] = set()
@@ -311,7 +341,8 @@ def main() -> None:
             "ignore_eos": not args.stop_at_eos,
             "temperatures": [float(t) for t in args.temperatures.split(",")],
             "batch_sizes": [int(b) for b in args.batch_sizes.split(",")], "dtype": args.dtype,
-            "max_model_len": args.max_model_len, "seed": args.seed, "log_dir": str(args.out.parent)}
+            "max_model_len": args.max_model_len, "seed": args.seed, "log_dir": str(args.out.parent),
+            "warmup_steps": args.warmup_steps}
     report = {"benchmark": "rollout_throughput", "model": model,
               "fixture": None if args.model else args.fixture, "drafts": drafts,
               "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
@@ -321,7 +352,9 @@ def main() -> None:
     for method, k, spec in engines:
         name = method if method == "plain" else f"{method}_k{k}"
         print(f"[bench] {name}: {json.dumps(spec) if spec else 'no speculation'}", flush=True)
-        res = run_engine_in_subprocess(dict(base, name=name, speculative_config=spec), args.engine_timeout)
+        res = run_engine_in_subprocess(dict(base, name=name, speculative_config=spec,
+                                            scheduler_cls=ADAPTIVE_SCHEDULER if method.endswith("-adaptive")
+                                            else None), args.engine_timeout)
         if isinstance(res, str):
             print(f"[bench]   FAILED: {res[-800:]}", flush=True)
             report["cells"].append({"method": method, "k": k, "speculative_config": spec, "error": res})
@@ -336,7 +369,9 @@ def main() -> None:
                   + (f"  ratio {cell['throughput_ratio_vs_plain']:.2f}"
                      if "throughput_ratio_vs_plain" in cell else "")
                   + (f"  accept len {sd['acceptance_length']:.2f}" if sd.get("acceptance_length") else "")
-                  + (f"  step cost {cell['step_cost_vs_plain']:.2f}" if "step_cost_vs_plain" in cell else ""),
+                  + (f"  step cost {cell['step_cost_vs_plain']:.2f}" if "step_cost_vs_plain" in cell else "")
+                  + (f"  mean k {cell['adaptive_k']['mean_k']:.2f}"
+                     if (cell.get("adaptive_k") or {}).get("mean_k") is not None else ""),
                   flush=True)
         report["elapsed_s"] = round(time.time() - t_start, 1)
         args.out.write_text(json.dumps(report, indent=2))  # partial results survive a stop

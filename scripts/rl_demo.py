@@ -1,6 +1,6 @@
 """A real (small) GRPO loop with speculative rollouts, and the same loop without, same seeds.
 
-Policy: SmolLM2-135M-Instruct (the real fixture). Task: "What is a + b?" with
+Policy: SmolLM2-135M-Instruct (the real fixture). Task (vllm_specrl.rl.tasks): "What is a + b?" with
 one-digit numbers, reward 1 when the sum is among the first three integers of
 the answer (checked by code). Each step: G samples per prompt from ``vllm serve`` over
 the OpenAI completions API with logprobs and token ids; the trainer
@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import re
 import shutil
 import signal
 import subprocess
@@ -33,121 +31,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import requests
 import torch
 
-
-def make_tasks(step: int, n: int, seed: int) -> list[tuple[str, int]]:
-    rng = random.Random(seed * 1000 + step)
-    out = []
-    for _ in range(n):
-        a, b = rng.randint(1, 9), rng.randint(1, 9)
-        out.append((f"What is {a} + {b}? Answer with just the number.", a + b))
-    return out
-
-
-def reward(text: str, answer: int) -> float:
-    """1 when the sum is among the first three integers of the answer.
-
-    SmolLM2-135M restates the question ("2 + 5 is 7") more often than it
-    answers with the number alone (measured: the first integer is right in 2%
-    of samples, the sum appears in about a fifth), so this rewards getting the
-    sum right and saying it early, which GRPO can push up.
-    """
-    return 1.0 if answer in [int(x) for x in re.findall(r"-?\d+", text)[:3]] else 0.0
-
-
-class Policy:
-    """The trainer side: an HF model, AdamW, GRPO step, logprob recomputation."""
-
-    def __init__(self, model_dir: Path, lr: float, seed: int):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        torch.manual_seed(seed)
-        self.tok = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.model.train()
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
-        self.version = 0
-
-    def chat(self, prompt: str) -> str:
-        if not self.tok.chat_template:  # base models (the tiny test fixture): the task as plain text
-            return prompt + "\n"
-        return self.tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                            add_generation_prompt=True)
-
-    def token_logprobs(self, samples: list[dict]) -> list[torch.Tensor]:
-        """Per-sample logprobs of the completion tokens under the current policy (with grad)."""
-        seqs = [s["prompt_ids"] + s["completion_ids"] for s in samples]
-        width = max(len(x) for x in seqs)
-        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
-        ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-        mask = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, x in enumerate(seqs):
-            ids[i, : len(x)] = torch.tensor(x)
-            mask[i, : len(x)] = 1
-        logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
-        logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
-        out = []
-        for i, s in enumerate(samples):
-            start = len(s["prompt_ids"]) - 1
-            out.append(logp[i, start : start + len(s["completion_ids"])])
-        return out
-
-    def grpo_step(self, samples: list[dict], logps: list[torch.Tensor], group: int, clip: float) -> float:
-        """GRPO with a clipped importance ratio against vLLM's sampling logprobs.
-
-        The behaviour policy is whatever produced each token (in async mode a
-        rollout can span two policy versions), and vLLM reports exactly its
-        logprob, so ``exp(logp - vllm_logp)`` corrects both the lag and the
-        engine's numerics (bf16) per token.
-        """
-        rewards = torch.tensor([s["reward"] for s in samples]).view(-1, group)
-        adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).view(-1)
-        per_seq = []
-        for a, lp, s in zip(adv, logps, samples):
-            ratio = torch.exp(lp - torch.tensor(s["vllm_logprobs"], dtype=lp.dtype))
-            surrogate = torch.minimum(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a)
-            per_seq.append(surrogate.mean())
-        loss = -torch.stack(per_seq).mean()
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.opt.step()
-        return float(loss.detach())
-
-
-def generate(srv, policy: Policy, tasks: list[tuple[str, int]], group: int, max_tokens: int,
-             seed: int, step: int) -> tuple[list[dict], float]:
-    """G samples per task over the OpenAI API; each carries the policy versions it was sampled under."""
-    t0 = time.perf_counter()
-
-    def one(i_task):
-        i, (prompt, answer) = i_task
-        r = requests.post(srv.url + "/v1/completions", timeout=600, json={
-            "model": srv.model, "prompt": policy.chat(prompt), "n": group, "temperature": 1.0,
-            "max_tokens": max_tokens, "logprobs": 0, "return_token_ids": True, "seed": seed + i})
-        r.raise_for_status()
-        body = r.json()
-        start = int(r.headers["x-specrl-policy-version-start"])
-        end = int(r.headers["x-specrl-policy-version"])
-        return [{"rollout_id": f"{step}/{i}/{c['index']}", "prompt_ids": c["prompt_token_ids"],
-                 "completion_ids": c["token_ids"], "text": c["text"],
-                 "vllm_logprobs": c["logprobs"]["token_logprobs"], "reward": reward(c["text"], answer),
-                 "policy_version_start": start, "policy_version_end": end, "group": i}
-                for c in sorted(body["choices"], key=lambda c: c["index"])]
-
-    with ThreadPoolExecutor(len(tasks)) as pool:
-        samples = [s for group_samples in pool.map(one, enumerate(tasks)) for s in group_samples]
-    return samples, time.perf_counter() - t0
-
-
-def check_rollouts(samples: list[dict], step: int, tasks: int, group: int) -> None:
-    """Every (task, sample) of this step exactly once: nothing lost, nothing counted twice."""
-    want = {f"{step}/{i}/{j}" for i in range(tasks) for j in range(group)}
-    got = [s["rollout_id"] for s in samples]
-    if len(got) != len(set(got)) or set(got) != want:
-        raise RuntimeError(f"step {step}: rollouts lost or duplicated: {sorted(set(got) ^ want)}")
+from vllm_specrl.rl.policy import Policy
+from vllm_specrl.rl.rollouts import check_rollouts, sample_groups
+from vllm_specrl.rl.tasks import TASKS, make_tasks, reward
 
 
 def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
@@ -172,6 +60,8 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
                 "draft_sample_method": "probabilistic"}
         server_args += ["--speculative-config", json.dumps(spec),
                         "--additional-config", json.dumps({"specrl": {"capture": capture, "capture_topk": 64}})]
+        if args.adaptive_k:
+            server_args += ["--scheduler-cls", "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"]
     policy = Policy(policy_dir, args.lr, args.seed)
     steps = []
     with VLLMServer(policy_dir, server_args, log_path=work / f"serve_{mode}.log") as srv:
@@ -191,8 +81,10 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
         pool = ThreadPoolExecutor(1)
 
         def rollouts(step: int):
-            return generate(srv, policy, make_tasks(step, args.prompts, args.seed), args.group,
-                            args.max_tokens, args.seed * 7919 + step * 101, step)
+            tasks = make_tasks(step, args.prompts, args.seed, args.task)
+            return sample_groups(srv.url, srv.model, [policy.chat(p) for p, _ in tasks], args.group,
+                                 args.max_tokens, args.seed * 7919 + step * 101, step,
+                                 lambda i, text: reward(text, tasks[i][1], args.task))
 
         try:
             # Async (policy lag 1): rollouts of step t+1 run while step t trains; the update lands in
@@ -206,10 +98,11 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
                 t_step = time.perf_counter()
                 t0 = time.perf_counter()
                 if asynchronous:
-                    samples, t_gen = pending.result()
+                    samples, timing = pending.result()
                     pending = pool.submit(rollouts, step + 1) if step + 1 < args.steps else None
                 else:
-                    samples, t_gen = rollouts(step)
+                    samples, timing = rollouts(step)
+                t_gen = timing["generation_s"]
                 t_exposed = time.perf_counter() - t0
                 after = client.status()
                 check_rollouts(samples, step, args.prompts, args.group)
@@ -234,7 +127,11 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
                 versions = sorted({(s["policy_version_start"], s["policy_version_end"]) for s in samples})
                 rec = {"step": step, "mean_reward": sum(s["reward"] for s in samples) / len(samples),
                        "rewards": [s["reward"] for s in samples], "loss": loss,
-                       "generation_s": t_gen, "exposed_generation_s": t_exposed, "logprob_s": t_logp,
+                       "generation_s": t_gen, "generation_bulk_s": timing["bulk_s"],
+                       "generation_tail_s": timing["tail_s"],
+                       "completion_tokens": sorted(len(s["completion_ids"]) for s in samples),
+                       "mean_k": mean_k(before.get("adaptive_k"), after.get("adaptive_k")),
+                       "exposed_generation_s": t_exposed, "logprob_s": t_logp,
                        "training_s": t_train, "sync_s": t_sync, "step_s": time.perf_counter() - t_step,
                        "rollouts": len(samples), "tokens": sum(len(s["completion_ids"]) for s in samples),
                        "acceptance_length": (1 + (sd1["num_accepted_tokens"] - sd0["num_accepted_tokens"]) / drafts)
@@ -249,6 +146,8 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
                 steps.append(rec)
                 before = after
                 print(f"[rl:{mode}] step {step}: reward {rec['mean_reward']:.2f}, gen {t_gen:.1f}s "
+                      f"(bulk {timing['bulk_s']:.1f}s, tail {timing['tail_s']:.1f}s"
+                      + (f", mean k {rec['mean_k']:.2f}" if rec["mean_k"] is not None else "") + ") "
                       f"(exposed {t_exposed:.1f}s), logp {t_logp:.1f}s, train {t_train:.1f}s, sync {t_sync:.1f}s, "
                       f"step {rec['step_s']:.1f}s, accept {rec['acceptance_length'] or float('nan'):.2f}, "
                       f"versions {versions}, "
@@ -264,6 +163,15 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
 STAGES = ("exposed_generation_s", "logprob_s", "training_s", "sync_s")
 
 
+def mean_k(before: dict | None, after: dict | None) -> float | None:
+    """Mean k the adaptive controller chose over the steps between two status snapshots."""
+    if not after:
+        return None
+    b = before["chosen_k_counts"] if before else [0] * len(after["chosen_k_counts"])
+    counts = [x - y for x, y in zip(after["chosen_k_counts"], b)]
+    return sum(k * n for k, n in enumerate(counts)) / sum(counts) if sum(counts) else None
+
+
 def summarize(runs: dict) -> dict:
     """Mean stage times per run, ratios against the matching plain run, reward agreement."""
     summary: dict = {}
@@ -275,7 +183,10 @@ def summarize(runs: dict) -> dict:
         accepted = [s["acceptance_length"] for s in steps if s["acceptance_length"]]
         on_policy = [s["on_policy_logprob_abs_diff_max"] for s in steps
                      if s["on_policy_logprob_abs_diff_max"] is not None]
-        summary[mode] = {**{k: mean(k) for k in ("generation_s", *STAGES, "step_s")},
+        ks = [s["mean_k"] for s in steps if s.get("mean_k") is not None]
+        summary[mode] = {**{k: mean(k) for k in ("generation_s", "generation_bulk_s", "generation_tail_s",
+                                                 *STAGES, "step_s")},
+                         "mean_k": sum(ks) / len(ks) if ks else None,
                          "mean_reward": p, "reward_se": (p * (1 - p) / len(rewards)) ** 0.5,
                          "rollouts": sum(s["rollouts"] for s in steps),
                          "acceptance_length_first": accepted[0] if accepted else None,
@@ -294,6 +205,8 @@ def summarize(runs: dict) -> dict:
             z = (a["mean_reward"] - b["mean_reward"]) / se if se > 0 else 0.0
             comparisons[f"{mode}_vs_{base}"] = {
                 "step_time": a["step_s"] / b["step_s"], "rollout_time": a["generation_s"] / b["generation_s"],
+                "rollout_bulk_time": a["generation_bulk_s"] / b["generation_bulk_s"],
+                "rollout_tail_time": a["generation_tail_s"] / max(b["generation_tail_s"], 1e-9),
                 "reward_difference": a["mean_reward"] - b["mean_reward"], "reward_z": z,
                 "rewards_agree_within_noise": abs(z) < 3}
     for mode in runs:
@@ -340,7 +253,7 @@ def plot(report: dict, path: Path) -> None:
 def print_table(report: dict) -> None:
     summary = report["summary"]
     print("\nrun          gen_s exposed  logp_s train_s  sync_s  step_s  reward  accept(first->last)  "
-          "|dlogp| mean/max  on-policy max")
+          "|dlogp| mean/max  on-policy max  mean k")
     for mode in report["runs"]:
         s = summary[mode]
         acc = (f"{s['acceptance_length_first']:.2f}->{s['acceptance_length_last']:.2f}"
@@ -348,9 +261,11 @@ def print_table(report: dict) -> None:
         onp = f"{s['on_policy_logprob_abs_diff_max']:.3f}" if s["on_policy_logprob_abs_diff_max"] is not None else "-"
         print(f"{mode:11s} {s['generation_s']:6.1f} {s['exposed_generation_s']:7.1f} {s['logprob_s']:7.1f} "
               f"{s['training_s']:7.1f} {s['sync_s']:7.1f} {s['step_s']:7.1f} {s['mean_reward']:7.2f}  "
-              f"{acc:>19s}  {s['logprob_abs_diff_mean']:.4f}/{s['logprob_abs_diff_max']:.3f} {onp:>14s}")
+              f"{acc:>19s}  {s['logprob_abs_diff_mean']:.4f}/{s['logprob_abs_diff_max']:.3f} {onp:>14s}"
+              + (f"  {s['mean_k']:.2f}" if s["mean_k"] is not None else "       -"))
     for name, c in summary["comparisons"].items():
-        extra = (f", rollout time {c['rollout_time']:.2f}, reward diff {c['reward_difference']:+.3f} "
+        extra = (f", rollout time {c['rollout_time']:.2f} (bulk {c['rollout_bulk_time']:.2f}, "
+                 f"tail {c['rollout_tail_time']:.2f}), reward diff {c['reward_difference']:+.3f} "
                  f"(z {c['reward_z']:+.2f}, {'agree' if c['rewards_agree_within_noise'] else 'DISAGREE'})"
                  if "rollout_time" in c else "")
         print(f"{name}: step time {c['step_time']:.2f}{extra}")
@@ -365,7 +280,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--task", default="arithmetic", choices=TASKS,
+                    help="arithmetic: short answers; explain: reasoning-style answers of varied length")
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=True,
+                    help="speculative runs choose k per step (vllm_specrl.adaptive); --no-adaptive-k: fixed k")
     ap.add_argument("--lr", type=float, default=2e-6)
     ap.add_argument("--clip", type=float, default=0.2, help="PPO clip of the importance ratio")
     ap.add_argument("--k", type=int, default=3)

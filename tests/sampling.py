@@ -16,13 +16,14 @@ from helpers import result_json, run_python
 
 def sample_continuations(model, prompt: str, num_samples: int, num_tokens: int,
                          temperature: float, seed: int, speculative_config: dict | None = None,
-                         plugins: str = "specrl", dtype: str = "float32") -> list[list[int]]:
+                         plugins: str = "specrl", dtype: str = "float32",
+                         scheduler_cls: str | None = None) -> list[list[int]]:
     """``num_samples`` independent continuations of ``prompt`` (token ids)."""
     out = run_python(f"""
         import json
         from vllm import LLM, SamplingParams
         llm = LLM(model={str(model)!r}, dtype={dtype!r}, enforce_eager=True, seed={seed},
-                  max_model_len=512, max_num_seqs=256,
+                  max_model_len=512, max_num_seqs=256, scheduler_cls={scheduler_cls!r},
                   speculative_config=json.loads({json.dumps(json.dumps(speculative_config))}))
         params = SamplingParams(temperature={temperature}, max_tokens={num_tokens}, ignore_eos=True)
         outs = llm.generate([{prompt!r}] * {num_samples}, params, use_tqdm=False)
@@ -57,14 +58,17 @@ def describe(p: list[float]) -> str:
 
 def greedy_generate(model, prompts: list[str], max_tokens: int,
                     speculative_config: dict | None = None, plugins: str = "specrl",
-                    dtype: str = "float32", with_status: bool = False, with_text: bool = False) -> dict:
-    """Greedy outputs (token ids and their logprobs) of a fresh engine; optional worker status."""
+                    dtype: str = "float32", with_status: bool = False, with_text: bool = False,
+                    scheduler_cls: str | None = None, max_num_seqs: int = 64) -> dict:
+    """Greedy outputs (token ids and their logprobs) of a fresh engine; optional worker status.
+    With ``scheduler_cls`` (adaptive k) the result also has the controller's published state."""
     out = run_python(f"""
         import json
         from vllm import LLM, SamplingParams
         from vllm_specrl import metrics
         llm = LLM(model={str(model)!r}, dtype={dtype!r}, enforce_eager=True, seed=0,
-                  max_model_len=512, max_num_seqs=64, disable_log_stats=False,
+                  max_model_len=512, max_num_seqs={max_num_seqs}, disable_log_stats=False,
+                  scheduler_cls={scheduler_cls!r},
                   speculative_config=json.loads({json.dumps(json.dumps(speculative_config))}),
                   worker_extension_cls="vllm_specrl.sync.SpecRLWorkerExtension" if {with_status} else "")
         params = SamplingParams(temperature=0, max_tokens={max_tokens}, ignore_eos=True, logprobs=0)
@@ -77,6 +81,9 @@ def greedy_generate(model, prompts: list[str], max_tokens: int,
             res["texts"] = [o.outputs[0].text for o in outs]
         if {with_status}:
             res["worker"] = llm.collective_rpc("specrl_status")[0]
+        if {scheduler_cls!r}:
+            from vllm_specrl.adaptive import state
+            res["adaptive_k"] = state.read()
         print("RESULT " + json.dumps(res))
     """, env={"VLLM_PLUGINS": plugins})
     return result_json(out)

@@ -23,7 +23,8 @@ REPETITIVE = "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2, 3]\nw = [1, 2, 3]\nv ="
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "vllm_serve.log"
-    args = ["--dtype", "float32", "--max-model-len", "1024", "--speculative-config", SPEC]
+    args = ["--dtype", "float32", "--max-model-len", "1024", "--speculative-config", SPEC,
+            "--scheduler-cls", "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"]
     with VLLMServer(tiny_model, args, api_key=API_KEY, log_path=log) as srv:
         srv.log = log
         yield srv
@@ -77,6 +78,19 @@ def test_status_reports_versions_worker_and_spec_config(server, client):
     assert sd["num_drafts"] > 0 and sd["num_draft_tokens"] >= sd["num_drafts"]
     assert 1.0 <= sd["acceptance_length"] <= 4.0 and len(sd["per_position_acceptance"]) == 3
     assert sd["acceptance_rate"] == pytest.approx(sd["num_accepted_tokens"] / sd["num_draft_tokens"])
+
+
+def test_adaptive_k_state_reaches_status_and_metrics(server, client):
+    """The controller runs in the engine-core process; the API server reports it."""
+    client.completions.create(model=server.model, prompt=REPETITIVE, max_tokens=48, temperature=0)
+    adaptive = server.status()["adaptive_k"]
+    assert adaptive is not None and adaptive["max_k"] == 3
+    counts = adaptive["chosen_k_counts"]
+    assert sum(counts) >= 48 / 4, adaptive  # at least one step per 4 tokens was scheduled
+    text = requests.get(server.url + "/metrics", timeout=30).text
+    for k, n in enumerate(counts):
+        assert f'specrl_adaptive_k_steps_total{{k="{k}"}} {float(n)}' in text, (k, n)
+    assert f"specrl_adaptive_k {float(adaptive['last_k'])}" in text
 
 
 def test_plugin_ran_in_api_server_engine_core_and_worker(server):

@@ -73,3 +73,13 @@ def test_warm_started_draft_t1_is_lossless(tiny_model, plain_t1, warm_draft):
     spec = sample_continuations(tiny_model, PROMPT, N, L, 1.0, seed=6, speculative_config=eagle3)
     p = per_position_pvalues(plain_t1, spec)
     assert min(p) > ALPHA, describe(p)
+
+
+def test_adaptive_k_t1_is_lossless(tiny_model, plain_t1, warm_draft):
+    """k changes from step to step (round-robin while calibrating, then per batch size)."""
+    eagle3 = {"method": "eagle3", "model": str(warm_draft), "num_speculative_tokens": 3,
+              "draft_sample_method": "probabilistic"}
+    spec = sample_continuations(tiny_model, PROMPT, N, L, 1.0, seed=7, speculative_config=eagle3,
+                                scheduler_cls="vllm_specrl.adaptive.scheduler.AdaptiveKScheduler")
+    p = per_position_pvalues(plain_t1, spec)
+    assert min(p) > ALPHA, describe(p)

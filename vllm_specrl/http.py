@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse
 from vllm_specrl import metrics, plugin, vllm_compat
 from vllm_specrl._log import logger
 from vllm_specrl._version import __version__
+from vllm_specrl.adaptive import state as adaptive_state
 from vllm_specrl.sync.guard import StaleDraftGuard
 from vllm_specrl.sync.routes import build_sync_router, stamp_versions
 
@@ -61,6 +62,18 @@ def update_gauges(state: SpecRLHttpState) -> dict:
     _gauge("specrl_draft_stale", "1 when the draft no longer helps (see /specrl/status)").set(
         1 if stale["stale"] else 0)
     return stale
+
+_ADAPTIVE_K_COLLECTOR: list[Any] = []
+
+
+def register_adaptive_k_metrics() -> None:
+    """``specrl_adaptive_k*`` on /metrics, read from the engine core's state file on each scrape."""
+    import prometheus_client
+
+    if not _ADAPTIVE_K_COLLECTOR:
+        _ADAPTIVE_K_COLLECTOR.append(adaptive_state.prometheus_collector())
+        prometheus_client.REGISTRY.register(_ADAPTIVE_K_COLLECTOR[0])
+
 
 WORKER_RPC_TIMEOUT_S = 30.0
 EXTENSION_HINT = "start vllm serve with --worker-extension-cls vllm_specrl.sync.SpecRLWorkerExtension"
@@ -144,6 +157,7 @@ async def gather_status(state: SpecRLHttpState) -> dict[str, Any]:
     out["versions"] = dict(state.versions)
     out["stale_draft"] = update_gauges(state)
     out["updates_in_progress"] = state.uploads
+    out["adaptive_k"] = adaptive_state.read()  # None unless --scheduler-cls ...AdaptiveKScheduler
     try:
         out["workers"] = await asyncio.wait_for(
             engine.collective_rpc("specrl_status", timeout=WORKER_RPC_TIMEOUT_S),
@@ -200,6 +214,7 @@ class SpecRLEndpointPlugin:
         keys = [k for k in (getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY")]) if k]
         state.specrl = SpecRLHttpState(engine_client, keys)
         update_gauges(state.specrl)
+        register_adaptive_k_metrics()
         capture = vllm_compat.specrl_additional_config(engine_client.vllm_config).get("capture")
         if capture:
             try:

@@ -47,6 +47,8 @@ def _install_registrations() -> list[str]:
     if _runs_model_here():
         steps.append(("cpu_seeded_rewind_fix", "CPU seeded-rewind fix",
                       vllm_compat.install_cpu_seeded_rewind_fix))
+        steps.append(("cpu_fast_sampling", "CPU inverse-CDF spec-decode sampling",
+                      vllm_compat.install_cpu_fast_sampling))
     done = []
     for key, what, install in steps:
         try:

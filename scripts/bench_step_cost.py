@@ -1,0 +1,188 @@
+"""Where a speculative step's time goes on this CPU: plain vs EAGLE-3 steps, by phase.
+
+One in-process engine per configuration (plain; EAGLE-3 at k = 1..3, with the
+plugin's inverse-CDF sampling and with vLLM's exponential race,
+``VLLM_SPECRL_FAST_SAMPLING=0``), each in its own subprocess. Every engine decodes
+``batch`` seeded temperature-1 requests together (ignore_eos, fixed length), and
+phase timers (``vllm_compat.install_phase_timers``) split each engine step into:
+target forward, target logits, sampler (bonus / plain tokens), rejection sampler,
+and the drafter's share (its forward passes, its logits and sampling, the rest of
+``propose``: metadata and input preparation). ``other`` is what is left of the step
+(input preparation, bookkeeping). Units: ms per engine step, and the step's cost in
+plain steps at the same batch size (this run's plain engine).
+
+    python scripts/bench_step_cost.py                       # real fixture, k=1..3, b=1,4,16
+    python scripts/bench_step_cost.py --ks 3 --batch-sizes 1 --tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PHASE_ORDER = ("target_forward", "target_logits", "sampler", "rejection_sampler", "draft_forward",
+               "draft_logits_and_sampling", "draft_other", "other")
+
+
+def _engine(cfg: dict) -> list[dict]:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+
+    from vllm_specrl import metrics, vllm_compat
+
+    llm = LLM(model=cfg["model"], dtype=cfg["dtype"], enforce_eager=True, seed=0,
+              max_model_len=cfg["max_model_len"], max_num_seqs=max(cfg["batch_sizes"]),
+              speculative_config=cfg["speculative_config"], disable_log_stats=False,
+              **({"scheduler_cls": cfg["scheduler_cls"]} if cfg.get("scheduler_cls") else {}))
+    llm.collective_rpc(lambda worker: vllm_compat.install_phase_timers(worker.model_runner) and None)
+
+    def totals() -> dict:
+        return llm.collective_rpc(lambda worker: dict(worker.model_runner._specrl_phase_totals))[0]
+
+    tok = llm.get_tokenizer()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                       add_generation_prompt=True) for p in cfg["prompts"]]
+    llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=1.0, seed=0), use_tqdm=False)
+    rows = []
+    for batch in cfg["batch_sizes"]:
+        before, stats0 = totals(), metrics.from_llm_metrics(llm.get_metrics())
+        t0, tokens = time.perf_counter(), 0
+        for wave in range(cfg["waves"]):
+            params = [SamplingParams(temperature=1.0, max_tokens=cfg["tokens"], ignore_eos=True,
+                                     seed=1000 * wave + i) for i in range(batch)]
+            outs = llm.generate([prompts[i % len(prompts)] for i in range(batch)], params, use_tqdm=False)
+            tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+        wall = time.perf_counter() - t0
+        after = totals()
+        diff = {k: after[k] - before[k] for k in after}
+        steps = max(diff.pop("steps"), 1)
+        diff.pop("forward_calls", None)
+        ms = {k: 1e3 * v / steps for k, v in diff.items()}
+        ms["draft_other"] = ms["propose"] - ms["draft_forward"] - ms["draft_logits_and_sampling"]
+        ms["other"] = ms["step"] - sum(ms[k] for k in ("target_forward", "target_logits", "sampler",
+                                                        "rejection_sampler", "propose"))
+        spec = metrics.from_llm_metrics(llm.get_metrics()).minus(stats0).summary()
+        rows.append({"batch_size": batch, "engine_steps": steps, "tokens": tokens, "wall_s": round(wall, 3),
+                     "tokens_per_s": tokens / wall, "ms_per_step": {k: round(v, 3) for k, v in ms.items()},
+                     "spec_decode": spec if cfg["speculative_config"] else None})
+    return rows
+
+
+def run_engine(cfg: dict, env_extra: dict, timeout_s: float) -> list[dict] | str:
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+               VLLM_PLUGINS=os.environ.get("VLLM_PLUGINS", "specrl"), **env_extra)
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--_engine", json.dumps(cfg)], env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"timed out after {timeout_s:.0f} s"
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("ENGINE_RESULT "):
+            return json.loads(line[len("ENGINE_RESULT "):])
+    return f"engine failed (rc={proc.returncode}): {(proc.stdout + proc.stderr)[-3000:]}"
+
+
+def table(report: dict) -> str:
+    """Markdown: ms per step by phase, per configuration and batch size."""
+    head = "| config | b | step ms | " + " | ".join(PHASE_ORDER) + " | step / plain | accept len | tok/s / plain |"
+    lines = [head, "|" + "---|" * (len(PHASE_ORDER) + 6)]
+    for row in report["rows"]:
+        if "error" in row:
+            continue
+        ms = row["ms_per_step"]
+        acc = (row.get("spec_decode") or {}).get("acceptance_length")
+        lines.append(f"| {row['name']} | {row['batch_size']} | {ms['step']:.1f} | "
+                     + " | ".join(f"{ms.get(p, 0.0):.1f}" for p in PHASE_ORDER)
+                     + f" | {row.get('step_cost_vs_plain', 1.0):.2f} | {acc or 1.0:.2f} | "
+                     f"{row.get('throughput_ratio_vs_plain', 1.0):.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--_engine", help=argparse.SUPPRESS)
+    ap.add_argument("--fixture", default="real", choices=["real", "tiny"])
+    ap.add_argument("--fixtures", type=Path, default=Path(".fixtures"), help="fixture root (make fixtures)")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--draft", type=Path, default=None,
+                    help="EAGLE-3 draft (default: the real fixture's warm-started draft, `make draft`)")
+    ap.add_argument("--ks", default="1,2,3")
+    ap.add_argument("--batch-sizes", default="1,4,16")
+    ap.add_argument("--sampling", default="fast,stock", help="fast (plugin) and/or stock (vLLM's)")
+    ap.add_argument("--adaptive", action="store_true", help="also run EAGLE-3 at max k with adaptive k")
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--waves", type=int, default=2)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--out", type=Path, default=Path("results/bench_step_cost.json"))
+    args = ap.parse_args()
+    if args._engine:
+        print("ENGINE_RESULT " + json.dumps(_engine(json.loads(args._engine))), flush=True)
+        return
+
+    from vllm_specrl.fixtures import fixture_target
+    from vllm_specrl.trainer.offline import default_prompts
+
+    model = str(args.model or fixture_target(args.fixture, args.fixtures))
+    draft = args.draft or Path(".fixtures/real/drafts/warm-arithmetic")
+    if not (draft / "config.json").exists():
+        sys.exit(f"no draft at {draft}: run `make draft` or pass --draft")
+    base = {"model": model, "dtype": args.dtype, "max_model_len": args.max_model_len,
+            "batch_sizes": [int(b) for b in args.batch_sizes.split(",")], "tokens": args.tokens,
+            "waves": args.waves, "prompts": default_prompts(32, seed=4321, task="arithmetic")}
+    configs = [("plain", None, {}, None)]
+    ks = [int(k) for k in args.ks.split(",")]
+    for sampling in args.sampling.split(","):
+        for k in ks:
+            spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": k,
+                    "draft_sample_method": "probabilistic"}
+            configs.append((f"eagle3_k{k}_{sampling}", spec,
+                            {"VLLM_SPECRL_FAST_SAMPLING": "1" if sampling == "fast" else "0"}, None))
+    if args.adaptive:
+        spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": max(ks),
+                "draft_sample_method": "probabilistic"}
+        configs.append((f"eagle3_adaptive_k{max(ks)}", spec, {},
+                        "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"))
+    report = {"benchmark": "step_cost", "model": model, "draft": str(draft),
+              "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
+              "settings": {k: v for k, v in base.items() if k != "prompts"} | {"temperature": 1.0},
+              "rows": []}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    plain: dict[int, dict] = {}
+    for name, spec, env, scheduler_cls in configs:
+        print(f"[step-cost] {name}", flush=True)
+        res = run_engine(dict(base, speculative_config=spec, scheduler_cls=scheduler_cls), env, args.timeout)
+        if isinstance(res, str):
+            print(f"[step-cost]   FAILED: {res[-600:]}", flush=True)
+            report["rows"].append({"name": name, "error": res})
+            continue
+        for row in res:
+            row["name"] = name
+            if name == "plain":
+                plain[row["batch_size"]] = row
+            elif row["batch_size"] in plain:
+                ref = plain[row["batch_size"]]
+                row["step_cost_vs_plain"] = row["ms_per_step"]["step"] / ref["ms_per_step"]["step"]
+                row["throughput_ratio_vs_plain"] = row["tokens_per_s"] / ref["tokens_per_s"]
+            report["rows"].append(row)
+            acc = (row.get("spec_decode") or {}).get("acceptance_length")
+            print(f"[step-cost]   b={row['batch_size']:>2} step {row['ms_per_step']['step']:.1f} ms"
+                  + (f" ({row['step_cost_vs_plain']:.2f} plain)" if "step_cost_vs_plain" in row else "")
+                  + (f" accept len {acc:.2f}" if acc else "")
+                  + (f" tok/s ratio {row['throughput_ratio_vs_plain']:.2f}" if "throughput_ratio_vs_plain" in row
+                     else ""), flush=True)
+        args.out.write_text(json.dumps(report, indent=2))
+    report["table_markdown"] = table(report)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(report["table_markdown"])
+
+
+if __name__ == "__main__":
+    main()

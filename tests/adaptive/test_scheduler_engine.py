@@ -1,0 +1,60 @@
+"""Adaptive k inside a real engine (tiny fixture, float32, in-process): lossless greedy, and the
+k it settles on when drafts are never accepted (a random draft) or nearly always (ngram on a
+repeating prompt). The temperature-1 test with adaptive k is in tests/test_lossless_sampling.py."""
+
+
+from safetensors.torch import load_file, save_file
+
+from prompts import code_prompts
+from sampling import greedy_generate
+from vllm_specrl.proposer.checkpoint import init_draft
+
+ADAPTIVE = "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"
+K = 3
+REPEATING = "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2, 3]\nw = [1, 2, 3]\nv ="
+
+
+def eagle3(draft_dir) -> dict:
+    return {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": K,
+            "draft_sample_method": "probabilistic"}
+
+
+def test_greedy_with_adaptive_k_equals_plain(tiny_model, warm_draft):
+    prompts = code_prompts(32)
+    plain = greedy_generate(tiny_model, prompts, 40, max_num_seqs=8)
+    adaptive = greedy_generate(tiny_model, prompts, 40, eagle3(warm_draft), scheduler_cls=ADAPTIVE,
+                               max_num_seqs=8)
+    assert adaptive["tokens"] == plain["tokens"]
+    state, served = adaptive["adaptive_k"], adaptive["spec_decode"]
+    assert sum(1 for n in state["chosen_k_counts"] if n) >= 2, state
+    # vLLM really drafted fewer than K tokens on some steps (its own counters say so).
+    assert served["num_draft_tokens"] < K * served["num_drafts"], served
+
+
+def never_accepted_draft(tiny_model, out):
+    """A draft whose logits are all zero: at greedy it always proposes token 0, which the target
+    does not emit on the repeating prompt (checked below from vLLM's counters)."""
+    init_draft(tiny_model, out, seed=0)
+    weights = load_file(out / "model.safetensors")
+    weights["lm_head.weight"].zero_()
+    save_file(weights, out / "model.safetensors")
+    return out
+
+
+def test_a_draft_that_is_never_accepted_settles_on_k0(tiny_model, tmp_path):
+    draft = never_accepted_draft(tiny_model, tmp_path / "never")
+    out = greedy_generate(tiny_model, [REPEATING], 400, eagle3(draft), scheduler_cls=ADAPTIVE, max_num_seqs=4)
+    state = out["adaptive_k"]
+    assert out["spec_decode"]["num_drafts"] > 0 and out["spec_decode"]["num_accepted_tokens"] == 0, \
+        out["spec_decode"]  # the premise
+    assert state["buckets"]["1-1"]["calibrated"] and state["buckets"]["1-1"]["best_k"] == 0, state
+    assert state["chosen_k_counts"][0] > 0.6 * sum(state["chosen_k_counts"]), state
+
+
+def test_drafts_that_are_nearly_always_accepted_settle_on_max_k(tiny_model):
+    ngram = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    out = greedy_generate(tiny_model, [REPEATING], 400, ngram, scheduler_cls=ADAPTIVE, max_num_seqs=4)
+    state = out["adaptive_k"]
+    assert out["spec_decode"]["acceptance_rate"] > 0.8, out["spec_decode"]  # the premise
+    assert state["buckets"]["1-1"]["calibrated"] and state["buckets"]["1-1"]["best_k"] == K, state
+    assert state["chosen_k_counts"][K] > 0.6 * sum(state["chosen_k_counts"]), state

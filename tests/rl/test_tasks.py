@@ -1,0 +1,28 @@
+"""Rewards checked by code, for each task's answer style."""
+
+import pytest
+
+from vllm_specrl.rl.tasks import make_tasks, reward
+
+
+def test_tasks_are_fixed_by_seed_and_step():
+    assert make_tasks(3, 4, seed=0) == make_tasks(3, 4, seed=0)
+    assert make_tasks(3, 4, seed=0) != make_tasks(4, 4, seed=0)
+    prompt, answer = make_tasks(0, 1, seed=0, task="explain")[0]
+    a, b = [int(x) for x in prompt.split("?")[0].removeprefix("What is ").split(" + ")]
+    assert answer == a + b and "Explain" in prompt
+
+
+@pytest.mark.parametrize("text,task,want", [
+    ("7", "arithmetic", 1.0), ("3 + 4 is 7.", "arithmetic", 1.0), ("The answer is 8", "arithmetic", 0.0),
+    ("3 + 4: add 4 to 3 and you get 7.", "explain", 1.0),
+    ("7 is what you get from 3 + 4", "explain", 0.0),  # the conclusion (last number) is 4
+    ("I cannot say.", "explain", 0.0),
+])
+def test_reward(text, task, want):
+    assert reward(text, 7, task) == want
+
+
+def test_unknown_task_is_refused():
+    with pytest.raises(ValueError, match="explain"):
+        make_tasks(0, 1, 0, task="chess")

@@ -1,0 +1,1 @@
+"""Adaptive k: the number of speculative tokens chosen per step from live acceptance and cost."""

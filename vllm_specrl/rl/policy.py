@@ -1,0 +1,77 @@
+"""The trainer side of a GRPO loop: an HF policy, its optimizer, logprob recomputation, the loss."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def grpo_advantages(rewards: list[float], group: int) -> torch.Tensor:
+    """Group-normalised advantages: (r - mean of its group) / (std of its group + eps)."""
+    r = torch.tensor(rewards, dtype=torch.float32).view(-1, group)
+    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1)
+
+
+def clipped_policy_gradient_loss(logps: list[torch.Tensor], behaviour_logps: list[list[float]],
+                                 advantages: torch.Tensor, clip: float) -> torch.Tensor:
+    """PPO-clipped surrogate against the behaviour policy's logprobs, mean per sequence then batch.
+
+    The behaviour policy is whatever produced each token (with policy lag a rollout can
+    span two versions), and vLLM reports exactly its logprob, so ``exp(logp - behaviour)``
+    corrects both the lag and the engine's numerics per token.
+    """
+    per_seq = []
+    for adv, lp, old in zip(advantages, logps, behaviour_logps):
+        ratio = torch.exp(lp - torch.tensor(old, dtype=lp.dtype))
+        per_seq.append(torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv).mean())
+    return -torch.stack(per_seq).mean()
+
+
+class Policy:
+    """An HF causal LM in float32 with AdamW; ``version`` counts the updates pushed to the engine."""
+
+    def __init__(self, model_dir: Path, lr: float, seed: int):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.manual_seed(seed)
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
+        self.version = 0
+
+    def chat(self, prompt: str) -> str:
+        """The prompt as the policy is served it (chat template; plain text for base models)."""
+        if not self.tok.chat_template:
+            return prompt + "\n"
+        return self.tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                            add_generation_prompt=True)
+
+    def token_logprobs(self, samples: list[dict]) -> list[torch.Tensor]:
+        """Per-sample logprobs of the completion tokens under the current policy (with grad)."""
+        seqs = [s["prompt_ids"] + s["completion_ids"] for s in samples]
+        width = max(len(x) for x in seqs)
+        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
+        ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, x in enumerate(seqs):
+            ids[i, : len(x)] = torch.tensor(x)
+            mask[i, : len(x)] = 1
+        logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
+        logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+        out = []
+        for i, s in enumerate(samples):
+            start = len(s["prompt_ids"]) - 1
+            out.append(logp[i, start : start + len(s["completion_ids"])])
+        return out
+
+    def grpo_step(self, samples: list[dict], logps: list[torch.Tensor], group: int, clip: float) -> float:
+        """One optimizer step on the clipped GRPO loss; returns the loss."""
+        loss = clipped_policy_gradient_loss(logps, [s["vllm_logprobs"] for s in samples],
+                                            grpo_advantages([s["reward"] for s in samples], group), clip)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        return float(loss.detach())

@@ -1,0 +1,58 @@
+"""Rollouts from a ``vllm serve`` engine over the OpenAI completions API, with policy versions.
+
+Each task's G samples are one request (``n=G``: vLLM shares the prompt's prefill);
+every sample carries its prompt and completion token ids, vLLM's sampling logprobs
+and the policy versions it was sampled under (the ``x-specrl-policy-version*``
+response headers), and each request's finish time, which splits a step's generation
+into its bulk (until half of the requests are done) and its tail (the rest).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import requests
+
+
+def sample_groups(url: str, model: str, prompts: list[str], group: int, max_tokens: int, seed: int,
+                  step: int, score: Callable[[int, str], float],
+                  timeout_s: float = 600) -> tuple[list[dict], dict]:
+    """G samples per prompt at temperature 1; returns (samples, timing).
+
+    ``score(i, text)`` is the reward of a completion of prompt ``i``. ``timing`` has
+    ``generation_s`` (all requests), ``bulk_s`` (until half of them finished) and
+    ``tail_s`` (the rest).
+    """
+    t0 = time.perf_counter()
+
+    def one(i: int) -> tuple[list[dict], float]:
+        r = requests.post(url + "/v1/completions", timeout=timeout_s, json={
+            "model": model, "prompt": prompts[i], "n": group, "temperature": 1.0,
+            "max_tokens": max_tokens, "logprobs": 0, "return_token_ids": True, "seed": seed + i})
+        r.raise_for_status()
+        done = time.perf_counter() - t0
+        start = int(r.headers["x-specrl-policy-version-start"])
+        end = int(r.headers["x-specrl-policy-version"])
+        return [{"rollout_id": f"{step}/{i}/{c['index']}", "prompt_ids": c["prompt_token_ids"],
+                 "completion_ids": c["token_ids"], "text": c["text"],
+                 "vllm_logprobs": c["logprobs"]["token_logprobs"], "reward": score(i, c["text"]),
+                 "policy_version_start": start, "policy_version_end": end, "group": i}
+                for c in sorted(r.json()["choices"], key=lambda c: c["index"])], done
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(one, range(len(prompts))))
+    finish = sorted(done for _, done in results)
+    total = time.perf_counter() - t0
+    bulk = finish[(len(finish) - 1) // 2]
+    return [s for samples, _ in results for s in samples], {"generation_s": total, "bulk_s": bulk,
+                                                            "tail_s": total - bulk}
+
+
+def check_rollouts(samples: list[dict], step: int, tasks: int, group: int) -> None:
+    """Every (task, sample) of this step exactly once: nothing lost, nothing counted twice."""
+    want = {f"{step}/{i}/{j}" for i in range(tasks) for j in range(group)}
+    got = [s["rollout_id"] for s in samples]
+    if len(got) != len(set(got)) or set(got) != want:
+        raise RuntimeError(f"step {step}: rollouts lost or duplicated: {sorted(set(got) ^ want)}")

@@ -1,0 +1,44 @@
+"""Verifiable tasks for the demo GRPO loop: prompts and the rewards checked by code.
+
+``arithmetic``: "What is a + b? Answer with just the number." SmolLM2-135M answers
+in a few tokens, so completions are nearly all the same length: no tail.
+``explain``: "... Explain your reasoning briefly, then give the answer." Answers run
+from a dozen to a couple of hundred tokens and stop at EOS, so every step ends with
+a small-batch tail of the longest completions, as RL rollouts on reasoning tasks do.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+TASKS = ("arithmetic", "explain")
+
+_SUFFIX = {"arithmetic": "Answer with just the number.",
+           "explain": "Explain your reasoning briefly, then give the answer."}
+
+
+def make_tasks(step: int, n: int, seed: int, task: str = "arithmetic") -> list[tuple[str, int]]:
+    """``n`` (prompt, answer) pairs for one RL step, fixed by (seed, step)."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose from {TASKS}")
+    rng = random.Random(seed * 1000 + step)
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        out.append((f"What is {a} + {b}? {_SUFFIX[task]}", a + b))
+    return out
+
+
+def reward(text: str, answer: int, task: str = "arithmetic") -> float:
+    """``arithmetic``: 1 when the sum is among the first three integers of the answer.
+    ``explain``: 1 when the last integer of the answer is the sum (the conclusion).
+
+    SmolLM2-135M restates the question ("2 + 5 is 7") more often than it answers
+    with the number alone (the first integer is right in 2% of samples, the sum
+    appears in about a fifth), so the arithmetic reward accepts it early on.
+    """
+    numbers = [int(x) for x in re.findall(r"-?\d+", text)]
+    if task == "explain":
+        return 1.0 if numbers and numbers[-1] == answer else 0.0
+    return 1.0 if answer in numbers[:3] else 0.0
