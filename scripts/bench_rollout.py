@@ -176,7 +176,9 @@ def _cell(temperature: float, batch: int, requests: int, tokens: int, wall: floa
 
 
 def run_engine_in_subprocess(cfg: dict, timeout_s: float) -> list[dict] | str:
-    env = dict(os.environ)
+    from vllm_specrl.server import with_intel_openmp
+
+    env = with_intel_openmp(dict(os.environ))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     env.setdefault("VLLM_PLUGINS", "specrl,specrl_http")
     try:

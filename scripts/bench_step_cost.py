@@ -74,9 +74,13 @@ def _engine(cfg: dict) -> list[dict]:
     return rows
 
 
-def run_engine(cfg: dict, env_extra: dict, timeout_s: float) -> list[dict] | str:
+def run_engine(cfg: dict, env_extra: dict, timeout_s: float, iomp: bool = True) -> list[dict] | str:
+    from vllm_specrl.server import with_intel_openmp
+
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
                VLLM_PLUGINS=os.environ.get("VLLM_PLUGINS", "specrl"), **env_extra)
+    if iomp:
+        env = with_intel_openmp(env)
     try:
         proc = subprocess.run([sys.executable, __file__, "--_engine", json.dumps(cfg)], env=env,
                               capture_output=True, text=True, timeout=timeout_s)
@@ -121,6 +125,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--no-iomp", action="store_true", help="do not LD_PRELOAD Intel OpenMP (vLLM's advice)")
     ap.add_argument("--out", type=Path, default=Path("results/bench_step_cost.json"))
     args = ap.parse_args()
     if args._engine:
@@ -152,13 +157,15 @@ def main() -> None:
                         "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"))
     report = {"benchmark": "step_cost", "model": model, "draft": str(draft),
               "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
-              "settings": {k: v for k, v in base.items() if k != "prompts"} | {"temperature": 1.0},
+              "settings": {k: v for k, v in base.items() if k != "prompts"}
+              | {"temperature": 1.0, "intel_openmp_preloaded": not args.no_iomp},
               "rows": []}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     plain: dict[int, dict] = {}
     for name, spec, env, scheduler_cls in configs:
         print(f"[step-cost] {name}", flush=True)
-        res = run_engine(dict(base, speculative_config=spec, scheduler_cls=scheduler_cls), env, args.timeout)
+        res = run_engine(dict(base, speculative_config=spec, scheduler_cls=scheduler_cls), env, args.timeout,
+                         iomp=not args.no_iomp)
         if isinstance(res, str):
             print(f"[step-cost]   FAILED: {res[-600:]}", flush=True)
             report["rows"].append({"name": name, "error": res})

@@ -41,10 +41,10 @@ class AdaptiveKConfig:
     """Knobs (``--additional-config '{"specrl": {"adaptive_k": {...}}}'``)."""
 
     burst: int = 5                 # steps run at a k being measured (the first is not counted)
-    min_samples: int = 4           # steady steps per (bucket, k) before the bucket is trusted
+    min_samples: int = 8           # steady steps per (bucket, k) before the bucket is trusted
     explore_first: int = 16        # steps of a bucket before its first burst at a neighbour of its best
     explore_every: int = 256       # ... the gap doubles after each burst, up to this
-    cost_window: int = 16          # steady steps per (bucket, k) the step time is the median of
+    cost_window: int = 32          # steady steps per (bucket, k) the step time is the median of
     decay: float = 0.998           # per-sample decay of each position's acceptance counts
     prior_accept: float = 0.5      # prior conditional acceptance of a position with no data
     prior_weight: float = 2.0      # its weight, in drafts
