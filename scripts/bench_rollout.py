@@ -109,7 +109,9 @@ def _engine_offline(cfg: dict) -> list[dict]:
             stats = metrics.from_llm_metrics(llm.get_metrics()).minus(before).summary()
             cells.append(_cell(temperature, batch, len(jobs), tokens, wall, stats if spec else None))
             if cfg.get("scheduler_cls"):
-                cells[-1]["adaptive_k"] = chosen_k(k_before, (adaptive_state.read() or {}).get("chosen_k_counts"))
+                state = adaptive_state.read() or {}
+                cells[-1]["adaptive_k"] = chosen_k(k_before, state.get("chosen_k_counts"))
+                cells[-1]["adaptive_k"]["controller"] = state
     return cells
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from vllm_specrl.adaptive.controller import (AcceptanceTracker, AdaptiveKConfig, AdaptiveKController,
-                                             StepCostTable, batch_bucket)
+                                             RelativeCost, batch_bucket)
 
 
 def simulate(ctl: AdaptiveKController, batch: int, accept: float, cost, steps: int, seed: int = 0) -> None:
@@ -105,20 +105,38 @@ def test_expected_tokens_chain_conditional_acceptance():
     assert tracker.expected_tokens() == pytest.approx([1.0, 1.75, 2.25])
 
 
-def test_cost_table_is_a_running_median_per_cell():
-    table = StepCostTable(max_k=2, num_buckets=2, window=3)
-    for seconds in (0.1, 0.9, 0.2, 0.3):  # the window keeps the last 3: 0.9, 0.2, 0.3
-        table.observe(1, 2, seconds)
-    assert table.seconds[1, 2] == pytest.approx(0.3) and table.samples[1, 2] == 4
-    assert np.isnan(table.seconds[0, 0])
+def test_relative_cost_cancels_drift_and_rebases():
+    cost = RelativeCost(max_k=2, served=0, window=8, reference=3)
+    drift = 1.0
+    for _ in range(4):  # absolute times double over the run; k=2 always costs 1.5x k=0 at the time
+        for _ in range(3):
+            cost.observe(0, 0.1 * drift)
+        cost.observe(2, 0.15 * drift)
+        drift *= 1.25
+    assert cost.ratio(2) == pytest.approx(1.5, rel=0.05) and cost.samples(2) == 4
+    cost.serve(2)
+    assert cost.ratio(0) == pytest.approx(1 / 1.5, rel=0.05) and cost.ratio(2) == 1.0
 
 
 def test_unsteady_steps_are_not_timed():
     ctl = AdaptiveKController(3, 4)
     ctl.observe_step(1, 0, 2, 0.05, [])  # verifies 0, drafts 2: a transition
-    assert ctl.cost.samples.sum() == 0
-    ctl.observe_step(1, 2, 2, 0.05, [(2, 1)])
-    assert ctl.cost.samples[0, 2] == 1
+    assert ctl.buckets[0].cost.samples(0) == 0 and ctl.steady_steps == 0
+    ctl.observe_step(1, 0, 0, 0.05, [])
+    assert ctl.buckets[0].cost.samples(0) == 1
+
+
+def test_drifting_costs_do_not_mislead_the_choice():
+    """Step times that grow 0.3% per step (a growing context) must not make a dear k look cheap."""
+    ctl = AdaptiveKController(3, 16)
+    step = [0]
+
+    def drifting(batch, kv, kd):
+        step[0] += 1
+        return cpu_cost(batch, kv, kd) * (1 + 0.003 * step[0])
+
+    simulate(ctl, batch=16, accept=0.6, cost=drifting, steps=600)
+    assert ctl.k_for(16) == best_k(16, 0.6) == 0
 
 
 def test_unknown_knob_is_refused_by_name():

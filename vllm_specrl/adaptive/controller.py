@@ -6,19 +6,20 @@ Two estimates, both kept current from the engine's own steps:
   positions < j were (exponentially decayed counts per position, so a policy update
   that moves the draft's quality is followed within a few hundred drafts). Expected
   tokens per request and step with k drafts: ``1 + sum_{j<k} prod_{i<=j} c_i``.
-* **cost**: the measured wall time of a decode step, per batch-size bucket (1, 2-3,
-  4-7, 8-15, ...) and k: the median of its recent steady steps (every request
-  verifying k drafts and drafting k more). Measured, not modelled: on a CPU a verify
-  pass is memory-bound at one token per sequence and compute-bound at a few, so
-  step time is far from linear in batch x tokens, and a fitted line extrapolated
-  from one batch size to another picked the wrong k by 40% in a test on SmolLM2.
+* **cost**: the wall time of a decode step, per batch-size bucket (1, 2-3, 4-7,
+  8-15, ...) and k, *relative to the k being served*, from steady steps (every
+  request verifying k drafts and drafting k more) measured in pairs (``RelativeCost``).
+  Measured, not modelled: on a CPU a verify pass is memory-bound at one token per
+  sequence and compute-bound at a few, so step time is far from linear in batch x
+  tokens (a fitted line extrapolated across batch sizes picked the wrong k by 40% on
+  SmolLM2), and relative, because absolute times drift as contexts grow.
 
-Per bucket, the k with the largest ``E[tokens | k] / t(bucket, k)`` is served (k = 0:
-no speculation, where it cannot pay). Every (bucket, k) is measured before the bucket
-is trusted, in bursts of a few steps (the first step of a burst verifies the previous
-k: not steady, not counted); afterwards bursts at a neighbour of the best k, at gaps
-that double from ``explore_first`` to ``explore_every`` steps of that bucket, correct
-an unlucky first measurement quickly and keep both estimates current. Nothing here
+Per bucket, the k with the largest ``E[tokens | k] / ratio(k)`` is served (k = 0: no
+speculation, where it cannot pay; every bucket starts there). Every k is measured in
+bursts of a few steps, each right after a few steps of the served k (the first step of
+a burst verifies the previous k: not steady, not counted), before the bucket is
+trusted; afterwards bursts at a neighbour of the served k, at gaps that double from
+``explore_first`` to ``explore_every`` steps of that bucket, keep both estimates current. Nothing here
 changes what is sampled: only how many drafts are verified.
 """
 
@@ -40,15 +41,17 @@ def batch_bucket(batch: int) -> int:
 class AdaptiveKConfig:
     """Knobs (``--additional-config '{"specrl": {"adaptive_k": {...}}}'``)."""
 
-    burst: int = 5                 # steps run at a k being measured (the first is not counted)
-    min_samples: int = 8           # steady steps per (bucket, k) before the bucket is trusted
+    burst: int = 9                 # steps run at a k being measured (the first is not counted)
+    min_samples: int = 24          # steady steps per (bucket, k) before the bucket is trusted: single
+                                   # CPU steps jitter by 15-20%, k's differ by 5-15%
     explore_first: int = 16        # steps of a bucket before its first burst at a neighbour of its best
     explore_every: int = 256       # ... the gap doubles after each burst, up to this
-    cost_window: int = 32          # steady steps per (bucket, k) the step time is the median of
+    cost_window: int = 48          # ratio samples per (bucket, k) the estimate is the median of
     decay: float = 0.998           # per-sample decay of each position's acceptance counts
     prior_accept: float = 0.5      # prior conditional acceptance of a position with no data
     prior_weight: float = 2.0      # its weight, in drafts
     optimism: float = 1.0          # standard errors added to each position's acceptance when choosing
+    switch_margin: float = 0.02    # a k must promise this much more throughput to be served instead
 
     @classmethod
     def from_dict(cls, raw: dict | bool | None) -> "AdaptiveKConfig":
@@ -102,29 +105,64 @@ class AcceptanceTracker:
         return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(c))])
 
 
-class StepCostTable:
-    """Step time per (batch bucket, k): the median of its last ``window`` steady steps (one slow
-    step, a GC pause or another process's burst, moves a median little and a mean a lot)."""
+class RelativeCost:
+    """Step time of each k relative to the k being served, per batch bucket, measured in pairs.
 
-    def __init__(self, max_k: int, num_buckets: int, window: int = 16):
-        self.recent = [[deque(maxlen=window) for _ in range(max_k + 1)] for _ in range(num_buckets)]
-        self.seconds = np.full((num_buckets, max_k + 1), np.nan)
-        self.samples = np.zeros((num_buckets, max_k + 1), dtype=int)
+    Absolute step times drift within a rollout (attention over a growing context made
+    a 16-sequence SmolLM2 step 50% slower over 150 tokens here), so a k measured early
+    cannot be compared with one measured late. Each steady step at a measured k is
+    divided by the median of the served k's last few steady steps, taken just before:
+    the drift cancels in the ratio. The served k has ratio 1; switching to k' rebases
+    every ratio on k'.
+    """
 
-    def observe(self, bucket: int, k: int, seconds: float) -> None:
-        self.recent[bucket][k].append(seconds)
-        self.seconds[bucket, k] = float(np.median(self.recent[bucket][k]))
-        self.samples[bucket, k] += 1
+    def __init__(self, max_k: int, served: int, window: int = 32, reference: int = 6):
+        self.max_k, self.served = max_k, served
+        self.ratios = [deque(maxlen=window) for _ in range(max_k + 1)]
+        self.reference = deque(maxlen=reference)
+        self.served_seconds = float("nan")
+
+    def observe(self, k: int, seconds: float) -> None:
+        if k == self.served:
+            self.reference.append(seconds)
+            self.served_seconds = float(np.median(self.reference))
+        elif len(self.reference) >= 3:
+            self.ratios[k].append(seconds / self.served_seconds)
+
+    def ratio(self, k: int) -> float:
+        if k == self.served:
+            return 1.0
+        return float(np.median(self.ratios[k])) if self.ratios[k] else float("nan")
+
+    def samples(self, k: int) -> int:
+        return len(self.reference) if k == self.served else len(self.ratios[k])
+
+    def serve(self, k: int) -> None:
+        """Make ``k`` the reference: every other ratio is re-expressed against it."""
+        if k == self.served:
+            return
+        base = self.ratio(k)
+        for j in range(self.max_k + 1):
+            if j != k:
+                old = [1.0] * self.reference.maxlen if j == self.served else list(self.ratios[j])
+                self.ratios[j] = deque((r / base for r in old), maxlen=self.ratios[j].maxlen)
+        self.ratios[k].clear()
+        self.reference.clear()
+        self.served, self.served_seconds = k, float("nan")
 
 
 @dataclass
 class _Bucket:
-    best: int
+    cost: RelativeCost
     calibrated: bool = False
     burst_k: int | None = None
     burst_left: int = 0
     steps_since_burst: int = 0
     explore_gap: int = 16
+
+    @property
+    def best(self) -> int:
+        return self.cost.served
 
 
 class AdaptiveKController:
@@ -137,32 +175,36 @@ class AdaptiveKController:
         self.acceptance = AcceptanceTracker(max_k, self.cfg.decay, self.cfg.prior_accept,
                                             self.cfg.prior_weight)
         self.num_buckets = batch_bucket(max_batch) + 1
-        self.cost = StepCostTable(max_k, self.num_buckets, self.cfg.cost_window)
-        self.buckets = [_Bucket(best=max_k, explore_gap=self.cfg.explore_first) for _ in range(self.num_buckets)]
+        # Every bucket starts without speculation (never worse than plain while it measures).
+        self.buckets = [_Bucket(RelativeCost(max_k, 0, self.cfg.cost_window), explore_gap=self.cfg.explore_first)
+                        for _ in range(self.num_buckets)]
         self.clock = clock
         self.steps = 0
         self.steady_steps = 0
         self.explored_steps = 0
         self.chosen_counts = [0] * (max_k + 1)
-        self.last_choice = max_k
+        self.last_choice = 0
 
     # --- choice ---------------------------------------------------------------------
 
     def _next_burst(self, bucket: int) -> int | None:
-        """The k a bucket should measure next, or None to serve its best."""
+        """The k a bucket should measure next, or None to serve its best (and refresh the reference)."""
         state = self.buckets[bucket]
-        samples = self.cost.samples[bucket]
+        if state.cost.samples(state.best) < 3:
+            return None  # a burst needs a fresh reference just before it
         if not state.calibrated:
-            missing = [k for k in range(self.max_k + 1) if samples[k] < self.cfg.min_samples]
+            missing = [k for k in range(self.max_k + 1)
+                       if k != state.best and state.cost.samples(k) < self.cfg.min_samples]
             if missing:
-                return min(missing, key=lambda k: (samples[k], -k))
+                return min(missing, key=lambda k: (state.cost.samples(k), k))
             state.calibrated = True
             self._choose(bucket)
+            return None
         if state.steps_since_burst >= state.explore_gap:
             state.steps_since_burst = 0
             state.explore_gap = min(2 * state.explore_gap, self.cfg.explore_every)
             neighbours = [k for k in (state.best - 1, state.best + 1) if 0 <= k <= self.max_k]
-            return min(neighbours, key=lambda k: samples[k])
+            return min(neighbours, key=state.cost.samples)
         return None
 
     def k_for_bucket(self, bucket: int) -> int:
@@ -183,7 +225,7 @@ class AdaptiveKController:
         state = self.buckets[batch_bucket(min(batch, self.max_batch))]
         if state.burst_left > 0:
             state.burst_left -= 1
-            self.explored_steps += state.calibrated
+            self.explored_steps += 1
         else:
             state.steps_since_burst += 1
         if 0 <= k <= self.max_k:
@@ -205,16 +247,22 @@ class AdaptiveKController:
         if seconds is None or seconds <= 0 or k_verify != k_draft or batch < 1:
             return
         bucket = batch_bucket(min(batch, self.max_batch))
-        self.cost.observe(bucket, k_verify, seconds)
+        self.buckets[bucket].cost.observe(k_verify, seconds)
         self.steady_steps += 1
         if self.buckets[bucket].calibrated:
             self._choose(bucket)
 
     def _choose(self, bucket: int) -> None:
+        """Serve the k with the most expected tokens per unit of step time, if it beats the served
+        one by more than ``switch_margin`` (measured ratios are noisy: no flapping on noise)."""
+        state = self.buckets[bucket]
         tokens = self.acceptance.expected_tokens(self.cfg.optimism)
-        seconds = self.cost.seconds[bucket]
-        rates = [tokens[k] / seconds[k] if seconds[k] > 0 else -1.0 for k in range(self.max_k + 1)]
-        self.buckets[bucket].best = int(np.argmax(rates))
+        rates = [tokens[k] / state.cost.ratio(k) if state.cost.samples(k) >= min(3, self.cfg.min_samples)
+                 else -1.0 for k in range(self.max_k + 1)]
+        rates[state.best] = tokens[state.best]
+        best = int(np.argmax(rates))
+        if best != state.best and rates[best] > rates[state.best] * (1 + self.cfg.switch_margin):
+            state.cost.serve(best)
 
     # --- reporting -------------------------------------------------------------------
 
@@ -229,6 +277,9 @@ class AdaptiveKController:
                 "calibrated": any(b.calibrated for b in self.buckets),
                 "buckets": {f"{2 ** i}-{min(2 ** (i + 1) - 1, self.max_batch)}": {
                     "best_k": b.best, "calibrated": b.calibrated,
-                    "step_ms": [None if np.isnan(s) else round(1e3 * float(s), 3) for s in self.cost.seconds[i]],
-                    "samples": [int(n) for n in self.cost.samples[i]]}
+                    "served_step_ms": None if np.isnan(b.cost.served_seconds)
+                    else round(1e3 * b.cost.served_seconds, 3),
+                    "step_time_vs_served": [None if np.isnan(b.cost.ratio(k)) else round(b.cost.ratio(k), 4)
+                                            for k in range(self.max_k + 1)],
+                    "samples": [b.cost.samples(k) for k in range(self.max_k + 1)]}
                     for i, b in enumerate(self.buckets)}}
