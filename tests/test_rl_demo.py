@@ -3,7 +3,7 @@
 Checks what the demo promises rather than its numbers: every rollout exactly
 once per step with the policy versions it was sampled under, async rollouts at
 most one version behind, on-policy logprobs recomputed by the trainer equal
-vLLM's (float32), the online draft trainer publishing, and the JSON/PNG/table.
+vLLM's (float32), k chosen per step, and the JSON/PNG/table.
 """
 
 from __future__ import annotations
@@ -60,12 +60,11 @@ def test_sync_rollouts_are_on_policy_and_logprobs_match(report):
         assert s["on_policy_logprob_abs_diff_max"] < 1e-3, s
 
 
-def test_speculative_run_chose_k_per_step_and_the_online_draft_was_published(report):
+def test_speculative_run_chose_k_per_step(report):
     data, _ = report
     steps = data["runs"]["spec-async"]["steps"]
     assert all(s["mean_k"] is not None for s in steps), steps  # adaptive k reported every step
     assert any(s["acceptance_length"] for s in steps), "nothing was drafted"
-    assert steps[-1]["draft_version"] > 0, "the online draft trainer never published"
     for s in data["runs"]["plain"]["steps"]:
         assert s["mean_k"] is None and s["acceptance_length"] is None
         assert s["generation_bulk_s"] + s["generation_tail_s"] == pytest.approx(s["generation_s"])

@@ -421,6 +421,7 @@ ADAPTIVE_K_CHECKED = {"0.32.0": "Scheduler.dynamic_sd_lookup / num_spec_tokens_t
 
 def adaptive_k_scheduler_class(vllm_config: Any) -> type:
     """vLLM's scheduler class for this config (async or not), with adaptive k attached."""
+    import atexit
     import os
     import time
 
@@ -448,6 +449,7 @@ def adaptive_k_scheduler_class(vllm_config: Any) -> type:
             from vllm_specrl.plugin import process_role
 
             self._specrl_frontend_pid = os.getppid() if process_role() == "engine_core" else os.getpid()
+            atexit.register(adaptive_state.remove, self._specrl_frontend_pid)
 
         def schedule(self, *args: Any, **kwargs: Any) -> Any:
             ctl = self._specrl_controller

@@ -57,4 +57,5 @@ def test_drafts_that_are_nearly_always_accepted_settle_on_max_k(tiny_model):
     state = out["adaptive_k"]
     assert out["spec_decode"]["acceptance_rate"] > 0.8, out["spec_decode"]  # the premise
     assert state["buckets"]["1-1"]["calibrated"] and state["buckets"]["1-1"]["best_k"] == K, state
-    assert state["chosen_k_counts"][K] > 0.5 * sum(state["chosen_k_counts"]), state
+    counts = state["chosen_k_counts"]  # calibration measures every k first (starting at k = 0)
+    assert counts[K] == max(counts), state

@@ -1,8 +1,9 @@
 """``--scheduler-cls vllm_specrl.adaptive.scheduler.AdaptiveKScheduler``: vLLM's scheduler with k chosen per step.
 
 vLLM picks the scheduler class by name; this one becomes vLLM's own scheduler
-(the asynchronous one when async scheduling is on, as it is by default for
-EAGLE) with the adaptive-k controller attached (``vllm_compat.adaptive_k_scheduler``).
+(the asynchronous one when async scheduling is on, the default for EAGLE on GPUs;
+vLLM's CPU platform turns it off) with the adaptive-k controller attached
+(``vllm_compat.adaptive_k_scheduler_class``).
 Knobs: ``--additional-config '{"specrl": {"adaptive_k": {"explore": 0.03, ...}}}'``
 (``controller.AdaptiveKConfig``).
 """

@@ -30,6 +30,11 @@ def publish(state: dict, frontend_pid: int) -> None:
     os.replace(tmp, path)
 
 
+def remove(frontend_pid: int) -> None:
+    """Delete the state file (the engine core does at exit, so no stale state outlives it)."""
+    state_path(frontend_pid).unlink(missing_ok=True)
+
+
 def read(frontend_pid: int | None = None) -> dict | None:
     """The latest published state of this API server's engine, or None."""
     try:
