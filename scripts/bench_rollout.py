@@ -178,20 +178,13 @@ def _cell(temperature: float, batch: int, requests: int, tokens: int, wall: floa
 
 
 def run_engine_in_subprocess(cfg: dict, timeout_s: float) -> list[dict] | str:
+    from vllm_specrl.bench_engine import run_engine_subprocess
     from vllm_specrl.server import with_intel_openmp
 
     env = with_intel_openmp(dict(os.environ))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     env.setdefault("VLLM_PLUGINS", "specrl,specrl_http")
-    try:
-        proc = subprocess.run([sys.executable, __file__, "--_engine", json.dumps(cfg)], env=env,
-                              capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return f"engine timed out after {timeout_s:.0f} s"
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("ENGINE_RESULT "):
-            return json.loads(line[len("ENGINE_RESULT "):])
-    return f"engine failed (rc={proc.returncode}): {(proc.stdout + proc.stderr)[-3000:]}"
+    return run_engine_subprocess(__file__, cfg, env, timeout_s)
 
 
 # --- drafts, ratios, plot ------------------------------------------------------------
@@ -312,7 +305,9 @@ def main() -> None:
     if args._engine:
         cfg = json.loads(args._engine)
         cells = (_engine_offline if cfg["mode"] == "offline" else _engine_server)(cfg)
-        print("ENGINE_RESULT " + json.dumps(cells), flush=True)
+        from vllm_specrl.bench_engine import report_result
+
+        report_result(cells)
         return
 
     from vllm_specrl.fixtures import fixture_target

@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -75,21 +74,14 @@ def _engine(cfg: dict) -> list[dict]:
 
 
 def run_engine(cfg: dict, env_extra: dict, timeout_s: float, iomp: bool = True) -> list[dict] | str:
+    from vllm_specrl.bench_engine import run_engine_subprocess
     from vllm_specrl.server import with_intel_openmp
 
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
                VLLM_PLUGINS=os.environ.get("VLLM_PLUGINS", "specrl"), **env_extra)
     if iomp:
         env = with_intel_openmp(env)
-    try:
-        proc = subprocess.run([sys.executable, __file__, "--_engine", json.dumps(cfg)], env=env,
-                              capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return f"timed out after {timeout_s:.0f} s"
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("ENGINE_RESULT "):
-            return json.loads(line[len("ENGINE_RESULT "):])
-    return f"engine failed (rc={proc.returncode}): {(proc.stdout + proc.stderr)[-3000:]}"
+    return run_engine_subprocess(__file__, cfg, env, timeout_s)
 
 
 def table(report: dict) -> str:
@@ -129,7 +121,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("results/bench_step_cost.json"))
     args = ap.parse_args()
     if args._engine:
-        print("ENGINE_RESULT " + json.dumps(_engine(json.loads(args._engine))), flush=True)
+        from vllm_specrl.bench_engine import report_result
+
+        report_result(_engine(json.loads(args._engine)))
         return
 
     from vllm_specrl.fixtures import fixture_target

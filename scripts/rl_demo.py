@@ -159,8 +159,13 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
         finally:
             pool.shutdown(wait=True, cancel_futures=True)  # a queued next-step rollout is dropped
             if trainer is not None:
-                trainer.send_signal(signal.SIGINT)
-                trainer.wait(60)
+                trainer.send_signal(signal.SIGINT)  # it checkpoints and exits
+                try:
+                    trainer.wait(120)
+                except subprocess.TimeoutExpired:  # a stuck trainer must not fail the RL run
+                    print(f"[rl:{mode}] draft trainer did not exit in 120 s after SIGINT: killed", flush=True)
+                    trainer.kill()
+                    trainer.wait()
     return {"mode": mode, "steps": steps}
 
 
