@@ -25,7 +25,6 @@ changes what is sampled: only how many drafts are verified.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -168,8 +167,7 @@ class _Bucket:
 class AdaptiveKController:
     """The policy: ``lookup_for_step()`` before a schedule, ``record_choice`` and ``observe_step`` after."""
 
-    def __init__(self, max_k: int, max_batch: int, config: AdaptiveKConfig | None = None,
-                 clock=time.perf_counter):
+    def __init__(self, max_k: int, max_batch: int, config: AdaptiveKConfig | None = None):
         self.cfg = config or AdaptiveKConfig()
         self.max_k, self.max_batch = max_k, max_batch
         self.acceptance = AcceptanceTracker(max_k, self.cfg.decay, self.cfg.prior_accept,
@@ -178,7 +176,6 @@ class AdaptiveKController:
         # Every bucket starts without speculation (never worse than plain while it measures).
         self.buckets = [_Bucket(RelativeCost(max_k, 0, self.cfg.cost_window), explore_gap=self.cfg.explore_first)
                         for _ in range(self.num_buckets)]
-        self.clock = clock
         self.steps = 0
         self.steady_steps = 0
         self.explored_steps = 0
