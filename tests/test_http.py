@@ -85,6 +85,8 @@ def test_adaptive_k_state_reaches_status_and_metrics(server, client):
     client.completions.create(model=server.model, prompt=REPETITIVE, max_tokens=48, temperature=0)
     adaptive = server.status()["adaptive_k"]
     assert adaptive is not None and adaptive["max_k"] == 3
+    # The runner's step time crossed from the worker process to the engine core's scheduler.
+    assert adaptive["step_overhead_ms"] is not None, adaptive
     counts = adaptive["chosen_k_counts"]
     assert sum(counts) >= 48 / 4, adaptive  # at least one step per 4 tokens was scheduled
     text = requests.get(server.url + "/metrics", timeout=30).text

@@ -49,6 +49,8 @@ def _install_registrations() -> list[str]:
                       vllm_compat.install_cpu_seeded_rewind_fix))
         steps.append(("cpu_fast_sampling", "CPU inverse-CDF spec-decode sampling",
                       vllm_compat.install_cpu_fast_sampling))
+        steps.append(("runner_step_timer", "model-runner step timer (adaptive k)",
+                      vllm_compat.install_runner_step_timer))
     done = []
     for key, what, install in steps:
         try:

@@ -481,7 +481,8 @@ def adaptive_k_scheduler_class(vllm_config: Any) -> type:
                         verified.append((len(drafts), min(emitted - 1, len(drafts))))
             seconds = now - self._specrl_last_output if (clean and self._specrl_last_output) else None
             ctl.observe_step(len(scheduled), k_verify.pop() if len(k_verify) == 1 else 0,
-                             scheduler_output.num_spec_tokens_to_schedule, seconds, verified)
+                             scheduler_output.num_spec_tokens_to_schedule, seconds, verified,
+                             runner_seconds(model_runner_output))
             # An idle engine makes no outputs: the next interval would count the idle time.
             busy = bool(self.get_num_unfinished_requests())
             self._specrl_last_output = now if busy else None
@@ -495,6 +496,60 @@ def adaptive_k_scheduler_class(vllm_config: Any) -> type:
 
     AdaptiveK.__name__ = AdaptiveK.__qualname__ = f"AdaptiveK{base.__name__}"
     return AdaptiveK
+
+
+# --- model-runner step time, handed to the scheduler ------------------------------
+#
+# The adaptive-k controller needs what a step of each k costs. The interval between
+# the scheduler's outputs also holds the engine loop's and the output processing's
+# time, which jitter by 15-20% per step on a shared 2-core CPU and made the
+# controller's k=0 vs k=2 ratio 1.03 where the runner's own time says ~0.7. The
+# runner's time from ``execute_model`` entry to ``sample_tokens`` exit (forward,
+# sampling, rejection sampling, drafting) is attached to the ``ModelRunnerOutput``
+# as ``specrl_runner_seconds``; the dataclass is pickled to the engine core with its
+# ``__dict__``, so the attribute survives the multi-process executor. CPU only: on
+# a GPU the runner returns before its kernels finish. Checked on 0.32.0 (cpu).
+
+RUNNER_SECONDS_ATTR = "specrl_runner_seconds"
+
+
+def install_runner_step_timer() -> str:
+    """Wrap the CPU model runner's ``execute_model`` / ``sample_tokens`` to time each step."""
+    import time
+
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return "not installed (not the CPU platform: GPU steps are asynchronous)"
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    if getattr(CPUModelRunner, "_specrl_step_timer", False):
+        return "installed"
+    stock_execute, stock_sample = CPUModelRunner.execute_model, CPUModelRunner.sample_tokens
+
+    def stamp(output: Any, start: float | None) -> Any:
+        if start is not None and isinstance(output, ModelRunnerOutput):
+            setattr(output, RUNNER_SECONDS_ATTR, time.perf_counter() - start)
+        return output
+
+    def execute_model(self, *args, **kwargs):
+        self._specrl_step_start = start = time.perf_counter()
+        return stamp(stock_execute(self, *args, **kwargs), start)
+
+    def sample_tokens(self, *args, **kwargs):
+        start, self._specrl_step_start = getattr(self, "_specrl_step_start", None), None
+        return stamp(stock_sample(self, *args, **kwargs), start)
+
+    CPUModelRunner.execute_model, CPUModelRunner.sample_tokens = execute_model, sample_tokens
+    CPUModelRunner._specrl_step_timer = True
+    return "installed"
+
+
+def runner_seconds(model_runner_output: Any) -> float | None:
+    """The runner's time for the step that produced this output, where the timer was installed."""
+    value = getattr(model_runner_output, RUNNER_SECONDS_ATTR, None)
+    return float(value) if value is not None else None
 
 
 # --- phase timers (worker side, benchmarks only) ----------------------------------

@@ -9,6 +9,8 @@ Two estimates, both kept current from the engine's own steps:
 * **cost**: the wall time of a decode step, per batch-size bucket (1, 2-3, 4-7,
   8-15, ...) and k, *relative to the k being served*, from steady steps (every
   request verifying k drafts and drafting k more) measured in pairs (``RelativeCost``).
+  Where the worker times its model runner (CPU), a step is that time plus the median
+  time outside it, not the raw interval between outputs.
   Measured, not modelled: on a CPU a verify pass is memory-bound at one token per
   sequence and compute-bound at a few, so step time is far from linear in batch x
   tokens (a fitted line extrapolated across batch sizes picked the wrong k by 40% on
@@ -181,6 +183,7 @@ class AdaptiveKController:
         self.explored_steps = 0
         self.chosen_counts = [0] * (max_k + 1)
         self.last_choice = 0
+        self.overheads: deque[float] = deque(maxlen=256)  # seconds of each interval outside the runner
 
     # --- choice ---------------------------------------------------------------------
 
@@ -236,13 +239,22 @@ class AdaptiveKController:
     # --- observation -----------------------------------------------------------------
 
     def observe_step(self, batch: int, k_verify: int, k_draft: int, seconds: float | None,
-                     verified: list[tuple[int, int]]) -> None:
-        """A step's output: its shape, its wall time (None when it was not a clean decode
-        step), and ``(drafts, accepted)`` per request that verified drafts."""
+                     verified: list[tuple[int, int]], runner_seconds: float | None = None) -> None:
+        """A step's output: its shape, its wall time since the previous output (None when it
+        was not a clean decode step), the model runner's own time for it where the worker
+        timed it, and ``(drafts, accepted)`` per request that verified drafts.
+
+        With the runner's time, k's are compared on it, and the rest of the interval
+        (engine loop, output processing: paid by every k alike, and the noisy part) is
+        added back as its mean when choosing, so a slow spell outside the runner does
+        not read as a slow k."""
         for drafts, accepted in verified:
             self.acceptance.observe(drafts, accepted)
         if seconds is None or seconds <= 0 or k_verify != k_draft or batch < 1:
             return
+        if runner_seconds is not None and 0 < runner_seconds <= seconds:
+            self.overheads.append(seconds - runner_seconds)
+            seconds = runner_seconds
         bucket = batch_bucket(min(batch, self.max_batch))
         self.buckets[bucket].cost.observe(k_verify, seconds)
         self.steady_steps += 1
@@ -254,12 +266,22 @@ class AdaptiveKController:
         one by more than ``switch_margin`` (measured ratios are noisy: no flapping on noise)."""
         state = self.buckets[bucket]
         tokens = self.acceptance.expected_tokens(self.cfg.optimism)
-        rates = [tokens[k] / state.cost.ratio(k) if state.cost.samples(k) >= min(3, self.cfg.min_samples)
+        rates = [tokens[k] / self._step_ratio(state.cost, k) if state.cost.samples(k) >= min(3, self.cfg.min_samples)
                  else -1.0 for k in range(self.max_k + 1)]
         rates[state.best] = tokens[state.best]
         best = int(np.argmax(rates))
         if best != state.best and rates[best] > rates[state.best] * (1 + self.cfg.switch_margin):
             state.cost.serve(best)
+
+    def _step_ratio(self, cost: RelativeCost, k: int) -> float:
+        """A whole step of k against one of the served k: runner ratio, plus the time outside the
+        runner (when the runner is timed) that both pay."""
+        ratio = cost.ratio(k)
+        served = cost.served_seconds
+        if not self.overheads or np.isnan(served):
+            return ratio
+        outside = float(np.mean(self.overheads))
+        return (ratio * served + outside) / (served + outside)
 
     # --- reporting -------------------------------------------------------------------
 
@@ -272,6 +294,7 @@ class AdaptiveKController:
                 "conditional_acceptance": [round(float(c), 4) for c in self.acceptance.conditional()],
                 "expected_tokens_per_step": [round(float(t), 4) for t in tokens],
                 "calibrated": any(b.calibrated for b in self.buckets),
+                "step_overhead_ms": round(1e3 * float(np.mean(self.overheads)), 3) if self.overheads else None,
                 "buckets": {f"{2 ** i}-{min(2 ** (i + 1) - 1, self.max_batch)}": {
                     "best_k": b.best, "calibrated": b.calibrated,
                     "served_step_ms": None if np.isnan(b.cost.served_seconds)
