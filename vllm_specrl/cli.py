@@ -100,7 +100,7 @@ def _cmd_train_online(args: argparse.Namespace) -> int:
                        batch_size=args.batch_size, publish_every=args.publish_every,
                        checkpoint_every=args.checkpoint_every, max_steps=args.max_steps,
                        max_seconds=args.max_seconds, idle_s=args.idle_s, seed=args.seed,
-                       replay_ratio=args.replay_ratio)
+                       replay_ratio=args.replay_ratio, capture_allow_remote=args.capture_allow_remote)
     trainer = OnlineDraftTrainer(args.draft, args.target, cfg, _train_config(args), args.checkpoint_dir, args.log)
     print(json.dumps({"event": "started", "resumed_from_step": trainer.resumed_from_step,
                       "checkpoint_dir": str(trainer.checkpoint_dir)}), flush=True)
@@ -178,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "online with --capture)")
     tr.add_argument("--offline", action="store_true", help="warm start from the target's own rollouts")
     tr.add_argument("--capture", default=None, help="online: ZeroMQ address to receive capture frames on")
+    tr.add_argument("--capture-allow-remote", action="store_true",
+                    help="online: allow a non-loopback --capture address (hidden states from other hosts)")
     tr.add_argument("--engine", default=None, help="online: vllm serve URL to publish the draft to")
     tr.add_argument("--api-key", default=None)
     tr.add_argument("--publish-every", type=int, default=20)

@@ -23,7 +23,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 
-from vllm_specrl import metrics, plugin, vllm_compat
+from vllm_specrl import metrics, plugin, security, vllm_compat
 from vllm_specrl._log import logger
 from vllm_specrl._version import __version__
 from vllm_specrl.adaptive import state as adaptive_state
@@ -82,9 +82,10 @@ EXTENSION_HINT = "start vllm serve with --worker-extension-cls vllm_specrl.sync.
 class SpecRLHttpState:
     """Per-app state: the engine client, hashed API keys, versions, the stale-draft guard."""
 
-    def __init__(self, engine_client: Any, api_keys: list[str]):
+    def __init__(self, engine_client: Any, api_keys: list[str], allow_unauthenticated_remote: bool = False):
         self.engine_client = engine_client
         self._key_hashes = [hashlib.sha256(k.encode()).digest() for k in api_keys]
+        self.allow_unauthenticated_remote = allow_unauthenticated_remote
         self.versions = {"policy": 0, "draft": 0}
         self.uploads: dict[str, dict] = {}
         self.commit_lock = asyncio.Lock()
@@ -128,12 +129,26 @@ class SpecRLHttpState:
         return ok
 
 
+UNAUTHENTICATED_REMOTE_REFUSAL = (
+    "no API key is set on this server, so /specrl routes that change it (updates, pause, capture) answer "
+    "loopback clients only; start vllm serve with --api-key (or VLLM_API_KEY) and send "
+    "'Authorization: Bearer <key>', or opt out with --additional-config "
+    "'{\"specrl\": {\"allow_unauthenticated_remote\": true}}' or "
+    f"{security.UNAUTHENTICATED_REMOTE_ENV}=1")
+
+
 def _specrl_state(request: Request) -> SpecRLHttpState:
+    """The app's state, after the access rules: a key when one is set; without one, only loopback
+    clients may change anything (weights, pause, capture) unless the operator opted out."""
     state = getattr(request.app.state, "specrl", None)
     if state is None:
         raise HTTPException(503, "vllm-specrl endpoint plugin not initialised")
     if not state.authorized(request.headers.get("Authorization")):
         raise HTTPException(401, "missing or wrong API key (Authorization: Bearer <key>)")
+    client = request.client.host if request.client else None
+    if (request.method not in ("GET", "HEAD") and not state.auth_required
+            and not state.allow_unauthenticated_remote and not security.is_loopback_host(client)):
+        raise HTTPException(403, UNAUTHENTICATED_REMOTE_REFUSAL)
     return state
 
 
@@ -212,7 +227,9 @@ class SpecRLEndpointPlugin:
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         keys = [k for k in (getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY")]) if k]
-        state.specrl = SpecRLHttpState(engine_client, keys)
+        specrl_cfg = vllm_compat.specrl_additional_config(engine_client.vllm_config)
+        state.specrl = SpecRLHttpState(engine_client, keys, security.unauthenticated_remote_allowed(
+            bool(specrl_cfg.get("allow_unauthenticated_remote", False))))
         update_gauges(state.specrl)
         register_adaptive_k_metrics()
         capture = vllm_compat.specrl_additional_config(engine_client.vllm_config).get("capture")
@@ -223,7 +240,8 @@ class SpecRLEndpointPlugin:
             except Exception as exc:  # noqa: BLE001 - serving goes on without capture
                 logger.warning("vllm-specrl: capture not started (%s): %r", EXTENSION_HINT, exc)
         logger.info("vllm-specrl %s routes at /specrl (api key %s)", __version__,
-                    "required" if keys else "not set")
+                    "required" if keys else "not set: control routes answer loopback clients only"
+                    if not state.specrl.allow_unauthenticated_remote else "not set: open to every client")
 
 
 def endpoint_plugin() -> SpecRLEndpointPlugin:

@@ -20,3 +20,42 @@ def test_finite_values_whose_sum_overflows_are_finite():
     big = torch.full((8,), 3.0e38, dtype=torch.bfloat16)
     assert not torch.isfinite(big.sum(dtype=torch.float32))  # the fast path cannot decide ...
     assert all_finite(big)  # ... so the exact check does
+
+
+def draft_specs(draft_vocab: int = 6, target_vocab: int = 10) -> dict:
+    from vllm_specrl.sync.validate import ParamSpec
+
+    return {"d2t": ParamSpec((draft_vocab,), torch.int64), "t2d": ParamSpec((target_vocab,), torch.bool),
+            "lm_head.weight": ParamSpec((draft_vocab, 4), torch.float32)}
+
+
+def test_index_maps_in_range_pass():
+    from vllm_specrl.sync.validate import tensor_problems
+
+    target_ids = torch.tensor([0, 2, 3, 5, 8, 9])
+    d2t = target_ids - torch.arange(6)
+    t2d = torch.zeros(10, dtype=torch.bool)
+    t2d[target_ids] = True
+    assert tensor_problems("d2t", d2t, draft_specs()) == []
+    assert tensor_problems("t2d", t2d, draft_specs()) == []
+
+
+@pytest.mark.parametrize("target_ids,match", [
+    ([0, 2, 3, 5, 8, 10], "outside the target vocabulary"),   # one past the end: vLLM would index out of bounds
+    ([-1, 2, 3, 5, 8, 9], "outside the target vocabulary"),
+    ([0, 2, 2, 5, 8, 9], "already maps to"),
+])
+def test_out_of_range_or_colliding_d2t_is_refused(target_ids, match):
+    from vllm_specrl.sync.validate import tensor_problems
+
+    d2t = torch.tensor(target_ids) - torch.arange(6)
+    problems = tensor_problems("d2t", d2t, draft_specs())
+    assert len(problems) == 1 and match in problems[0] and problems[0].startswith("d2t:"), problems
+
+
+def test_t2d_marking_the_wrong_number_of_tokens_is_refused():
+    from vllm_specrl.sync.validate import tensor_problems
+
+    t2d = torch.zeros(10, dtype=torch.bool)
+    t2d[:5] = True
+    assert "marks 5 target tokens" in tensor_problems("t2d", t2d, draft_specs())[0]

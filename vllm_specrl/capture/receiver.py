@@ -13,11 +13,15 @@ from typing import Any
 import torch
 
 from vllm_specrl.capture.protocol import FrameError, decode_frame
+from vllm_specrl.security import require_local_zmq_address
 
 
 class CaptureReceiver:
-    def __init__(self, address: str, rcv_hwm: int = 256):
+    def __init__(self, address: str, rcv_hwm: int = 256, allow_remote: bool = False):
+        """Binds ``address``; a non-loopback one (hidden states from anywhere) only with ``allow_remote``."""
         import zmq
+
+        require_local_zmq_address(address, allow_remote, "capture receiver", "pass --capture-allow-remote")
 
         self._zmq = zmq
         self.socket = zmq.Context.instance().socket(zmq.PULL)

@@ -16,22 +16,17 @@ from typing import Any
 import torch
 
 from vllm_specrl.capture.protocol import encode_frame
+from vllm_specrl.security import require_local_zmq_address
 
 DEFAULT_QUEUE_FRAMES = 256
 SEND_HWM = 64
 
 
-def is_loopback(address: str) -> bool:
-    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
-    return address.startswith("ipc://") or host in ("127.0.0.1", "localhost", "::1")
-
-
 class CaptureSender:
     def __init__(self, address: str, queue_frames: int = DEFAULT_QUEUE_FRAMES, allow_remote: bool = False):
-        if not is_loopback(address) and not allow_remote:
-            raise ValueError(f"capture address {address} is not loopback; set capture_allow_remote "
-                             "to stream hidden states off this host")
-        self.address = address
+        self.address = require_local_zmq_address(
+            address, allow_remote, "capture",
+            'set "capture_allow_remote": true in --additional-config \'{"specrl": {...}}\'')
         self._queue: queue.Queue = queue.Queue(maxsize=queue_frames)
         self.counters = {"frames_offered": 0, "frames_sent": 0, "frames_dropped_queue_full": 0,
                          "frames_dropped_no_peer": 0, "bytes_sent": 0}

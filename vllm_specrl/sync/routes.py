@@ -16,13 +16,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from vllm_specrl._log import logger
+from vllm_specrl.security import confined_file
 from vllm_specrl.sync.shm import SHM_DIR
 
 PAUSE_MODES = ("wait", "keep", "abort", "none")
@@ -70,9 +70,11 @@ def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
     @router.post("/update/{update_id}/shm")
     async def upload_shm(update_id: str, request: Request) -> JSONResponse:
         state = get_state(request)
-        path = Path((await request.json()).get("path", ""))
-        if path.parent != SHM_DIR or not path.name.startswith("specrl-"):
-            return refused(f"shared-memory chunks must be {SHM_DIR}/specrl-*.safetensors; got {path}")
+        raw = (await request.json()).get("path", "")
+        try:  # resolved first: "specrl-../x" and symlinks out of the directory are refused
+            path = confined_file(raw, SHM_DIR, "specrl-", ".safetensors")
+        except ValueError:
+            return refused(f"shared-memory chunks must be {SHM_DIR}/specrl-*.safetensors; got {raw!r}")
         return answer(await rpc_all(state.engine_client, "specrl_stage_file", update_id, str(path)))
 
     @router.post("/update/{update_id}/commit")

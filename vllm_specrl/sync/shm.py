@@ -27,7 +27,12 @@ def write_chunk(tensors: dict[str, torch.Tensor]) -> Path:
     from safetensors.torch import save_file
 
     path = SHM_DIR / f"specrl-{os.getpid()}-{uuid.uuid4().hex[:10]}.safetensors"
-    tmp = Path(tempfile.mktemp(dir=SHM_DIR, prefix=".specrl-tmp-"))
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp)
-    tmp.rename(path)  # the worker never sees a half-written file
+    fd, name = tempfile.mkstemp(dir=SHM_DIR, prefix=".specrl-tmp-")  # created 0600, never guessed
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp)
+        tmp.rename(path)  # the worker never sees a half-written file
+    finally:
+        tmp.unlink(missing_ok=True)
     return path

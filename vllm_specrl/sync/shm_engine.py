@@ -23,6 +23,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from vllm_specrl import vllm_compat
+from vllm_specrl.security import confined_file
 from vllm_specrl.sync.shm import SHM_DIR
 from vllm_specrl.sync.validate import WeightUpdateError, checkpoint_specs, tensor_problems
 
@@ -61,8 +62,10 @@ class SpecRLShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateI
     def receive_weights(self, update_info: ShmUpdateInfo) -> None:
         specs = self._checkpoint_specs()
         for path in update_info.paths:
-            if not path.startswith(str(SHM_DIR) + "/specrl-"):
-                raise WeightUpdateError(f"{path}: not a {SHM_DIR}/specrl-* chunk")
+            try:
+                path = confined_file(path, SHM_DIR, "specrl-", ".safetensors")
+            except ValueError as exc:
+                raise WeightUpdateError(str(exc)) from None
             tensors = load_file(path)
             problems = [p for name, t in tensors.items() for p in tensor_problems(name, t, specs)]
             if problems:

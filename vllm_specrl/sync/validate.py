@@ -91,7 +91,45 @@ def tensor_problems(name: str, tensor: object, specs: dict[str, ParamSpec]) -> l
             problems.append(f"{name}: {bad} non-finite values (NaN/Inf)")
     elif tensor.dtype != spec.dtype:
         problems.append(f"{name}: dtype {tensor.dtype} != expected {spec.dtype}")
+    if not problems and name.rsplit(".", 1)[-1] in ("d2t", "t2d"):
+        problems.extend(index_map_problems(name, tensor, specs))
     return problems
+
+
+def target_vocab_size(specs: dict[str, ParamSpec]) -> int | None:
+    """The target vocabulary a draft's index maps point into, from the checkpoint's own shapes."""
+    for name, spec in specs.items():
+        if name.rsplit(".", 1)[-1] == "t2d":
+            return spec.shape[0]
+    for name in ("model.embed_tokens.weight", "embed_tokens.weight"):
+        if name in specs:
+            return specs[name].shape[0]
+    return None
+
+
+def index_map_problems(name: str, tensor: torch.Tensor, specs: dict[str, ParamSpec]) -> list[str]:
+    """Values of the draft-vocabulary maps: vLLM indexes with them unchecked, so an out-of-range entry
+    would read or write outside a tensor inside the engine. ``d2t[i]`` is an offset: draft token i
+    is target token ``i + d2t[i]``, which must lie in the target vocabulary, distinct per i; ``t2d``
+    marks exactly as many target tokens as the draft has."""
+    vocab = target_vocab_size(specs)
+    if name.rsplit(".", 1)[-1] == "d2t":
+        if tensor.dtype.is_floating_point or tensor.dtype == torch.bool:
+            return [f"{name}: must hold integer offsets, got {tensor.dtype}"]
+        target_ids = torch.arange(tensor.numel(), dtype=torch.int64) + tensor.reshape(-1).to(torch.int64)
+        bad = (target_ids < 0) | (target_ids >= vocab) if vocab else target_ids < 0
+        if bool(bad.any()):
+            first = int(bad.nonzero()[0, 0])
+            return [f"{name}: {int(bad.sum())} entries map outside the target vocabulary [0, {vocab}) "
+                    f"(first: draft token {first} -> {int(target_ids[first])})"]
+        if target_ids.unique().numel() != target_ids.numel():
+            return [f"{name}: {target_ids.numel() - target_ids.unique().numel()} draft tokens map to a "
+                    "target token another draft token already maps to"]
+        return []
+    draft_vocab = next((spec.shape[0] for n, spec in specs.items() if n.rsplit(".", 1)[-1] == "d2t"), None)
+    if tensor.dtype == torch.bool and draft_vocab is not None and int(tensor.sum()) != draft_vocab:
+        return [f"{name}: marks {int(tensor.sum())} target tokens, the draft vocabulary has {draft_vocab}"]
+    return []
 
 
 def missing_names(received: set[str], specs: dict[str, ParamSpec]) -> list[str]:

@@ -41,6 +41,7 @@ from vllm_specrl.trainer.core import TRAINER_STATE, DraftTrainer, TrainConfig, c
 @dataclass
 class OnlineConfig:
     capture: str = "tcp://127.0.0.1:5557"
+    capture_allow_remote: bool = False  # bind a non-loopback address (engines on other hosts)
     engine: str | None = None
     api_key: str | None = None
     batch_size: int = 8
@@ -75,7 +76,7 @@ class OnlineDraftTrainer:
                                         train_cfg)
         self.resumed_from_step = self.trainer.step_count if resume else None
         self.rng = random.Random(cfg.seed)
-        self.receiver = CaptureReceiver(cfg.capture)
+        self.receiver = CaptureReceiver(cfg.capture, allow_remote=cfg.capture_allow_remote)
         self.assembler = SequenceAssembler()
         self.last_seen: dict[str, float] = {}
         self.buffer: deque = deque(maxlen=cfg.buffer_sequences)
