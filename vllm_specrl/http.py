@@ -87,6 +87,7 @@ class SpecRLHttpState:
         self._key_hashes = [hashlib.sha256(k.encode()).digest() for k in api_keys]
         self.allow_unauthenticated_remote = allow_unauthenticated_remote
         self.versions = {"policy": 0, "draft": 0}
+        self.last_commit_failure: dict | None = None
         self.uploads: dict[str, dict] = {}
         self.commit_lock = asyncio.Lock()
         self.guard = StaleDraftGuard()
@@ -107,6 +108,15 @@ class SpecRLHttpState:
             await self.engine_client.update_weight_version(str(result["version"]))
             self.guard.policy_updated(metrics.from_prometheus_registry())
         update_gauges(self)
+
+    async def commit_failed(self, result: dict) -> None:
+        """A commit failed while applying (the workers restored the last good weights): KV
+        computed while some layers were new must not be reused, and status must say so."""
+        self.last_commit_failure = {k: result.get(k) for k in ("error", "rolled_back", "failure")}
+        try:
+            await self.engine_client.reset_prefix_cache(reset_running_requests=True)
+        except Exception as exc:  # noqa: BLE001 - the failure is already reported
+            logger.warning("vllm-specrl: prefix cache not reset after a failed commit: %r", exc)
 
     def stale_draft(self) -> dict:
         return self.guard.assess(self.versions["policy"], self.versions["draft"], self.has_draft,
@@ -172,6 +182,7 @@ async def gather_status(state: SpecRLHttpState) -> dict[str, Any]:
     out["versions"] = dict(state.versions)
     out["stale_draft"] = update_gauges(state)
     out["updates_in_progress"] = state.uploads
+    out["last_commit_failure"] = state.last_commit_failure
     out["adaptive_k"] = adaptive_state.read()  # None unless --scheduler-cls ...AdaptiveKScheduler
     try:
         out["workers"] = await asyncio.wait_for(

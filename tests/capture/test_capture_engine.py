@@ -36,14 +36,15 @@ while time.time() < deadline:
     if state["frames_sent"] + state["frames_dropped_queue_full"] + state["frames_dropped_no_peer"] \\
             >= state["frames_offered"] and state["queued"] == 0 and rx.socket.poll(300) == 0:
         break
-seqs = {}
+seqs, runs = {}, []
 for i, rid in enumerate(request_ids):
     # vLLM suffixes the engine-side request id ("0" -> "0-1a2b3c4d").
     key = next(k for k in asm.requests if k == rid or k.startswith(rid + "-"))
+    runs.append({str(v): list(asm.requests[key].trainable_run(v)) for v in (0, 1)})
     for k, v in asm.pop(key).items():
         seqs[f"{i}.{k}"] = v.contiguous() if torch.is_tensor(v) else torch.tensor(v)
 save_file(seqs, OUT)
-print("RESULT " + json.dumps({"tokens": tokens, "state": state, "rx": rx.counters, **extra}))
+print("RESULT " + json.dumps({"tokens": tokens, "state": state, "rx": rx.counters, "runs": runs, **extra}))
 """
 
 
@@ -194,3 +195,82 @@ def test_captured_prompt_length_and_topk_targets(capture_run):
             hit = (ids[row] == nxt[row]).nonzero()
             if len(hit):
                 assert abs(float(values[row, hit[0, 0]]) - float(seqs[f"{i}.logprobs"][row])) < 1e-4
+
+
+GROUP_PROMPT = "def f(x):\n" + "    x = x + 1\n" * 60  # ~ 400 tokens: several full KV blocks to share
+GROUP = 4
+
+
+@pytest.fixture(scope="module")
+def captured_group_across_a_commit(tiny_model, work):
+    """A GRPO group (G=4 samples of one prompt, prefix caching on as vLLM defaults) generated in two
+    epochs; a policy commit (v1, the same weights) lands while epoch 2 decodes."""
+    return run_capture(tiny_model, work, "disable_log_stats=False,", f"""
+from safetensors.torch import load_file as _load
+eng = llm.llm_engine
+request_ids, latest, commit_at = [], {{}}, {{}}
+def run_epoch(epoch, commit_after_steps=None):
+    ids = [f"e{{epoch}}g{{i}}" for i in range({GROUP})]
+    for i, rid in enumerate(ids):
+        eng.add_request(rid, {GROUP_PROMPT!r}, SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True,
+                                                               seed=10 * epoch + i))
+    steps = 0
+    while eng.has_unfinished_requests():
+        for header, tensors in rx.receive(0):
+            asm.add(header, tensors)
+        for o in eng.step():
+            latest[o.request_id] = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+        steps += 1
+        if steps == commit_after_steps:
+            uid = llm.collective_rpc("specrl_begin_update", args=("policy", 1, "u1"))[0]["update_id"]
+            llm.collective_rpc("specrl_stage_tensors", args=(uid, _load({str(tiny_model / "model.safetensors")!r})))
+            assert llm.collective_rpc("specrl_commit_update", args=(uid,))[0]["ok"]
+            for rid in ids:
+                commit_at[rid] = len(latest[rid]) - 1  # the row of the last token forwarded under v0 + 1
+    request_ids.extend(ids)
+run_epoch(1)
+run_epoch(2, commit_after_steps=12)
+tokens = [latest[rid] for rid in request_ids]
+metrics = {{m.name: getattr(m, "value", None) for m in llm.get_metrics()}}
+extra = {{"prefix_cache_hits": metrics.get("vllm:prefix_cache_hits"),
+          "commit_at": [commit_at.get(r) for r in request_ids]}}
+""")
+
+
+def test_a_grpo_group_keeps_its_prefix_cached_rows(tiny_model, captured_group_across_a_commit):
+    """Siblings that start after a cached prefix still give the rows vLLM computed, at the right
+    positions (equal to an HF forward there); the request that computed the prefix starts at 0."""
+    from transformers import AutoModelForCausalLM
+
+    from vllm_specrl.proposer.eagle3_config import default_aux_layer_ids
+
+    meta, seqs = captured_group_across_a_commit
+    assert meta["prefix_cache_hits"] > 0, meta  # the premise: the siblings hit the cache
+    starts = [int(seqs[f"{i}.start"]) for i in range(2 * GROUP)]
+    assert starts[0] == 0 and sum(s > 0 for s in starts[:GROUP]) >= GROUP - 1, starts
+    cfg = json.loads((tiny_model / "config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    ref = sequence_features(model, [t[:-1] for t in meta["tokens"][:GROUP]],
+                            default_aux_layer_ids(cfg["num_hidden_layers"]), dtype=torch.float32)
+    prompt_len = len(meta["tokens"][0]) - 40
+    for i, r in enumerate(ref):
+        start, ids = starts[i], seqs[f"{i}.token_ids"]
+        assert start < prompt_len - 1 and ids.tolist() == meta["tokens"][i][start:start + len(ids)]
+        assert int(seqs[f"{i}.first_draft"]) == prompt_len - 1 - start
+        got, want = seqs[f"{i}.final_hidden"].float(), r["final_hidden"][start:start + len(ids)]
+        assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < 0.02, i
+
+
+def test_requests_spanning_a_commit_keep_the_rows_of_the_version_they_were_generated_under(
+        captured_group_across_a_commit):
+    """Epoch 2's requests were decoding when v1 was committed: the rows forwarded before the commit
+    are v0's, the rest v1's, split exactly at the first row forwarded after it."""
+    meta, seqs = captured_group_across_a_commit
+    for i in range(GROUP):  # epoch 1: all v0
+        start, n = meta["runs"][i]["0"]
+        assert meta["runs"][i]["1"] == [0, 0] and start + n == len(seqs[f"{i}.token_ids"]) + int(seqs[f"{i}.start"])
+    for i in range(GROUP, 2 * GROUP):
+        at = meta["commit_at"][i]
+        (start0, n0), (start1, n1) = meta["runs"][i]["0"], meta["runs"][i]["1"]
+        assert start0 + n0 == at and start1 == at, (i, at, meta["runs"][i])
+        assert start1 + n1 == int(seqs[f"{i}.start"]) + len(seqs[f"{i}.token_ids"])  # to the last row

@@ -96,3 +96,37 @@ def test_checkpoint_specs_read_headers_and_accept_a_tied_head(tmp_path):
     specs = checkpoint_specs(tmp_path)
     assert specs["model.embed_tokens.weight"] == ParamSpec((10, 4), torch.bfloat16)
     assert specs["lm_head.weight"] == specs["model.embed_tokens.weight"]
+
+
+def commit(stager, version: int, scale: float = 1.0) -> tuple[str, dict]:
+    uid = stager.begin("policy", version, SPECS).update_id
+    tensors = {k: v * scale if v.is_floating_point() else v for k, v in good().items()}
+    stager.stage(uid, tensors)
+    stager.finish(stager.ready(uid), 0.0)
+    return uid, tensors
+
+
+def test_last_good_set_and_rollback_of_an_applied_update():
+    stager = UpdateStager()
+    assert stager.last_good["policy"] is None  # the served checkpoint
+    uid1, first = commit(stager, 1)
+    assert stager.finalize(uid1) and stager.rollback_point is None
+    uid2, _ = commit(stager, 2, scale=2.0)
+    # Another rank failed to apply v2: go back to v1's tensors, v1's version.
+    target, version, tensors = stager.rolled_back(uid2)
+    assert (target, version) == ("policy", 1) and stager.versions["policy"] == 1
+    assert torch.equal(tensors["a.weight"], first["a.weight"]) and stager.last_good["policy"] is tensors
+    assert stager.last_failure["version"] == 2 and stager.last_failure["serving_version"] == 1
+    assert stager.rolled_back(uid2) is None and not stager.finalize(uid2)  # only once
+
+
+def test_a_failed_apply_closes_the_update_and_keeps_the_version():
+    stager = UpdateStager()
+    commit(stager, 1)
+    uid = stager.begin("policy", 2, SPECS).update_id
+    stager.stage(uid, good())
+    record = stager.fail(stager.ready(uid), "RuntimeError('loader')", restored=True)
+    assert stager.session is None and stager.versions["policy"] == 1
+    assert record["failed"] == "RuntimeError('loader')" and record["serving_version"] == 1
+    assert stager.last_failure is record
+    stager.begin("policy", 2, SPECS)  # the same version may be tried again

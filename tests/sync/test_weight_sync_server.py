@@ -22,12 +22,15 @@ from conftest import WARM_DRAFT_VOCAB
 from prompts import code_prompts
 from sampling import greedy_generate
 from vllm_specrl.proposer.checkpoint import init_draft
-from vllm_specrl.server import VLLMServer
+from vllm_specrl.faults import FAULTS_ENV
+from vllm_specrl.server import VLLMServer, cpu_env
 from vllm_specrl.sync.client import EngineClient, WeightSyncError
 
 pytestmark = pytest.mark.server
 KEY = "sync-key"
 MAX_TOKENS = 16
+FAILING_POLICY_VERSION = 99  # the server's loader fails part way through this update (a failpoint)
+FAULTS = f"apply:policy:{FAILING_POLICY_VERSION}:7"
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +67,7 @@ def server(tiny_model, random_draft, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "vllm_serve.log"
     spec = {"method": "eagle3", "model": str(random_draft), "num_speculative_tokens": 3}
     args = ["--dtype", "float32", "--max-model-len", "512", "--speculative-config", json.dumps(spec)]
-    with VLLMServer(tiny_model, args, api_key=KEY, log_path=log) as srv:
+    with VLLMServer(tiny_model, args, api_key=KEY, log_path=log, env={**cpu_env(), FAULTS_ENV: FAULTS}) as srv:
         yield srv
 
 
@@ -155,6 +158,24 @@ def test_update_policy_equals_a_fresh_engine_on_the_new_weights(server, client, 
     assert http.update_policy(original, version=2)["transport"] == "http"
     assert served_texts(server, prompts) == baseline
     assert versions(client) == {"policy": 2, "draft": 0}
+
+
+def test_a_commit_that_fails_while_applying_restores_the_last_good_weights(server, client, new_policy,
+                                                                            prompts, baseline):
+    """The loader raises after 7 of the update's tensors (layers half new): the worker re-applies
+    the last committed update (v2, the original weights), the version stays, the update is closed."""
+    with pytest.raises(WeightSyncError) as err:
+        client.update_policy(load_file(new_policy / "model.safetensors"), version=FAILING_POLICY_VERSION)
+    message = str(err.value)
+    assert "failed while applying" in message and "injected fault" in message, message
+    assert "restored policy v2" in message and "version stays 2" in message, message
+    assert served_texts(server, prompts) == baseline  # exactly the old weights, not a mix
+    status = client.status()
+    assert status["versions"]["policy"] == 2
+    assert status["last_commit_failure"]["rolled_back"] is True
+    failure = status["workers"][0]["sync"]["last_failure"]
+    assert failure["version"] == FAILING_POLICY_VERSION and failure["restored"] and failure["serving_version"] == 2
+    assert status["workers"][0]["sync"]["in_progress"] is None  # closed: the next update may begin
 
 
 def test_stale_draft_guard_reports_version_lag(server, client, original):

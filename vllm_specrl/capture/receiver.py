@@ -55,16 +55,24 @@ class CaptureReceiver:
 
 @dataclass
 class RequestRows:
-    """Rows of one request, keyed by position (a re-sent position overwrites)."""
+    """Rows of one request, keyed by position (a re-sent position overwrites).
+
+    Each row remembers the policy version its hidden states came from and the one its
+    target (sampled logprob, top-K) came from: a request recomputed after a commit has
+    new hidden states but keeps the targets sampled under the old policy.
+    """
 
     policy_versions: set = field(default_factory=set)
     rows: dict[int, tuple[int, int, torch.Tensor, torch.Tensor, float]] = field(default_factory=dict)
     # The engine's top-K logprobs of the target at a row (capture_topk), where it sampled.
     topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    hidden_version: dict[int, Any] = field(default_factory=dict)
+    target_version: dict[int, Any] = field(default_factory=dict)
     num_prompt_tokens: int | None = None
 
     def add(self, header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-        self.policy_versions.add(header.get("policy_version"))
+        version = header.get("policy_version")
+        self.policy_versions.add(version)
         if header.get("num_prompt_tokens") is not None:
             self.num_prompt_tokens = int(header["num_prompt_tokens"])
         logprobs = tensors.get("logprobs")
@@ -74,28 +82,52 @@ class RequestRows:
             old = self.rows.get(pos)
             if old is not None and math.isnan(logprob) and header["next_token_ids"][j] in (old[1], -1):
                 # A preempted request's recomputed rows carry no logprob (and a chunk's last row no
-                # next token yet): keep the sampled one (and its top-K).
+                # next token yet): keep the sampled one (and its top-K, and the version of both).
                 logprob = old[4]
-            elif top_values is not None and not math.isnan(float(top_values[j, 0])):
-                self.topk[pos] = (top_values[j], top_ids[j])
+            else:
+                self.target_version[pos] = version
+                if top_values is not None and not math.isnan(float(top_values[j, 0])):
+                    self.topk[pos] = (top_values[j], top_ids[j])
+            self.hidden_version[pos] = version
             self.rows[pos] = (header["token_ids"][j], header["next_token_ids"][j],
                               tensors["aux_hidden"][j], tensors["final_hidden"][j], logprob)
 
+    def trainable_run(self, version: Any = None) -> tuple[int, int]:
+        """``(start, length)`` of the rows a draft can learn from: the last contiguous run of
+        positions whose hidden states and targets both come from ``version`` (any version when
+        None). Rows before the first captured position may be missing (they came from the prefix
+        cache); completion-only training does not need them."""
+        def ok(pos: int) -> bool:
+            return pos in self.rows and (version is None or (
+                self.hidden_version.get(pos) == version and self.target_version.get(pos) == version))
+        positions = [p for p in self.rows if ok(p)]
+        if not positions:
+            return 0, 0
+        end = max(positions)
+        start = end
+        while ok(start - 1):
+            start -= 1
+        return start, end - start + 1
+
     def contiguous_prefix(self) -> int:
+        """Rows from position 0 without a gap (0 when the prompt's start came from the cache)."""
         n = 0
         while n in self.rows:
             n += 1
         return n
 
-    def sequence(self) -> dict[str, Any]:
-        """The contiguous rows from position 0 as training features.
+    def sequence(self, version: Any = None) -> dict[str, Any]:
+        """The rows of ``trainable_run(version)`` as training features.
 
         token_ids, next_token_ids, aux_hidden, final_hidden, logprobs (of each row's successor,
-        NaN where it was not sampled), ``first_draft`` (prompt length - 1: the first position vLLM
-        drafts from) and, when every sampled row carries them, ``topk_logprobs``/``topk_ids``.
+        NaN where it was not sampled), ``start`` (the first row's position), ``first_draft``
+        (prompt length - 1 - start, at least 0: the first row vLLM drafts from) and, when every
+        sampled row carries them, ``topk_logprobs``/``topk_ids``. Attention in the draft is
+        rotary (relative), so a run that starts after 0 needs no position offset.
         """
-        n = self.contiguous_prefix()
-        rows = [self.rows[p] for p in range(n)]
+        start, n = self.trainable_run(version)
+        span = range(start, start + n)
+        rows = [self.rows[p] for p in span]
         # A chunked prefill's last row does not know its successor; the next chunk does.
         nxt = [r[1] if r[1] != -1 or j + 1 >= n else rows[j + 1][0] for j, r in enumerate(rows)]
         out: dict[str, Any] = {
@@ -104,14 +136,15 @@ class RequestRows:
             "aux_hidden": torch.stack([r[2] for r in rows]) if rows else torch.empty(0),
             "final_hidden": torch.stack([r[3] for r in rows]) if rows else torch.empty(0),
             "logprobs": torch.tensor([r[4] for r in rows], dtype=torch.float32),
-            "first_draft": max((self.num_prompt_tokens or 1) - 1, 0)}
-        sampled = [p for p in range(n) if p >= out["first_draft"]]
+            "start": start,
+            "first_draft": max((self.num_prompt_tokens or 1) - 1 - start, 0)}
+        sampled = [p for p in span if p - start >= out["first_draft"]]
         if self.topk and sampled and all(p in self.topk for p in sampled):
             k = self.topk[sampled[0]][0].shape[0]
             values = torch.full((n, k), float("nan"))
             ids = torch.full((n, k), -1, dtype=torch.int32)
             for p in sampled:
-                values[p], ids[p] = self.topk[p]
+                values[p - start], ids[p - start] = self.topk[p]
             out["topk_logprobs"], out["topk_ids"] = values, ids
         return out
 
@@ -123,5 +156,6 @@ class SequenceAssembler:
     def add(self, header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         self.requests.setdefault(header["request_id"], RequestRows()).add(header, tensors)
 
-    def pop(self, request_id: str) -> dict[str, torch.Tensor]:
-        return self.requests.pop(request_id).sequence()
+    def pop(self, request_id: str, version: Any = None) -> dict[str, Any]:
+        """A finished request's trainable rows (``RequestRows.sequence``)."""
+        return self.requests.pop(request_id).sequence(version)

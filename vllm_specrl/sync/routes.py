@@ -42,6 +42,25 @@ async def rpc_all(engine: Any, method: str, *args: Any) -> dict:
     return results[0]
 
 
+async def commit_on_every_rank(engine: Any, update_id: str) -> dict:
+    """Apply on every rank; if any rank failed (and restored itself), the ranks that applied go
+    back too, so all ranks serve one version. Rank 0's record, or the first failure."""
+    results = await engine.collective_rpc("specrl_commit_update", timeout=RPC_TIMEOUT_S, args=(update_id,))
+    failed = [r for r in results if not r.get("ok")]
+    if not failed:
+        await engine.collective_rpc("specrl_finalize_commit", timeout=RPC_TIMEOUT_S, args=(update_id,))
+        return results[0]
+    res = dict(failed[0])
+    if len(failed) < len(results):
+        undone = await engine.collective_rpc("specrl_rollback_commit", timeout=RPC_TIMEOUT_S, args=(update_id,))
+        res["ranks_rolled_back"] = [i for i, r in enumerate(undone) if r.get("rolled_back")]
+        bad = [r["error"] for r in undone if not r.get("ok")]
+        if bad:
+            res["rolled_back"] = False
+            res["error"] += "; " + "; ".join(bad)
+    return res
+
+
 def answer(res: dict) -> JSONResponse:
     return JSONResponse(res, status_code=200 if res.get("ok") else 400)
 
@@ -86,14 +105,20 @@ def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
             return refused(f"pause must be one of {PAUSE_MODES}; got {mode!r}")
         engine = state.engine_client
         async with state.commit_lock:
+            prepared = await rpc_all(engine, "specrl_prepare_commit", update_id)
+            if not prepared.get("ok"):  # some rank lacks a valid, whole update: nobody applies
+                state.uploads.pop(update_id, None)
+                return answer(prepared)
             t0 = time.perf_counter()
             if mode != "none":
                 await engine.pause_generation(mode=mode, clear_cache=False)
             t_paused = time.perf_counter()
             try:
-                res = await rpc_all(engine, "specrl_commit_update", update_id)
+                res = await commit_on_every_rank(engine, update_id)
                 if res.get("ok"):
                     await state.committed(res, mode)
+                else:
+                    await state.commit_failed(res)
             finally:
                 if mode != "none":
                     await engine.resume_generation()

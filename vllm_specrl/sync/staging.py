@@ -46,6 +46,12 @@ class UpdateStager:
         self.session: UpdateSession | None = None
         self.versions = {"policy": 0, "draft": 0}
         self.history: list[dict] = []
+        # The whole tensor set of each target's last committed update (None: the served
+        # checkpoint): what a failed apply restores. Updates are whole, so it is complete.
+        self.last_good: dict[str, dict[str, torch.Tensor] | None] = {"policy": None, "draft": None}
+        # Until every rank has applied: (update_id, target, version and tensors to go back to).
+        self.rollback_point: tuple[str, str, int, dict[str, torch.Tensor] | None] | None = None
+        self.last_failure: dict | None = None
 
     def begin(self, target: str, version: int, specs: dict[str, ParamSpec],
               update_id: str | None = None) -> UpdateSession:
@@ -104,11 +110,46 @@ class UpdateStager:
         return session
 
     def finish(self, session: UpdateSession, seconds: float) -> dict:
-        self.versions[session.target] = session.version
+        """Applied: the new version serves; the previous good set is kept until ``finalize``."""
+        target = session.target
+        self.rollback_point = (session.update_id, target, self.versions[target], self.last_good[target])
+        self.versions[target] = session.version
+        self.last_good[target] = session.staged
         record = dict(session.summary(), applied_s=round(seconds, 4), committed_at=time.time())
         self.history = (self.history + [record])[-20:]
         self.session = None
         return record
+
+    def finalize(self, update_id: str) -> bool:
+        """Every rank applied ``update_id``: nothing will roll it back, free the previous set."""
+        if self.rollback_point is None or self.rollback_point[0] != update_id:
+            return False
+        self.rollback_point = None
+        return True
+
+    def fail(self, session: UpdateSession, error: str, restored: bool) -> dict:
+        """Applying failed: the session is closed, the version stays, and status says so."""
+        record = dict(session.summary(), failed=error, restored=restored, failed_at=time.time(),
+                      serving_version=self.versions[session.target])
+        self.last_failure = record
+        self.history = (self.history + [record])[-20:]
+        self.session = None
+        return record
+
+    def rolled_back(self, update_id: str) -> tuple[str, int, dict[str, torch.Tensor] | None] | None:
+        """Undo the bookkeeping of an applied ``update_id`` (another rank failed); returns what the
+        caller must re-apply: ``(target, version, tensors or None for the checkpoint)``."""
+        if self.rollback_point is None or self.rollback_point[0] != update_id:
+            return None
+        _, target, version, tensors = self.rollback_point
+        self.rollback_point = None
+        failed_version = self.versions[target]
+        self.versions[target], self.last_good[target] = version, tensors
+        self.last_failure = {"update_id": update_id, "target": target, "version": failed_version,
+                             "failed": "rolled back: another rank failed to apply it", "restored": True,
+                             "serving_version": version, "failed_at": time.time()}
+        self.history = (self.history + [self.last_failure])[-20:]
+        return target, version, tensors
 
     def abort(self, update_id: str | None = None) -> dict | None:
         if self.session is None or (update_id and self.session.update_id != update_id):

@@ -6,8 +6,11 @@ every method is reachable through ``collective_rpc``. All names start with
 attribute, and its ``__init__`` is never called (state is created lazily).
 
 Weight updates: ``specrl_begin_update`` -> ``specrl_stage_tensors`` /
-``specrl_stage_file`` (any number of chunks) -> ``specrl_commit_update`` (or
-``specrl_abort_update``). RPCs return ``{"ok": False, "error": ..., "problems":
+``specrl_stage_file`` (any number of chunks) -> ``specrl_prepare_commit`` (every
+rank complete and valid) -> ``specrl_commit_update`` -> ``specrl_finalize_commit``
+(every rank applied) or ``specrl_rollback_commit`` (one did not); or
+``specrl_abort_update``. A rank that fails while applying restores the last good
+weights itself (the previous update's tensors, or the served checkpoint). RPCs return ``{"ok": False, "error": ..., "problems":
 [...]}`` instead of raising, so the reason survives every RPC hop intact.
 """
 
@@ -19,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_specrl import plugin, vllm_compat
+from vllm_specrl import faults, plugin, vllm_compat
 from vllm_specrl._version import __version__
 from vllm_specrl.sync.staging import UpdateStager
 from vllm_specrl.sync.validate import WeightUpdateError, checkpoint_specs
@@ -73,7 +76,7 @@ class SpecRLWorkerExtension:
         stager = self._specrl_stager()
         return {"versions": dict(stager.versions),
                 "in_progress": stager.session.summary() if stager.session else None,
-                "last_commits": stager.history[-3:]}
+                "last_commits": stager.history[-3:], "last_failure": stager.last_failure}
 
     def specrl_begin_update(self, target: str, version: int, update_id: str | None = None) -> dict:
         try:
@@ -119,7 +122,36 @@ class SpecRLWorkerExtension:
             lambda exc: f"update {update_id}: body is not a complete safetensors chunk ({len(body)} "
                         f"bytes: {exc}); update aborted, nothing applied")
 
+    def specrl_prepare_commit(self, update_id: str) -> dict:
+        """Phase one: this rank holds the whole update, validated (nothing applied)."""
+        try:
+            return {"ok": True, **self._specrl_stager().ready(update_id).summary()}
+        except WeightUpdateError as exc:
+            return _refusal(exc)
+
+    def _specrl_apply(self, target: str, named: Any) -> None:
+        if target == "policy":
+            vllm_compat.apply_policy_weights(self, named)
+        else:
+            vllm_compat.apply_draft_weights(self, named)
+
+    def _specrl_restore(self, target: str, tensors: dict | None) -> str | None:
+        """Re-apply a known good set (``None``: the served checkpoint's files); the error, if any."""
+        try:
+            if tensors is None:
+                from safetensors.torch import load_file
+
+                directory = Path(vllm_compat.policy_checkpoint_dir(self) if target == "policy"
+                                 else vllm_compat.draft_checkpoint_dir(self))
+                tensors = {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+            self._specrl_apply(target, sorted(tensors.items()))
+            return None
+        except Exception as exc:  # noqa: BLE001 - reported; the engine must say it is inconsistent
+            return repr(exc)
+
     def specrl_commit_update(self, update_id: str) -> dict:
+        """Phase two: apply. A failure part way restores the last good weights, keeps the version
+        and closes the update; the answer says what happened."""
         stager = self._specrl_stager()
         try:
             session = stager.ready(update_id)
@@ -127,11 +159,33 @@ class SpecRLWorkerExtension:
             return _refusal(exc)
         t0 = time.perf_counter()
         named = sorted(session.staged.items())
-        if session.target == "policy":
-            vllm_compat.apply_policy_weights(self, named)
-        else:
-            vllm_compat.apply_draft_weights(self, named)
+        try:
+            self._specrl_apply(session.target, faults.with_apply_fault(named, session.target, session.version))
+        except Exception as exc:  # noqa: BLE001 - whatever vLLM's loader raised, the old weights return
+            target, serving = session.target, stager.versions[session.target]
+            restore_error = self._specrl_restore(target, stager.last_good[target])
+            record = stager.fail(session, repr(exc), restored=restore_error is None)
+            outcome = (f"restored {target} v{serving}" if restore_error is None
+                       else f"COULD NOT RESTORE {target} v{serving} ({restore_error}): restart the engine")
+            return {"ok": False, "rolled_back": restore_error is None, "failure": record, "problems": [],
+                    "error": f"{target} v{session.version} failed while applying ({exc!r}); {outcome}; "
+                             f"version stays {serving}, update {update_id} closed"}
         return {"ok": True, **stager.finish(session, time.perf_counter() - t0)}
+
+    def specrl_finalize_commit(self, update_id: str) -> dict:
+        """Phase three: every rank applied; the previous weights are no longer needed."""
+        return {"ok": True, "finalized": self._specrl_stager().finalize(update_id)}
+
+    def specrl_rollback_commit(self, update_id: str) -> dict:
+        """Another rank failed to apply ``update_id``: go back to what served before it."""
+        undo = self._specrl_stager().rolled_back(update_id)
+        if undo is None:
+            return {"ok": True, "rolled_back": False}
+        target, version, tensors = undo
+        error = self._specrl_restore(target, tensors)
+        return {"ok": error is None, "rolled_back": error is None, "target": target, "version": version,
+                **({"error": f"COULD NOT RESTORE {target} v{version} ({error}): restart the engine"}
+                   if error else {})}
 
     def specrl_abort_update(self, update_id: str | None = None) -> dict:
         aborted = self._specrl_stager().abort(update_id)

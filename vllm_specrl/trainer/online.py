@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,6 +81,9 @@ class OnlineDraftTrainer:
         self.last_seen: dict[str, float] = {}
         self.buffer: deque = deque(maxlen=cfg.buffer_sequences)
         self.ingested = 0
+        self.drops: Counter[str] = Counter()
+        self.partial = 0
+        self.prefix_cached = 0
         self.trained_samples = 0
         self.policy_version: int | None = None
         self.topk_targets = False  # whether captured sequences carry the engine's top-K logprobs
@@ -106,16 +109,44 @@ class OnlineDraftTrainer:
                 self.on_policy_version(version)
         for rid in [r for r, t in self.last_seen.items() if now - t >= self.cfg.idle_s]:
             del self.last_seen[rid]
-            versions = self.assembler.requests[rid].policy_versions
-            seq = self.assembler.pop(rid)
-            # Only sequences with completion rows teach the draft anything vLLM will ask of it.
-            drafted = len(seq["token_ids"]) - seq["first_draft"] - 1
-            if drafted >= 2 and versions == {self.policy_version}:
-                self.buffer.append({k: v[: self.cfg.max_len] if torch.is_tensor(v) else v
-                                    for k, v in seq.items()})
-                self.ingested += 1
-                self.topk_targets = "topk_logprobs" in seq
+            self.ingest(rid)
         return len(frames)
+
+    def ingest(self, request_id: str) -> bool:
+        """Move a finished request's trainable rows into the replay buffer, or count why not.
+
+        Kept: the rows generated under the current policy version (a request that spans a
+        commit keeps its newer rows), from the first captured position (GRPO siblings and
+        repeated prompts start after their cached prefix). Every request lands in exactly
+        one of ``ingested`` or a ``drops`` reason; ``partial`` counts kept requests that lost
+        rows to another version and ``prefix_cached`` those that started after position 0.
+        """
+        request = self.assembler.requests[request_id]
+        total_rows = len(request.rows)
+        seq = self.assembler.pop(request_id, version=self.policy_version)
+        kept = len(seq["token_ids"])
+        # Only sequences with completion rows teach the draft anything vLLM will ask of it.
+        drafted = kept - seq["first_draft"] - 1
+        if kept == 0:
+            reason = "no_rows" if total_rows == 0 else "other_policy_version"
+        elif drafted < 2:
+            reason = "too_few_completion_rows"
+        else:
+            reason = None
+        if reason is not None:
+            self.drops[reason] += 1
+            return False
+        self.partial += int(kept < total_rows)
+        self.prefix_cached += int(seq["start"] > 0)
+        self.buffer.append({k: v[: self.cfg.max_len] if torch.is_tensor(v) else v for k, v in seq.items()})
+        self.ingested += 1
+        self.topk_targets = "topk_logprobs" in seq
+        return True
+
+    def capture_counts(self) -> dict[str, Any]:
+        """What happened to every captured request (the trainer log's ``capture`` field)."""
+        return {"ingested": self.ingested, "drops": dict(self.drops), "partial": self.partial,
+                "prefix_cached": self.prefix_cached, "frames": dict(self.receiver.counters)}
 
     def on_policy_version(self, version: int) -> None:
         """The policy moved: drop the old policy's sequences.
@@ -182,7 +213,7 @@ class OnlineDraftTrainer:
                 bar.update(1)
                 record = {"time": round(time.time() - t0, 3), **last_metrics,
                           "buffer": len(self.buffer), "policy_version": self.policy_version,
-                          "frames": dict(self.receiver.counters)}
+                          "frames": dict(self.receiver.counters), "capture": self.capture_counts()}
                 step = self.trainer.step_count
                 if step % cfg.publish_every == 0:
                     record["publish"], record["engine_spec_decode"] = self.publish()
@@ -196,7 +227,8 @@ class OnlineDraftTrainer:
             bar.close()
         self.trainer.save(self.checkpoint_dir, extra={"draft_version": self.draft_version})
         return {"steps": self.trainer.step_count, "resumed_from_step": self.resumed_from_step,
-                "frames": dict(self.receiver.counters), "publish_errors": self.publish_errors,
+                "frames": dict(self.receiver.counters), "capture": self.capture_counts(),
+                "publish_errors": self.publish_errors,
                 "draft_version": self.draft_version, "last": last_metrics}
 
     def close(self) -> None:
