@@ -17,19 +17,23 @@ from helpers import result_json, run_python
 def sample_continuations(model, prompt: str, num_samples: int, num_tokens: int,
                          temperature: float, seed: int, speculative_config: dict | None = None,
                          plugins: str = "specrl", dtype: str = "float32",
-                         scheduler_cls: str | None = None) -> list[list[int]]:
-    """``num_samples`` independent continuations of ``prompt`` (token ids)."""
+                         scheduler_cls: str | None = None, with_stats: bool = False):
+    """``num_samples`` independent continuations of ``prompt`` (token ids); with ``with_stats``,
+    also vLLM's own spec-decode counters for the run (``num_drafts``, ``num_accepted_tokens``)."""
     out = run_python(f"""
         import json
         from vllm import LLM, SamplingParams
         llm = LLM(model={str(model)!r}, dtype={dtype!r}, enforce_eager=True, seed={seed},
-                  max_model_len=512, max_num_seqs=256, scheduler_cls={scheduler_cls!r},
+                  max_model_len=512, max_num_seqs=256, scheduler_cls={scheduler_cls!r}, disable_log_stats=False,
                   speculative_config=json.loads({json.dumps(json.dumps(speculative_config))}))
         params = SamplingParams(temperature={temperature}, max_tokens={num_tokens}, ignore_eos=True)
         outs = llm.generate([{prompt!r}] * {num_samples}, params, use_tqdm=False)
-        print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+        stats = {{m.name.removeprefix("vllm:spec_decode_").removesuffix("_total"): getattr(m, "value", None)
+                 for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num_")}}
+        print("RESULT " + json.dumps({{"tokens": [list(o.outputs[0].token_ids) for o in outs], "stats": stats}}))
     """, env={"VLLM_PLUGINS": plugins})
-    return result_json(out)
+    result = result_json(out)
+    return (result["tokens"], result["stats"]) if with_stats else result["tokens"]
 
 
 def per_position_pvalues(a: list[list[int]], b: list[list[int]], min_count: int = 10) -> list[float]:

@@ -35,6 +35,19 @@ def client(server) -> OpenAI:
     return OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
 
 
+def prometheus_values(text: str) -> dict[str, float]:
+    """``name{labels}`` -> value from /metrics, labels other than ``position`` dropped, summed."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r'^([a-zA-Z_:]+)(\{[^}]*\})? ([0-9.eE+-]+)$', line)
+        if not m:
+            continue
+        pos = re.search(r'position="(\d+)"', m.group(2) or "")
+        key = m.group(1) + (f'{{position="{pos.group(1)}"}}' if pos else "")
+        out[key] = out.get(key, 0.0) + float(m.group(3))
+    return out
+
+
 def test_completions_with_logprobs(server, client):
     resp = client.completions.create(model=server.model, prompt=REPETITIVE, max_tokens=16,
                                      temperature=0, logprobs=2)
@@ -75,9 +88,15 @@ def test_status_reports_versions_worker_and_spec_config(server, client):
     spec = status["speculative_config"]
     assert spec["method"] == "ngram" and spec["num_speculative_tokens"] == 3
     sd = status["spec_decode"]
-    assert sd["num_drafts"] > 0 and sd["num_draft_tokens"] >= sd["num_drafts"]
-    assert 1.0 <= sd["acceptance_length"] <= 4.0 and len(sd["per_position_acceptance"]) == 3
-    assert sd["acceptance_rate"] == pytest.approx(sd["num_accepted_tokens"] / sd["num_draft_tokens"])
+    # Against vLLM's own counters as /metrics renders them (no traffic in between).
+    raw = prometheus_values(requests.get(server.url + "/metrics", timeout=30).text)
+    drafts, accepted = raw["vllm:spec_decode_num_drafts_total"], raw["vllm:spec_decode_num_accepted_tokens_total"]
+    assert sd["num_drafts"] == drafts > 0 and sd["num_accepted_tokens"] == accepted > 0  # ngram on a repeat
+    assert sd["num_draft_tokens"] == raw["vllm:spec_decode_num_draft_tokens_total"]
+    assert sd["acceptance_length"] == pytest.approx(1 + accepted / drafts)
+    per_pos = [raw[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="{j}"}}'] / drafts for j in range(3)]
+    assert sd["per_position_acceptance"] == pytest.approx(per_pos)
+    assert sd["acceptance_rate"] == pytest.approx(accepted / sd["num_draft_tokens"])
 
 
 def test_adaptive_k_state_reaches_status_and_metrics(server, client):

@@ -17,6 +17,7 @@ import asyncio
 import hashlib
 import os
 import secrets
+import time
 from argparse import Namespace
 from typing import Any
 
@@ -41,6 +42,17 @@ def _gauge(name: str, doc: str) -> Any:
         try:
             _GAUGES[name] = prometheus_client.Gauge(name, doc)
         except ValueError:  # already registered in this process
+            _GAUGES[name] = prometheus_client.REGISTRY._names_to_collectors[name]
+    return _GAUGES[name]
+
+
+def _labelled_gauge(name: str, doc: str, labels: list[str]) -> Any:
+    import prometheus_client
+
+    if name not in _GAUGES:
+        try:
+            _GAUGES[name] = prometheus_client.Gauge(name, doc, labels)
+        except ValueError:
             _GAUGES[name] = prometheus_client.REGISTRY._names_to_collectors[name]
     return _GAUGES[name]
 
@@ -88,6 +100,7 @@ class SpecRLHttpState:
         self.allow_unauthenticated_remote = allow_unauthenticated_remote
         self.versions = {"policy": 0, "draft": 0}
         self.last_commit_failure: dict | None = None
+        self.draft_trainer: dict | None = None  # the online trainer's last report (with its publishes)
         self.uploads: dict[str, dict] = {}
         self.commit_lock = asyncio.Lock()
         self.guard = StaleDraftGuard()
@@ -117,6 +130,20 @@ class SpecRLHttpState:
             await self.engine_client.reset_prefix_cache(reset_running_requests=True)
         except Exception as exc:  # noqa: BLE001 - the failure is already reported
             logger.warning("vllm-specrl: prefix cache not reset after a failed commit: %r", exc)
+
+    def trainer_reported(self, report: dict) -> None:
+        """The online trainer's capture counts: what it ingested and what it dropped, by reason."""
+        self.draft_trainer = dict(report, received_at=time.time())
+        capture = report.get("capture") if isinstance(report.get("capture"), dict) else {}
+        outcomes = {"ingested": capture.get("ingested", 0), "partial": capture.get("partial", 0),
+                    "prefix_cached": capture.get("prefix_cached", 0)}
+        drops = capture.get("drops") if isinstance(capture.get("drops"), dict) else {}
+        outcomes.update({f"dropped_{k}": v for k, v in drops.items()})
+        gauge = _labelled_gauge("specrl_draft_trainer_requests", "captured requests the online draft trainer "
+                                "ingested or dropped, by outcome (from its last publish)", ["outcome"])
+        for outcome, value in outcomes.items():
+            if isinstance(value, (int, float)):
+                gauge.labels(outcome=str(outcome)).set(float(value))
 
     def stale_draft(self) -> dict:
         return self.guard.assess(self.versions["policy"], self.versions["draft"], self.has_draft,
@@ -183,6 +210,7 @@ async def gather_status(state: SpecRLHttpState) -> dict[str, Any]:
     out["stale_draft"] = update_gauges(state)
     out["updates_in_progress"] = state.uploads
     out["last_commit_failure"] = state.last_commit_failure
+    out["draft_trainer"] = state.draft_trainer
     out["adaptive_k"] = adaptive_state.read()  # None unless --scheduler-cls ...AdaptiveKScheduler
     try:
         out["workers"] = await asyncio.wait_for(

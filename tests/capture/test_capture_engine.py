@@ -161,10 +161,11 @@ def test_captured_hidden_states_equal_hf_forward(tiny_model, capture_run):
     ref = sequence_features(model, [t[:-1] for t in meta["tokens"]], aux_ids, dtype=torch.float32)
     for i, r in enumerate(ref):
         for key in ("aux_hidden", "final_hidden"):
-            got = seqs[f"{i}.{key}"][: len(r[key])].float()
-            scale = r[key].abs().max()
-            err = (got - r[key]).abs().max() / scale
-            assert err < 0.02, f"request {i} {key}: max error {err:.4f} of scale {scale:.2f}"
+            got, want = seqs[f"{i}.{key}"][: len(r[key])].float(), r[key]
+            assert len(got) == len(want), (i, key)
+            # Per row (each position's state on its own scale; bf16 transport: ~0.4% per row).
+            err = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max()
+            assert err < 0.02, f"request {i} {key}: worst row error {err:.4f} of the row's norm"
 
 
 
@@ -209,7 +210,7 @@ def captured_group_across_a_commit(tiny_model, work):
 from safetensors.torch import load_file as _load
 eng = llm.llm_engine
 request_ids, latest, commit_at = [], {{}}, {{}}
-def run_epoch(epoch, commit_after_steps=None):
+def run_epoch(epoch, commit_mid_decode=False):
     ids = [f"e{{epoch}}g{{i}}" for i in range({GROUP})]
     for i, rid in enumerate(ids):
         eng.add_request(rid, {GROUP_PROMPT!r}, SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True,
@@ -221,15 +222,17 @@ def run_epoch(epoch, commit_after_steps=None):
         for o in eng.step():
             latest[o.request_id] = list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
         steps += 1
-        if steps == commit_after_steps:
+        decoding = all(len(latest.get(r, ())) >= prompt_len + 8 for r in ids)
+        if commit_mid_decode and decoding and not commit_at:
             uid = llm.collective_rpc("specrl_begin_update", args=("policy", 1, "u1"))[0]["update_id"]
             llm.collective_rpc("specrl_stage_tensors", args=(uid, _load({str(tiny_model / "model.safetensors")!r})))
             assert llm.collective_rpc("specrl_commit_update", args=(uid,))[0]["ok"]
             for rid in ids:
                 commit_at[rid] = len(latest[rid]) - 1  # the row of the last token forwarded under v0 + 1
     request_ids.extend(ids)
+prompt_len = len(llm.get_tokenizer()({GROUP_PROMPT!r})["input_ids"])
 run_epoch(1)
-run_epoch(2, commit_after_steps=12)
+run_epoch(2, commit_mid_decode=True)
 tokens = [latest[rid] for rid in request_ids]
 metrics = {{m.name: getattr(m, "value", None) for m in llm.get_metrics()}}
 extra = {{"prefix_cache_hits": metrics.get("vllm:prefix_cache_hits"),
@@ -257,8 +260,9 @@ def test_a_grpo_group_keeps_its_prefix_cached_rows(tiny_model, captured_group_ac
         start, ids = starts[i], seqs[f"{i}.token_ids"]
         assert start < prompt_len - 1 and ids.tolist() == meta["tokens"][i][start:start + len(ids)]
         assert int(seqs[f"{i}.first_draft"]) == prompt_len - 1 - start
-        got, want = seqs[f"{i}.final_hidden"].float(), r["final_hidden"][start:start + len(ids)]
-        assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < 0.02, i
+        want = r["final_hidden"][start:start + len(ids)]
+        got = seqs[f"{i}.final_hidden"][: len(want)].float()  # a row past max_tokens has no reference
+        assert len(want) > 40 and ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < 0.02, i
 
 
 def test_requests_spanning_a_commit_keep_the_rows_of_the_version_they_were_generated_under(

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -58,3 +59,53 @@ def test_receiver_counts_and_drops_foreign_frames():
     rx.close()
     assert len(got) == 1 and got[0][0]["request_id"] == "r1"
     assert rx.counters == {"frames": 1, "rejected": 2, "bytes": rx.counters["bytes"]}
+
+
+def mutations(rng):
+    """Header edits a buggy or hostile sender could make (types, signs, sizes, missing keys)."""
+    odd = [None, -1, 0, 2 ** 40, "x", 1.5, True, [], {}, [1, "a"], [-3], [[1]]]
+    keys = ["request_id", "positions", "token_ids", "next_token_ids", "tensors", "policy_version", "version"]
+    for _ in range(600):
+        header, tensors = frame(n=int(rng.integers(0, 4)))
+        parts = encode_frame(header, tensors)
+        head = json.loads(parts[0])
+        for _ in range(int(rng.integers(1, 4))):
+            key = keys[int(rng.integers(len(keys)))]
+            choice = int(rng.integers(4))
+            if choice == 0:
+                head.pop(key, None)
+            elif choice == 1:
+                head[key] = odd[int(rng.integers(len(odd)))]
+            elif choice == 2 and isinstance(head.get("tensors"), list) and head["tensors"] \
+                    and isinstance(head["tensors"][0], dict):
+                spec = head["tensors"][int(rng.integers(len(head["tensors"])))]
+                field = ["name", "dtype", "shape"][int(rng.integers(3))]
+                spec[field] = odd[int(rng.integers(len(odd)))]
+            else:
+                i = int(rng.integers(1, len(parts))) if len(parts) > 1 else 0
+                if i:
+                    parts[i] = parts[i][: int(rng.integers(len(parts[i]) + 1))]
+        yield [json.dumps(head).encode()] + parts[1:]
+    for _ in range(200):  # raw garbage, and truncated headers
+        yield [bytes(rng.integers(0, 256, int(rng.integers(0, 64)), dtype=np.uint8))]
+        good = encode_frame(*frame())
+        yield [good[0][: int(rng.integers(len(good[0])))]] + good[1:]
+
+
+def test_fuzzed_frames_are_refused_or_assembled_never_raise_anything_else():
+    """1000 mutated frames: each is a FrameError or a frame the assembler takes without error."""
+    from vllm_specrl.capture.receiver import SequenceAssembler
+
+    rng = np.random.default_rng(0)
+    asm, refused, accepted = SequenceAssembler(), 0, 0
+    for parts in mutations(rng):
+        try:
+            header, tensors = decode_frame(parts)
+        except FrameError:
+            refused += 1
+            continue
+        asm.add(header, tensors)  # must not raise on anything decode_frame let through
+        accepted += 1
+    for rid in list(asm.requests):
+        asm.pop(rid)
+    assert refused > 700 and accepted >= 30, (refused, accepted)  # 965 / 35 with this seed

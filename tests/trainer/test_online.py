@@ -22,6 +22,7 @@ import requests
 
 from conftest import WARM_DRAFT_VOCAB
 from prompts import code_prompts
+from vllm_specrl.capture.sender import SEND_HWM
 from vllm_specrl.proposer.checkpoint import init_draft
 from vllm_specrl.server import VLLMServer, free_port
 
@@ -104,6 +105,13 @@ def test_online_training_raises_acceptance_and_stays_lossless(setup):
     assert curve[-1]["draft_version"] >= 2, curve
     assert sum(lengths[-3:]) / 3 > sum(lengths[:2]) / 2 + 0.1, lengths
     assert curve[-1]["capture"]["frames_sent"] > 0 and curve[-1]["capture"]["trainer_connected"]
+    # The trainer's own account of every captured request reached the engine with its publishes,
+    # and equals what its log says at that publish.
+    report = status(srv)["draft_trainer"]
+    logged = [r for r in records(setup["work"] / "online.jsonl") if r.get("publish") and "error" not in r["publish"]]
+    assert report["capture"] == logged[-1]["capture"] and report["capture"]["ingested"] > 0, (report, logged[-1])
+    text = requests.get(srv.url + "/metrics", timeout=30).text
+    assert f'specrl_draft_trainer_requests{{outcome="ingested"}} {float(report["capture"]["ingested"])}' in text
 
 
 def test_policy_update_needs_no_files_for_the_trainer(setup, tmp_path):
@@ -150,13 +158,17 @@ def test_dead_trainer_never_stalls_generation_and_restart_resumes(setup):
     trainer.kill()
     trainer.wait(30)
     before = status(srv)["capture"]
-    t0 = time.time()
-    texts = complete(srv, pool, 1.0)  # no trainer: nothing may fail or hang
-    assert len(texts) == len(pool) and time.time() - t0 < 240
+    texts = complete(srv, pool, 1.0)  # no trainer: nothing may fail (or hang past the HTTP timeout)
+    assert len(texts) == len(pool)
     after = status(srv)["capture"]
-    dropped = lambda c: c["frames_dropped_no_peer"] + c["frames_dropped_queue_full"]  # noqa: E731
-    assert after["frames_offered"] > before["frames_offered"]
-    assert dropped(after) > dropped(before) or after["frames_sent"] - before["frames_sent"] <= 64 * 2
+    delta = {k: after[k] - before[k] for k in ("frames_offered", "frames_sent", "frames_dropped_no_peer",
+                                               "frames_dropped_queue_full", "queued")}
+    # Every frame the tap offered is accounted for: handed to ZeroMQ, dropped (counted), or queued.
+    assert delta["frames_offered"] > 2 * SEND_HWM, delta  # the premise: more than ZeroMQ can hold
+    assert delta["frames_offered"] == (delta["frames_sent"] + delta["frames_dropped_no_peer"]
+                                       + delta["frames_dropped_queue_full"] + delta["queued"]), delta
+    # With nobody reading, ZeroMQ absorbs at most its high-water marks; the rest were dropped.
+    assert delta["frames_sent"] <= 2 * SEND_HWM + 8, delta
     restarted = start_trainer(setup, "c")
     try:
         time.sleep(8.0)

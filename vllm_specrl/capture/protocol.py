@@ -56,7 +56,29 @@ def encode_frame(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> li
     return [json.dumps(head).encode()] + parts
 
 
+REQUIRED_TENSORS = ("aux_hidden", "final_hidden")
+MAX_DIM = 1 << 31
+
+
+def _int_list(header: dict, key: str) -> list[int]:
+    value = header.get(key)
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise FrameError(f"{key} must be a list of integers")
+    return value
+
+
 def decode_frame(parts: list[bytes]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Header and tensors of one frame; anything malformed raises ``FrameError`` (and only that),
+    so a foreign or corrupted sender can never crash the receiver or the assembler."""
+    try:
+        return _decode(parts)
+    except FrameError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever a fuzzed frame trips on is a refusal
+        raise FrameError(f"malformed frame: {type(exc).__name__}: {exc}") from None
+
+
+def _decode(parts: list[bytes]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     if not parts or len(parts[0]) > MAX_HEADER_BYTES:
         raise FrameError("empty frame or oversized header")
     try:
@@ -71,22 +93,43 @@ def decode_frame(parts: list[bytes]) -> tuple[dict[str, Any], dict[str, torch.Te
     if not isinstance(specs, list) or len(specs) != len(parts) - 1:
         raise FrameError(f"header lists {len(specs) if isinstance(specs, list) else '?'} tensors, "
                          f"frame has {len(parts) - 1} buffers")
-    n = len(header.get("positions", []))
-    if len(header.get("token_ids", [])) != n or len(header.get("next_token_ids", [])) != n:
+    if not isinstance(header.get("request_id"), str):
+        raise FrameError("request_id must be a string")
+    for key in ("policy_version", "step", "num_prompt_tokens"):
+        value = header.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise FrameError(f"{key} must be an integer")
+    positions = _int_list(header, "positions")
+    n = len(positions)
+    if len(_int_list(header, "token_ids")) != n or len(_int_list(header, "next_token_ids")) != n:
         raise FrameError("positions, token_ids and next_token_ids differ in length")
+    if any(p < 0 for p in positions):
+        raise FrameError("negative position")
     tensors = {}
     for spec, buf in zip(specs, parts[1:]):
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise FrameError(f"bad tensor spec {spec!r}")
         dtype = DTYPES.get(spec.get("dtype"))
         shape = spec.get("shape")
-        if dtype is None or not isinstance(shape, list):
+        if dtype is None or not isinstance(shape, list) or not all(
+                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < MAX_DIM for d in shape):
             raise FrameError(f"bad tensor spec {spec!r}")
         numel = 1
         for d in shape:
             numel *= int(d)
         if numel * torch.tensor([], dtype=dtype).element_size() != len(buf):
             raise FrameError(f"tensor {spec.get('name')!r}: {len(buf)} bytes for shape {shape} {spec['dtype']}")
-        if shape and shape[0] != n:
-            raise FrameError(f"tensor {spec.get('name')!r} has {shape[0]} rows for {n} positions")
+        if not shape or shape[0] != n:
+            raise FrameError(f"tensor {spec.get('name')!r} has shape {shape} for {n} positions")
         raw = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
         tensors[spec["name"]] = raw.view(dtype).reshape(shape)
+    for name in REQUIRED_TENSORS:
+        if name not in tensors or tensors[name].dim() != 2:
+            raise FrameError(f"frame lacks a [rows, hidden] {name!r} tensor")
+    if "logprobs" in tensors and tensors["logprobs"].dim() != 1:
+        raise FrameError("logprobs must be [rows]")
+    top = [tensors.get("topk_logprobs"), tensors.get("topk_ids")]
+    if any(t is not None for t in top) and (any(t is None or t.dim() != 2 for t in top)
+                                            or top[0].shape != top[1].shape or top[0].shape[1] < 1):
+        raise FrameError("topk_logprobs and topk_ids must both be [rows, K]")
     return header, tensors

@@ -112,18 +112,24 @@ class EngineClient:
         return self._update("policy", named_tensors, version, pause)
 
     def update_draft(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict, version: int,
-                     pause: str = "none") -> dict:
-        """Replace the served EAGLE-3 draft in place (never changes sampled distributions)."""
-        return self._update("draft", named_tensors, version, pause)
+                     pause: str = "none", trainer_report: dict | None = None) -> dict:
+        """Replace the served EAGLE-3 draft in place (never changes sampled distributions).
+        ``trainer_report`` (JSON-safe; the online trainer sends its capture counts) is shown in
+        the engine's ``/specrl/status`` as ``draft_trainer``."""
+        return self._update("draft", named_tensors, version, pause, trainer_report)
 
-    def _update(self, target: str, named_tensors: Any, version: int, pause: str) -> dict:
+    def _update(self, target: str, named_tensors: Any, version: int, pause: str,
+                trainer_report: dict | None = None) -> dict:
         if isinstance(named_tensors, dict):
             named_tensors = named_tensors.items()
         named = list(named_tensors)
         total = sum(nbytes(t) for _, t in named)
         transport = self.resolved_transport()
         t0 = time.perf_counter()
-        uid = self._post("/specrl/update/begin", json={"target": target, "version": version})["update_id"]
+        begin = {"target": target, "version": version}
+        if trainer_report is not None:
+            begin["trainer_report"] = trainer_report
+        uid = self._post("/specrl/update/begin", json=begin)["update_id"]
         try:
             with tqdm(total=total, unit="B", unit_scale=True, desc=f"{target} v{version} ({transport})",
                       disable=not self.progress, leave=False) as bar:

@@ -77,6 +77,8 @@ def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
                             body.get("update_id") or uuid.uuid4().hex[:12])
         if res.get("ok"):
             state.uploads[res["update_id"]] = {"target": target, "version": version, "t0": time.time()}
+        if isinstance(body.get("trainer_report"), dict):
+            state.trainer_reported(body["trainer_report"])
         return answer(res)
 
     @router.post("/update/{update_id}/tensors")

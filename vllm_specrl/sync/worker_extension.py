@@ -138,6 +138,7 @@ class SpecRLWorkerExtension:
     def _specrl_restore(self, target: str, tensors: dict | None) -> str | None:
         """Re-apply a known good set (``None``: the served checkpoint's files); the error, if any."""
         try:
+            vllm_compat.end_interrupted_reload(self, target)
             if tensors is None:
                 from safetensors.torch import load_file
 

@@ -188,7 +188,8 @@ class OnlineDraftTrainer:
             spec_decode = status["spec_decode"]
             self.draft_version = max(self.draft_version, status["versions"]["draft"]) + 1
             state = {k: v.detach().cpu() for k, v in self.trainer.unwrapped.checkpoint_state_dict().items()}
-            return self.client.update_draft(state, version=self.draft_version), spec_decode
+            report = {"capture": self.capture_counts(), "steps": self.trainer.step_count}
+            return self.client.update_draft(state, version=self.draft_version, trainer_report=report), spec_decode
         except Exception as exc:  # noqa: BLE001 - an unreachable engine is retried, never fatal
             self.publish_errors += 1
             return {"error": repr(exc)}, spec_decode
