@@ -34,3 +34,19 @@ def result_json(output: str, tag: str = "RESULT") -> dict:
         if line.startswith(tag + " "):
             return json.loads(line[len(tag) + 1:])
     raise AssertionError(f"no {tag} line in output:\n{output[-4000:]}")
+
+
+def perturbed_checkpoint(model_dir, out, seed: int, scale: float = 0.3):
+    """A copy of ``model_dir`` whose matrices moved by ``scale`` of their std (an RL step, exaggerated)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out)
+    gen = torch.Generator().manual_seed(seed)
+    weights = load_file(model_dir / "model.safetensors")
+    save_file({k: (v + scale * v.float().std() * torch.randn(v.shape, generator=gen)).to(v.dtype)
+               if v.is_floating_point() and v.dim() == 2 else v for k, v in weights.items()},
+              out / "model.safetensors")
+    return out

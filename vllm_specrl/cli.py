@@ -104,6 +104,13 @@ def _cmd_train_online(args: argparse.Namespace) -> int:
     trainer = OnlineDraftTrainer(args.draft, args.target, cfg, _train_config(args), args.checkpoint_dir, args.log)
     print(json.dumps({"event": "started", "resumed_from_step": trainer.resumed_from_step,
                       "checkpoint_dir": str(trainer.checkpoint_dir)}), flush=True)
+    # SIGINT/SIGTERM end the loop between steps (checkpoint saved, sockets closed) instead of
+    # raising wherever the main thread happens to be: inside a publish, a ZeroMQ poll or a
+    # worker-thread join, where an exit could wait on a slow request for minutes.
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: trainer.stop_requested.set())
     try:
         summary = trainer.run()
     except KeyboardInterrupt:
@@ -180,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--capture", default=None, help="online: ZeroMQ address to receive capture frames on")
     tr.add_argument("--capture-allow-remote", action="store_true",
                     help="online: allow a non-loopback --capture address (hidden states from other hosts)")
-    tr.add_argument("--engine", default=None, help="online: vllm serve URL to publish the draft to")
+    tr.add_argument("--engine", default=None,
+                    help="online: vllm serve URL to publish the draft to (several: comma-separated)")
     tr.add_argument("--api-key", default=None)
     tr.add_argument("--publish-every", type=int, default=20)
     tr.add_argument("--checkpoint-every", type=int, default=50)

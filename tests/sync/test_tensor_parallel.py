@@ -10,15 +10,15 @@ core 0, rank 1 on core 1). One server for the module (tiny target, float32, EAGL
 from __future__ import annotations
 
 import json
-import shutil
 import time
 
 import pytest
 import requests
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from conftest import WARM_DRAFT_VOCAB
+from helpers import perturbed_checkpoint
 from prompts import code_prompts
 from sampling import greedy_generate
 from vllm_specrl.capture.receiver import CaptureReceiver, SequenceAssembler
@@ -39,13 +39,7 @@ def original(tiny_model):
 
 @pytest.fixture(scope="module")
 def new_policy(tiny_model, original, tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp_policy") / "v1"
-    shutil.copytree(tiny_model, out)
-    gen = torch.Generator().manual_seed(1)
-    save_file({k: (v + 0.3 * v.float().std() * torch.randn(v.shape, generator=gen)).to(v.dtype)
-               if v.is_floating_point() and v.dim() == 2 else v for k, v in original.items()},
-              out / "model.safetensors")
-    return out
+    return perturbed_checkpoint(tiny_model, tmp_path_factory.mktemp("tp_policy") / "v1", seed=1)
 
 
 @pytest.fixture(scope="module")

@@ -9,16 +9,16 @@ from checkpoints of the same weights.
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 import torch
-from safetensors.torch import load_file, save, save_file
+from safetensors.torch import load_file, save
 
 from conftest import WARM_DRAFT_VOCAB
+from helpers import perturbed_checkpoint
 from prompts import code_prompts
 from sampling import greedy_generate
 from vllm_specrl.proposer.checkpoint import init_draft
@@ -46,13 +46,7 @@ def original(tiny_model):
 @pytest.fixture(scope="module")
 def new_policy(tiny_model, original, tmp_path_factory):
     """A checkpoint of perturbed tiny weights (what an RL step would produce, exaggerated)."""
-    out = tmp_path_factory.mktemp("policy") / "v1"
-    shutil.copytree(tiny_model, out)
-    gen = torch.Generator().manual_seed(0)
-    weights = {k: (v + 0.3 * v.float().std() * torch.randn(v.shape, generator=gen)).to(v.dtype)
-               if v.is_floating_point() and v.dim() == 2 else v for k, v in original.items()}
-    save_file(weights, out / "model.safetensors")
-    return out
+    return perturbed_checkpoint(tiny_model, tmp_path_factory.mktemp("policy") / "v1", seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -120,6 +120,20 @@ class EngineClient:
 
     def _update(self, target: str, named_tensors: Any, version: int, pause: str,
                 trainer_report: dict | None = None) -> dict:
+        t0 = time.perf_counter()
+        staged = self.stage(target, named_tensors, version, trainer_report)
+        try:
+            result = self.commit(staged, pause)
+        except BaseException:
+            self.abort(staged)
+            raise
+        result.update(total_s=round(time.perf_counter() - t0, 4))
+        return result
+
+    # -- the phases, for callers that coordinate several engines (``FleetClient``) ----------------
+    def stage(self, target: str, named_tensors: Any, version: int, trainer_report: dict | None = None) -> dict:
+        """Begin an update and upload every tensor (validated by the engine, nothing applied).
+        Returns the handle ``prepare``/``commit``/``abort`` take; on any failure the update is aborted."""
         if isinstance(named_tensors, dict):
             named_tensors = named_tensors.items()
         named = list(named_tensors)
@@ -130,23 +144,35 @@ class EngineClient:
         if trainer_report is not None:
             begin["trainer_report"] = trainer_report
         uid = self._post("/specrl/update/begin", json=begin)["update_id"]
+        staged = {"update_id": uid, "target": target, "version": version, "transport": transport, "bytes": total}
         try:
             with tqdm(total=total, unit="B", unit_scale=True, desc=f"{target} v{version} ({transport})",
                       disable=not self.progress, leave=False) as bar:
                 for chunk, size in chunked(named, self.chunk_bytes):
                     self._upload(uid, chunk, transport)
                     bar.update(size)
-            t_upload = time.perf_counter() - t0
-            result = self._post(f"/specrl/update/{uid}/commit", json={"pause": pause})
         except BaseException:
-            try:
-                self.session.post(f"{self.url}/specrl/update/{uid}/abort", timeout=30)
-            except requests.RequestException:
-                pass
+            self.abort(staged)
             raise
-        result.update(transport=transport, bytes=total, upload_s=round(t_upload, 4),
-                      total_s=round(time.perf_counter() - t0, 4))
+        staged["upload_s"] = round(time.perf_counter() - t0, 4)
+        return staged
+
+    def prepare(self, staged: dict) -> dict:
+        """Every worker of the engine confirms it holds the whole, valid update (nothing applied)."""
+        return self._post(f"/specrl/update/{staged['update_id']}/prepare")
+
+    def commit(self, staged: dict, pause: str = "keep") -> dict:
+        """Apply on every worker (all or none of them; see the commit route)."""
+        result = self._post(f"/specrl/update/{staged['update_id']}/commit", json={"pause": pause})
+        result.update(transport=staged["transport"], bytes=staged["bytes"], upload_s=staged.get("upload_s"))
         return result
+
+    def abort(self, staged: dict) -> None:
+        """Drop a staged update (best effort: the engine may already have closed it)."""
+        try:
+            self.session.post(f"{self.url}/specrl/update/{staged['update_id']}/abort", timeout=30)
+        except requests.RequestException:
+            pass
 
     def _upload(self, uid: str, chunk: dict[str, torch.Tensor], transport: str) -> None:
         if transport == "shm":

@@ -98,6 +98,13 @@ def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
             return refused(f"shared-memory chunks must be {SHM_DIR}/specrl-*.safetensors; got {raw!r}")
         return answer(await rpc_all(state.engine_client, "specrl_stage_file", update_id, str(path)))
 
+    @router.post("/update/{update_id}/prepare")
+    async def prepare(update_id: str, request: Request) -> JSONResponse:
+        """Phase one alone (for a client coordinating several engines): every rank holds the whole,
+        valid update; nothing is applied. The commit runs it again."""
+        state = get_state(request)
+        return answer(await rpc_all(state.engine_client, "specrl_prepare_commit", update_id))
+
     @router.post("/update/{update_id}/commit")
     async def commit(update_id: str, request: Request) -> JSONResponse:
         state = get_state(request)

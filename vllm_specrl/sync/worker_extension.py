@@ -10,8 +10,9 @@ Weight updates: ``specrl_begin_update`` -> ``specrl_stage_tensors`` /
 rank complete and valid) -> ``specrl_commit_update`` -> ``specrl_finalize_commit``
 (every rank applied) or ``specrl_rollback_commit`` (one did not); or
 ``specrl_abort_update``. A rank that fails while applying restores the last good
-weights itself (the previous update's tensors, or the served checkpoint). RPCs return ``{"ok": False, "error": ..., "problems":
-[...]}`` instead of raising, so the reason survives every RPC hop intact.
+weights itself (the previous update's tensors, or the served checkpoint). RPCs
+return ``{"ok": False, "error": ..., "problems": [...]}`` instead of raising, so
+the reason survives every RPC hop intact.
 """
 
 from __future__ import annotations

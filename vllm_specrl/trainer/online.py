@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -81,6 +82,7 @@ class OnlineDraftTrainer:
         self.last_seen: dict[str, float] = {}
         self.buffer: deque = deque(maxlen=cfg.buffer_sequences)
         self.ingested = 0
+        self.stop_requested = threading.Event()  # set by a signal handler: the loop ends cleanly
         self.drops: Counter[str] = Counter()
         self.partial = 0
         self.prefix_cached = 0
@@ -90,10 +92,10 @@ class OnlineDraftTrainer:
         self.draft_version = 0
         self.publish_errors = 0
         self.client = None
-        if cfg.engine:
-            from vllm_specrl.sync.client import EngineClient
+        if cfg.engine:  # one URL, or several (comma-separated): every replica gets each draft
+            from vllm_specrl.sync.fleet import FleetClient
 
-            self.client = EngineClient(cfg.engine, api_key=cfg.api_key, progress=False, timeout=120)
+            self.client = FleetClient(cfg.engine.split(","), api_key=cfg.api_key, timeout=120)
         self.log = open(log_path, "a") if log_path else None  # noqa: SIM115 - closed in close()
 
     # -- data ------------------------------------------------------------------------------
@@ -183,13 +185,21 @@ class OnlineDraftTrainer:
         if self.client is None:
             return None, None
         spec_decode = None
+        # A draft never changes what is sampled, so a replica that failed the last publish is simply
+        # tried again (policy updates quarantine it instead).
+        self.client.quarantined.clear()
         try:
-            status = self.client.status()
-            spec_decode = status["spec_decode"]
-            self.draft_version = max(self.draft_version, status["versions"]["draft"]) + 1
+            first = next(iter(self.client.active.values()))
+            spec_decode = first.status()["spec_decode"]
+            served = [v["draft"] for v in self.client.versions().values() if "draft" in v]
+            self.draft_version = max([self.draft_version, *served]) + 1
             state = {k: v.detach().cpu() for k, v in self.trainer.unwrapped.checkpoint_state_dict().items()}
             report = {"capture": self.capture_counts(), "steps": self.trainer.step_count}
-            return self.client.update_draft(state, version=self.draft_version, trainer_report=report), spec_decode
+            result = self.client.update_draft(state, version=self.draft_version, trainer_report=report)
+            if result["quarantined"]:
+                self.publish_errors += 1
+                result["error"] = f"not applied on {sorted(result['quarantined'])}"
+            return result, spec_decode
         except Exception as exc:  # noqa: BLE001 - an unreachable engine is retried, never fatal
             self.publish_errors += 1
             return {"error": repr(exc)}, spec_decode
@@ -201,7 +211,7 @@ class OnlineDraftTrainer:
         bar = tqdm(desc="online draft", unit="step", mininterval=5)
         last_metrics: dict[str, Any] = {}
         try:
-            while True:
+            while not self.stop_requested.is_set():
                 if cfg.max_steps is not None and self.trainer.step_count - start_step >= cfg.max_steps:
                     break
                 if cfg.max_seconds is not None and time.time() - t0 >= cfg.max_seconds:
@@ -227,7 +237,8 @@ class OnlineDraftTrainer:
         finally:
             bar.close()
         self.trainer.save(self.checkpoint_dir, extra={"draft_version": self.draft_version})
-        return {"steps": self.trainer.step_count, "resumed_from_step": self.resumed_from_step,
+        return {"event": "stopped" if self.stop_requested.is_set() else "finished",
+                "steps": self.trainer.step_count, "resumed_from_step": self.resumed_from_step,
                 "frames": dict(self.receiver.counters), "capture": self.capture_counts(),
                 "publish_errors": self.publish_errors,
                 "draft_version": self.draft_version, "last": last_metrics}
