@@ -123,7 +123,10 @@ def main() -> None:
         t0 = time.time()
         version, committed, faults, recovered, refused, last_weights = 2, 0, 0, 0, 0, original
         modes = ["keep", "wait", "none"]
+        rss_trace = []
         for i in range(args.updates):
+            if i % 50 == 0:
+                rss_trace.append([i, round(rss_mb(srv.proc.pid), 1)])
             weights = perturbed if i % 2 == 0 else original
             client = clients["shm" if i % 3 else "http"]
             if i % args.fuzz_every == 0:
@@ -169,7 +172,8 @@ def main() -> None:
               "final_policy_version": version, "faults_injected": faults, "faults_recovered": recovered,
               "malformed_updates_refused": refused, "requests_served": counts["served"],
               "requests_failed": counts["failed"], "shm_files_leaked": len(set(shm_after) - set(shm_before)),
-              "rss_mb_start": round(rss_start, 1), "rss_mb_end": round(rss_end, 1), "seconds": round(elapsed, 1),
+              "rss_mb_start": round(rss_start, 1), "rss_mb_end": round(rss_end, 1), "rss_mb_every_50_updates": rss_trace,
+              "seconds": round(elapsed, 1),
               "final_outputs_equal_last_committed_weights": served_texts == expected}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
