@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import ast
+import atexit
 import json
+import shutil
 import sys
 import tempfile
 import zipfile
@@ -146,6 +148,7 @@ def source_root(wheel: Path | None, tree: Path | None) -> tuple[Path, str]:
         return tree, "source tree"
     if wheel:
         out = Path(tempfile.mkdtemp(prefix="vllm-src-"))
+        atexit.register(shutil.rmtree, out, ignore_errors=True)
         with zipfile.ZipFile(wheel) as zf:
             for name in zf.namelist():
                 if name.startswith("vllm/") and name.endswith(".py"):
