@@ -711,7 +711,8 @@ def end_interrupted_reload(worker: Any, target: str) -> None:
     finalize puts the old kernel tensors back into layers that received
     nothing and processes partly loaded ones, after which a full reload of a
     known good set works. A no-op when no reload is in progress. Checked on
-    0.32.0 (cpu) (``model_loader.reload.layerwise``).
+    0.32.0 (cpu) (``model_loader.reload.layerwise``). Repro with vLLM alone:
+    scripts/repro_interrupted_reload.py.
     """
     from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
