@@ -34,25 +34,14 @@ from vllm_specrl.sync.routes import build_sync_router, stamp_versions
 _GAUGES: dict[str, Any] = {}
 
 
-def _gauge(name: str, doc: str) -> Any:
+def _gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
     """One process-wide gauge per name on vLLM's /metrics registry (created on first use)."""
     import prometheus_client
 
     if name not in _GAUGES:
         try:
-            _GAUGES[name] = prometheus_client.Gauge(name, doc)
-        except ValueError:  # already registered in this process
-            _GAUGES[name] = prometheus_client.REGISTRY._names_to_collectors[name]
-    return _GAUGES[name]
-
-
-def _labelled_gauge(name: str, doc: str, labels: list[str]) -> Any:
-    import prometheus_client
-
-    if name not in _GAUGES:
-        try:
             _GAUGES[name] = prometheus_client.Gauge(name, doc, labels)
-        except ValueError:
+        except ValueError:  # already registered in this process
             _GAUGES[name] = prometheus_client.REGISTRY._names_to_collectors[name]
     return _GAUGES[name]
 
@@ -139,8 +128,8 @@ class SpecRLHttpState:
                     "prefix_cached": capture.get("prefix_cached", 0)}
         drops = capture.get("drops") if isinstance(capture.get("drops"), dict) else {}
         outcomes.update({f"dropped_{k}": v for k, v in drops.items()})
-        gauge = _labelled_gauge("specrl_draft_trainer_requests", "captured requests the online draft trainer "
-                                "ingested or dropped, by outcome (from its last publish)", ["outcome"])
+        gauge = _gauge("specrl_draft_trainer_requests", "captured requests the online draft trainer "
+                       "ingested or dropped, by outcome (from its last publish)", ("outcome",))
         for outcome, value in outcomes.items():
             if isinstance(value, (int, float)):
                 gauge.labels(outcome=str(outcome)).set(float(value))
@@ -271,7 +260,7 @@ class SpecRLEndpointPlugin:
             bool(specrl_cfg.get("allow_unauthenticated_remote", False))))
         update_gauges(state.specrl)
         register_adaptive_k_metrics()
-        capture = vllm_compat.specrl_additional_config(engine_client.vllm_config).get("capture")
+        capture = specrl_cfg.get("capture")
         if capture:
             try:
                 res = await engine_client.collective_rpc("specrl_capture_start", timeout=WORKER_RPC_TIMEOUT_S)

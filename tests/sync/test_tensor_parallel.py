@@ -38,7 +38,7 @@ def original(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def new_policy(tiny_model, original, tmp_path_factory):
+def new_policy(tiny_model, tmp_path_factory):
     return perturbed_checkpoint(tiny_model, tmp_path_factory.mktemp("tp_policy") / "v1", seed=1)
 
 

@@ -44,7 +44,7 @@ def original(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def new_policy(tiny_model, original, tmp_path_factory):
+def new_policy(tiny_model, tmp_path_factory):
     """A checkpoint of perturbed tiny weights (what an RL step would produce, exaggerated)."""
     return perturbed_checkpoint(tiny_model, tmp_path_factory.mktemp("policy") / "v1", seed=0)
 

@@ -99,7 +99,10 @@ class FleetClient:
         """Take a quarantined replica back (after updating it directly, e.g. ``replicas[url].update_policy``)."""
         self.quarantined.pop(url.rstrip("/"), None)
 
+    def statuses(self) -> dict[str, tuple[bool, Any]]:
+        """Each replica's ``/specrl/status`` (quarantined ones included): ``url -> (ok, status or error)``."""
+        return self._each(lambda url, c: c.status(), self.replicas)
+
     def versions(self) -> dict[str, dict]:
-        """Each replica's served versions (quarantined ones included), read from its status."""
-        return {url: (res["versions"] if ok else {"error": res})
-                for url, (ok, res) in self._each(lambda url, c: c.status(), self.replicas).items()}
+        """Each replica's served versions, read from its status."""
+        return {url: (res["versions"] if ok else {"error": res}) for url, (ok, res) in self.statuses().items()}

@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from vllm_specrl.capture.receiver import CaptureReceiver, SequenceAssembler
 from vllm_specrl.proposer.checkpoint import load_draft, target_embedding, target_lm_head
+from vllm_specrl.sync.client import WeightSyncError
 from vllm_specrl.trainer.core import TRAINER_STATE, DraftTrainer, TrainConfig, collate
 
 
@@ -189,9 +190,12 @@ class OnlineDraftTrainer:
         # tried again (policy updates quarantine it instead).
         self.client.quarantined.clear()
         try:
-            first = next(iter(self.client.active.values()))
-            spec_decode = first.status()["spec_decode"]
-            served = [v["draft"] for v in self.client.versions().values() if "draft" in v]
+            statuses = self.client.statuses()  # one status read per replica
+            ok, first = statuses[next(iter(self.client.active))]
+            if not ok:
+                raise WeightSyncError(first)
+            spec_decode = first["spec_decode"]
+            served = [status["versions"]["draft"] for ok, status in statuses.values() if ok]
             self.draft_version = max([self.draft_version, *served]) + 1
             state = {k: v.detach().cpu() for k, v in self.trainer.unwrapped.checkpoint_state_dict().items()}
             report = {"capture": self.capture_counts(), "steps": self.trainer.step_count}
