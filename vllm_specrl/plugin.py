@@ -51,6 +51,8 @@ def _install_registrations() -> list[str]:
                       vllm_compat.install_cpu_fast_sampling))
         steps.append(("runner_step_timer", "model-runner step timer (adaptive k)",
                       vllm_compat.install_runner_step_timer))
+        steps.append(("custom_proposer_binding", "runner batch for custom_class proposers (history)",
+                      vllm_compat.install_custom_proposer_binding))
     done = []
     for key, what, install in steps:
         try:

@@ -889,3 +889,39 @@ def specrl_additional_config(vllm_config: Any) -> dict[str, Any]:
     """``--additional-config '{"specrl": {...}}'`` (a public, hashed vLLM config field)."""
     extra = getattr(vllm_config, "additional_config", None) or {}
     return dict(extra.get("specrl", {})) if isinstance(extra, dict) else {}
+
+
+# --- custom_class proposers: the runner's batch (worker side) -------------------------
+#
+# vLLM 0.32 calls a ``custom_class`` proposer with the batch's token rows only
+# (``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings)``).
+# A proposer that keys on requests (the history proposer: prompt groups, requests
+# that finished) also needs ``input_batch.req_ids`` / ``num_prompt_tokens`` (row
+# order = the propose call's) and the step's k (``scheduler_output.
+# num_spec_tokens_to_schedule``: adaptive k). A class wrap of
+# ``GPUModelRunner.propose_draft_token_ids`` hands them to any drafter with a
+# ``bind_step(input_batch, k_limit)`` method just before the stock call.
+
+
+def install_custom_proposer_binding() -> str:
+    """Wrap the runner's ``propose_draft_token_ids`` so ``custom_class`` drafters see the batch."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if getattr(GPUModelRunner, "_specrl_custom_binding", False):
+        return "installed"
+    stock = GPUModelRunner.propose_draft_token_ids
+
+    def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
+        bind = getattr(getattr(self, "drafter", None), "bind_step", None)
+        if bind is not None:
+            bind(self.input_batch, getattr(scheduler_output, "num_spec_tokens_to_schedule", None))
+        return stock(self, scheduler_output, *args, **kwargs)
+
+    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+    GPUModelRunner._specrl_custom_binding = True
+    return "installed"
+
+
+def runner_drafter(worker: Any) -> Any:
+    """The worker's drafter object (None without speculation)."""
+    return getattr(getattr(worker, "model_runner", None), "drafter", None)

@@ -70,8 +70,14 @@ class SpecRLWorkerExtension:
             "plugin": plugin.state(),
             "sync": self.specrl_sync_state(),
             "capture": self.specrl_capture_state(),
+            "proposer": self.specrl_proposer_state(),
             **vllm_compat.worker_model_summary(self),
         }
+
+    def specrl_proposer_state(self) -> dict[str, Any] | None:
+        """What a vllm-specrl proposer reports about itself (the history proposer's index), if one serves."""
+        report = getattr(vllm_compat.runner_drafter(self), "specrl_status", None)
+        return report() if callable(report) else None
 
     def specrl_sync_state(self) -> dict[str, Any]:
         stager = self._specrl_stager()
@@ -176,8 +182,14 @@ class SpecRLWorkerExtension:
         return {"ok": True, **stager.finish(session, time.perf_counter() - t0)}
 
     def specrl_finalize_commit(self, update_id: str) -> dict:
-        """Phase three: every rank applied; the previous weights are no longer needed."""
-        return {"ok": True, "finalized": self._specrl_stager().finalize(update_id)}
+        """Phase three: every rank applied; the previous weights are no longer needed. A proposer
+        that keeps rollouts (history) learns the new policy version, so older rollouts age."""
+        stager = self._specrl_stager()
+        finalized = stager.finalize(update_id)
+        on_policy = getattr(vllm_compat.runner_drafter(self), "on_policy_version", None)
+        if callable(on_policy):
+            on_policy(stager.versions["policy"])
+        return {"ok": True, "finalized": finalized}
 
     def specrl_rollback_commit(self, update_id: str) -> dict:
         """Another rank failed to apply ``update_id``: go back to what served before it."""

@@ -1,0 +1,150 @@
+"""Rollout-history proposer vs plain, ngram (and optionally EAGLE-3) on a GRPO-shaped workload.
+
+Each epoch samples G completions (``SamplingParams(n=G)``, T=1) of the same P prompts,
+as a GRPO step does, and the same prompts come back every epoch, as they do across RL
+epochs. Every method runs in its own engine (one per process) on the same workload, one
+after the other; ratios are tokens/s against plain from this run. Served acceptance comes
+from vLLM's own ``vllm:spec_decode_*`` counters, per epoch (epoch 0 has no earlier
+rollouts: only siblings and the request's own text to draft from).
+
+    python scripts/bench_history.py --out benchmarks/cpu/bench_history.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from vllm_specrl.bench_engine import report_result, run_engine_subprocess  # noqa: E402
+
+HISTORY = "vllm_specrl.proposer.history.HistoryProposer"
+
+
+def speculative_config(method: str, k: int, draft: str | None) -> dict | None:
+    if method == "plain":
+        return None
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    if method == "history":
+        return {"method": "custom_class", "model": HISTORY, "num_speculative_tokens": k}
+    if method == "eagle3":
+        return {"method": "eagle3", "model": draft, "num_speculative_tokens": k,
+                "draft_sample_method": "probabilistic"}
+    raise ValueError(f"unknown method {method!r}")
+
+
+def _engine(cfg: dict) -> dict:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+
+    from vllm_specrl import metrics
+
+    llm = LLM(model=cfg["model"], dtype=cfg["dtype"], enforce_eager=True, seed=cfg["seed"],
+              max_model_len=1024, max_num_seqs=cfg["max_num_seqs"], disable_log_stats=False,
+              speculative_config=cfg["speculative_config"], additional_config=cfg.get("additional_config") or {},
+              worker_extension_cls="vllm_specrl.sync.SpecRLWorkerExtension")
+    tok = llm.get_tokenizer()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+               for p in cfg["prompts"]]
+    llm.generate(["warm-up"], SamplingParams(max_tokens=8, temperature=1.0), use_tqdm=False)
+    epochs = []
+    for epoch in range(cfg["epochs"]):
+        params = SamplingParams(n=cfg["group"], temperature=1.0, max_tokens=cfg["max_tokens"],
+                                seed=cfg["seed"] * 1000 + epoch)
+        before = metrics.from_llm_metrics(llm.get_metrics())
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        stats = metrics.from_llm_metrics(llm.get_metrics()).minus(before).summary() \
+            if cfg["speculative_config"] else None
+        epochs.append({"epoch": epoch, "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+                       "spec_decode": stats})
+    state = llm.collective_rpc("specrl_proposer_state")[0]
+    return {"epochs": epochs, "proposer": state}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--_engine", help=argparse.SUPPRESS)
+    ap.add_argument("--fixtures", default=os.environ.get("VLLM_SPECRL_FIXTURES", str(REPO / ".fixtures")))
+    ap.add_argument("--model", help="target model directory (default: the real fixture)")
+    ap.add_argument("--draft", help="EAGLE-3 draft for the eagle3 method (default: the demo draft)")
+    ap.add_argument("--methods", default="plain,ngram,history")
+    ap.add_argument("--task", default="explain", choices=["explain", "arithmetic"])
+    ap.add_argument("--prompts", type=int, default=8, help="distinct prompts per epoch (P)")
+    ap.add_argument("--group", type=int, default=4, help="completions per prompt (G)")
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--history-config", default=None, help="JSON knobs for the history proposer")
+    ap.add_argument("--out", default="results/bench_history.json")
+    args = ap.parse_args()
+    if args._engine:
+        report_result(_engine(json.loads(args._engine)))
+        return
+
+    from vllm_specrl.fixtures import build_fixtures, fixture_target
+    from vllm_specrl.rl.tasks import make_tasks
+    from vllm_specrl.server import cpu_env
+
+    if args.model is None:
+        build_fixtures(Path(args.fixtures), ("real",))
+    model = args.model or str(fixture_target("real", Path(args.fixtures)))
+    draft = args.draft or str(Path(args.fixtures) / "real" / "drafts" / "demo-arithmetic")
+    prompts = [p for p, _ in make_tasks(0, args.prompts, args.seed, args.task)]
+    history_knobs = json.loads(args.history_config) if args.history_config else None
+    env = cpu_env(kv_cache_gib=2)
+    report = {"benchmark": "history_proposer", "settings": {**vars(args), "model": model, "_engine": None},
+              "prompts": prompts, "runs": {}}
+    for method in args.methods.split(","):
+        cfg = {"model": model, "dtype": args.dtype, "seed": args.seed, "prompts": prompts, "group": args.group,
+               "epochs": args.epochs, "max_tokens": args.max_tokens,
+               "max_num_seqs": args.prompts * args.group,
+               "speculative_config": speculative_config(method, args.k, draft),
+               "additional_config": {"specrl": {"history": history_knobs}} if history_knobs else None}
+        t0 = time.perf_counter()
+        result = run_engine_subprocess(__file__, cfg, env, timeout_s=3600)
+        print(f"{method}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        report["runs"][method] = result
+        if isinstance(result, str):
+            print(result, file=sys.stderr)
+    add_comparisons(report)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(json.dumps(report["comparison"], indent=1))
+
+
+def add_comparisons(report: dict) -> None:
+    """Per method and epoch: tokens/s against plain, and vLLM's acceptance counters."""
+    plain = report["runs"].get("plain")
+    table = {}
+    for method, run in report["runs"].items():
+        if isinstance(run, str) or method == "plain" or isinstance(plain, str) or plain is None:
+            continue
+        rows = []
+        for mine, base in zip(run["epochs"], plain["epochs"]):
+            sd = mine["spec_decode"] or {}
+            rows.append({"epoch": mine["epoch"], "speedup": mine["tokens_per_s"] / base["tokens_per_s"],
+                         "acceptance_length": sd.get("acceptance_length"),
+                         "accepted_per_pos": sd.get("per_position_acceptance"),
+                         "accepted_share": (sd.get("num_accepted_tokens") or 0) / max(mine["tokens"], 1),
+                         "drafts": sd.get("num_drafts"), "draft_tokens": sd.get("num_draft_tokens")})
+        total = sum(e["tokens"] for e in run["epochs"]) / sum(e["wall_s"] for e in run["epochs"])
+        base_total = sum(e["tokens"] for e in plain["epochs"]) / sum(e["wall_s"] for e in plain["epochs"])
+        table[method] = {"speedup_all_epochs": total / base_total, "epochs": rows}
+    report["comparison"] = table
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""The rollout-history proposer, served through vLLM's ``custom_class`` method.
+
+``--speculative-config '{"method": "custom_class",
+"model": "vllm_specrl.proposer.history.HistoryProposer", "num_speculative_tokens": K}'``
+(knobs: ``--additional-config '{"specrl": {"history": {...}}}'``, ``HistoryConfig``).
+
+Drafts come from the request's prompt group: siblings in flight (a GRPO group),
+earlier rollouts of the same prompt kept across requests (earlier epochs), and the
+request's own prompt and output (``history_index``). Drafting is a look-up, no model
+forward; drafts are token ids only, so vLLM verifies them against the target's
+probability alone and the output distribution is the target's.
+
+vLLM hands a ``custom_class`` proposer the batch's token rows; the request ids, prompt
+lengths and the step's k (adaptive k) come from the runner through
+``vllm_compat.install_custom_proposer_binding`` (installed by the plugin). A policy
+update (the sync path's commit) ages the history (``on_policy_version``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from vllm_specrl.proposer.history_index import HistoryConfig, HistoryIndex
+
+
+@dataclass
+class _Live:
+    key: str
+    prompt_len: int
+    version: int
+    completion: np.ndarray | None = None   # a copy: the runner reuses rows once a request leaves
+
+
+class HistoryProposer:
+    """A ``custom_class`` proposer: suffix matches over the request's prompt group."""
+
+    def __init__(self, vllm_config: Any):
+        from vllm_specrl import vllm_compat
+
+        spec = vllm_config.speculative_config
+        self.k = int(spec.num_speculative_tokens)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        raw = vllm_compat.specrl_additional_config(vllm_config).get("history")
+        self.index = HistoryIndex(HistoryConfig.from_dict(raw))
+        self.live: dict[str, _Live] = {}
+        self.input_batch: Any = None
+        self.k_limit: int | None = None
+        self.steps = 0
+
+    # --- vLLM's proposer interface --------------------------------------------------
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to load: the history is built from what the engine generates."""
+
+    def bind_step(self, input_batch: Any, k_limit: int | None) -> None:
+        """The runner's batch (request ids, prompt lengths) and this step's k, before ``propose``."""
+        self.input_batch, self.k_limit = input_batch, k_limit
+
+    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
+                token_ids_cpu: np.ndarray, slot_mappings: Any = None) -> list[list[int]]:
+        """Drafts for every row of the batch (an empty list: no draft for that row)."""
+        batch = self.input_batch
+        if batch is None:
+            raise RuntimeError("HistoryProposer needs the vllm-specrl plugin's runner binding "
+                               "(VLLM_PLUGINS must include 'specrl'): it reads request ids from the runner")
+        self.steps += 1
+        num_rows = len(sampled_token_ids)
+        req_ids = list(batch.req_ids[:num_rows])
+        prompt_lens = batch.num_prompt_tokens[:num_rows]
+        self._sync_live(req_ids, prompt_lens, num_tokens_no_spec, token_ids_cpu)
+        k = self.k if self.k_limit is None else min(self.k, self.k_limit)
+        drafts: list[list[int]] = [[] for _ in range(num_rows)]
+        if k <= 0:
+            return drafts
+        rows_by_group: dict[str, list[int]] = {}
+        for row, rid in enumerate(req_ids):
+            rows_by_group.setdefault(self.live[rid].key, []).append(row)
+        tail = self.index.cfg.prompt_tail
+        max_match = self.index.cfg.max_match
+        for key, rows in rows_by_group.items():
+            if key not in self.index.groups:  # evicted under the memory cap while in flight
+                self.index.group(token_ids_cpu[rows[0], :int(prompt_lens[rows[0]])])
+            seqs = []
+            for row in rows:
+                start = max(int(prompt_lens[row]) - tail, 0)
+                seqs.append(token_ids_cpu[row, start:int(num_tokens_no_spec[row])])
+            corpus = self.index.corpus(key, [s.astype(np.int32, copy=False) for s in seqs])
+            for row in rows:
+                n = int(num_tokens_no_spec[row])
+                if not sampled_token_ids[row] or n >= self.max_model_len:
+                    continue
+                context = token_ids_cpu[row, max(n - max_match, 0):n]
+                drafts[row] = self.index.draft(corpus, context, min(k, self.max_model_len - n - 1))
+        return drafts
+
+    # --- live requests ----------------------------------------------------------------
+
+    def _sync_live(self, req_ids: list[str], prompt_lens: np.ndarray, num_tokens: np.ndarray,
+                   token_ids_cpu: np.ndarray) -> None:
+        """Register new requests; keep the completions of those that left the batch."""
+        current = set(req_ids)
+        for rid in [r for r in self.live if r not in current]:
+            self._retire(rid)
+        for row, rid in enumerate(req_ids):
+            entry = self.live.get(rid)
+            if entry is None:
+                plen = int(prompt_lens[row])
+                key, _ = self.index.group(token_ids_cpu[row, :plen])
+                self.index.forget_request(key, rid)
+                self.live[rid] = entry = _Live(key, plen, self.index.policy_version)
+            entry.completion = np.array(token_ids_cpu[row, entry.prompt_len:int(num_tokens[row])], dtype=np.int32)
+
+    def _retire(self, rid: str) -> None:
+        entry = self.live.pop(rid)
+        if entry.completion is not None and len(entry.completion) and entry.key in self.index.groups:
+            self.index.add_completion(entry.key, entry.completion, entry.version, rid)
+
+    # --- vllm-specrl hooks ------------------------------------------------------------
+
+    def on_policy_version(self, version: int) -> None:
+        """Called by the worker when a policy update commits: the history ages by one version."""
+        self.index.set_policy_version(version)
+
+    def specrl_status(self) -> dict:
+        return {"proposer": "history", "k": self.k, "live_requests": len(self.live), "steps": self.steps,
+                **self.index.status()}
