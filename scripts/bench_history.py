@@ -56,8 +56,9 @@ def _engine(cfg: dict) -> dict:
     llm.generate(["warm-up"], SamplingParams(max_tokens=8, temperature=1.0), use_tqdm=False)
     epochs = []
     for epoch in range(cfg["epochs"]):
-        params = SamplingParams(n=cfg["group"], temperature=1.0, max_tokens=cfg["max_tokens"],
-                                seed=cfg["seed"] * 1000 + epoch)
+        # No per-request seed: vLLM seeds the children of n=G as seed + i, so epoch e + 1 would
+        # repeat e's samples shifted by one child (seen here: a replay acceptance length of 3.5).
+        params = SamplingParams(n=cfg["group"], temperature=1.0, max_tokens=cfg["max_tokens"])
         before = metrics.from_llm_metrics(llm.get_metrics())
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -67,6 +68,8 @@ def _engine(cfg: dict) -> dict:
             if cfg["speculative_config"] else None
         epochs.append({"epoch": epoch, "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
                        "spec_decode": stats})
+        if cfg.get("save_rollouts"):
+            epochs[-1]["rollouts"] = [[list(o.prompt_token_ids), list(c.token_ids)] for o in outs for c in o.outputs]
     state = llm.collective_rpc("specrl_proposer_state")[0]
     return {"epochs": epochs, "proposer": state}
 
@@ -109,7 +112,7 @@ def main() -> None:
     for method in args.methods.split(","):
         cfg = {"model": model, "dtype": args.dtype, "seed": args.seed, "prompts": prompts, "group": args.group,
                "epochs": args.epochs, "max_tokens": args.max_tokens,
-               "max_num_seqs": args.prompts * args.group,
+               "max_num_seqs": args.prompts * args.group, "save_rollouts": method == "plain",
                "speculative_config": speculative_config(method, args.k, draft),
                "additional_config": {"specrl": {"history": history_knobs}} if history_knobs else None}
         t0 = time.perf_counter()

@@ -179,17 +179,20 @@ class SpecRLWorkerExtension:
             return {"ok": False, "rolled_back": restore_error is None, "failure": record, "problems": [],
                     "error": f"{target} v{session.version} failed while applying ({exc!r}); {outcome}; "
                              f"version stays {serving}, update {update_id} closed"}
-        return {"ok": True, **stager.finish(session, time.perf_counter() - t0)}
+        finished = stager.finish(session, time.perf_counter() - t0)
+        self._specrl_tell_proposer()
+        return {"ok": True, **finished}
 
     def specrl_finalize_commit(self, update_id: str) -> dict:
-        """Phase three: every rank applied; the previous weights are no longer needed. A proposer
-        that keeps rollouts (history) learns the new policy version, so older rollouts age."""
-        stager = self._specrl_stager()
-        finalized = stager.finalize(update_id)
+        """Phase three: every rank applied; the previous weights are no longer needed."""
+        return {"ok": True, "finalized": self._specrl_stager().finalize(update_id)}
+
+    def _specrl_tell_proposer(self) -> None:
+        """A proposer that keeps rollouts (history) learns the serving policy version, so older
+        rollouts age (after a commit, and again after a rollback)."""
         on_policy = getattr(vllm_compat.runner_drafter(self), "on_policy_version", None)
         if callable(on_policy):
-            on_policy(stager.versions["policy"])
-        return {"ok": True, "finalized": finalized}
+            on_policy(self._specrl_stager().versions["policy"])
 
     def specrl_rollback_commit(self, update_id: str) -> dict:
         """Another rank failed to apply ``update_id``: go back to what served before it."""
@@ -198,6 +201,7 @@ class SpecRLWorkerExtension:
             return {"ok": True, "rolled_back": False}
         target, version, tensors = undo
         error = self._specrl_restore(target, tensors)
+        self._specrl_tell_proposer()
         return {"ok": error is None, "rolled_back": error is None, "target": target, "version": version,
                 **({"error": f"COULD NOT RESTORE {target} v{version} ({error}): restart the engine"}
                    if error else {})}

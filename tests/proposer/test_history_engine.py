@@ -1,0 +1,116 @@
+"""The history proposer served by vLLM (custom_class), tiny fixture, float32, in-process engines.
+
+* greedy outputs equal plain vLLM's (the T=1 distribution test is in test_lossless_sampling.py);
+* on a workload built to repeat (the same prompts over 3 epochs, G=4 samples each, T=0.3) vLLM's
+  own counters equal a replay of the engine's own outputs through the index (history_replay:
+  for token-id drafts, a draft token is accepted exactly when the emitted token equals it), and
+  accept more per generated token than vLLM's ngram on the same workload;
+* a policy commit through the worker ages the history, and /status reports it.
+"""
+
+import json
+
+import pytest
+
+from helpers import result_json, run_python
+from prompts import code_prompts
+from sampling import greedy_generate
+
+HISTORY = {"method": "custom_class", "model": "vllm_specrl.proposer.history.HistoryProposer",
+           "num_speculative_tokens": 3}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+EPOCHS, GROUP, PROMPTS, TOKENS = 3, 4, 6, 40
+# The tiny fixture at T=1 is close to uniform over its code vocabulary (1% of tokens accepted from any
+# source); at T=0.3 its samples repeat as an RL policy's do (rejection sampling is exact at any T).
+TEMPERATURE = 0.3
+
+
+def grpo_epochs(model, speculative_config: dict, commit_after: bool = False, history_knobs: dict | None = None):
+    """EPOCHS x (PROMPTS prompts x GROUP samples at TEMPERATURE) in one engine: outputs and counters per epoch."""
+    out = run_python(f"""
+        import json
+        from vllm import LLM, SamplingParams
+        from vllm_specrl import metrics
+        llm = LLM(model={str(model)!r}, dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
+                  max_num_seqs=64, disable_log_stats=False,
+                  speculative_config=json.loads({json.dumps(json.dumps(speculative_config))}),
+                  additional_config={{"specrl": {{"history": {history_knobs!r}}}}} if {history_knobs!r} else {{}},
+                  worker_extension_cls="vllm_specrl.sync.SpecRLWorkerExtension")
+        prompts = json.loads({json.dumps(json.dumps(code_prompts(PROMPTS)))})
+        epochs = []
+        for epoch in range({EPOCHS}):
+            before = metrics.from_llm_metrics(llm.get_metrics())
+            outs = llm.generate(prompts, SamplingParams(n={GROUP}, temperature={TEMPERATURE}, max_tokens={TOKENS},
+                                                        ignore_eos=True), use_tqdm=False)
+            epochs.append({{"rollouts": [[list(o.prompt_token_ids), list(c.token_ids)] for o in outs
+                                         for c in o.outputs],
+                            "counters": metrics.from_llm_metrics(llm.get_metrics()).minus(before).summary()}})
+        res = {{"epochs": epochs, "proposer": llm.collective_rpc("specrl_proposer_state")[0]}}
+        if {commit_after}:
+            from safetensors.torch import load_file
+            llm.generate(["warm"], SamplingParams(max_tokens=2), use_tqdm=False)  # retires the last epoch
+            res["before_commit"] = llm.collective_rpc("specrl_proposer_state")[0]
+            uid = llm.collective_rpc("specrl_begin_update", args=("policy", 1, "u1"))[0]["update_id"]
+            llm.collective_rpc("specrl_stage_tensors",
+                               args=(uid, load_file({str(model / "model.safetensors")!r})))
+            assert llm.collective_rpc("specrl_prepare_commit", args=(uid,))[0]["ok"]
+            assert llm.collective_rpc("specrl_commit_update", args=(uid,))[0]["ok"]
+            res["after_commit"] = llm.collective_rpc("specrl_status")[0]["proposer"]
+        print("RESULT " + json.dumps(res))
+    """, env={"VLLM_PLUGINS": "specrl"})
+    return result_json(out)
+
+
+@pytest.fixture(scope="module")
+def history_run(tiny_model):
+    return grpo_epochs(tiny_model, HISTORY, commit_after=True, history_knobs={"max_age": 0})
+
+
+@pytest.fixture(scope="module")
+def ngram_run(tiny_model):
+    return grpo_epochs(tiny_model, NGRAM)
+
+
+def accepted_per_token(run, epochs=range(EPOCHS)) -> float:
+    accepted = sum(run["epochs"][e]["counters"]["num_accepted_tokens"] for e in epochs)
+    return accepted / sum(len(c) for e in epochs for _, c in run["epochs"][e]["rollouts"])
+
+
+def test_greedy_equals_plain(tiny_model):
+    prompts = [p for p in code_prompts(4) for _ in range(3)]  # siblings: identical greedy continuations
+    plain = greedy_generate(tiny_model, prompts, 48)
+    spec = greedy_generate(tiny_model, prompts, 48, HISTORY)
+    assert spec["tokens"] == plain["tokens"]
+    # The premise: a fifth of the tokens or more came from accepted drafts (siblings decode in lockstep
+    # here, so these are mostly repeats within each sequence's own text).
+    assert spec["spec_decode"]["num_accepted_tokens"] > 0.2 * sum(len(t) for t in spec["tokens"]), spec["spec_decode"]
+
+
+def test_served_counters_equal_a_replay_of_the_same_outputs(history_run):
+    from vllm_specrl.proposer.history_index import HistoryConfig
+    from vllm_specrl.proposer.history_replay import replay
+
+    epochs = [[tuple(r) for r in e["rollouts"]] for e in history_run["epochs"]]
+    expected = replay(epochs, 3, HistoryConfig(max_age=0))["epochs"]
+    for e, (served, replayed) in enumerate(zip([e["counters"] for e in history_run["epochs"]], expected)):
+        assert served["num_drafts"] > 50, served
+        assert abs(served["num_drafts"] - replayed["num_drafts"]) <= 0.02 * replayed["num_drafts"], (e, served, replayed)
+        for s, r in zip(served["per_position_acceptance"], replayed["per_position_acceptance"]):
+            assert abs(s - r) < 0.015, (e, served, replayed)
+
+
+def test_siblings_and_earlier_epochs_beat_ngram(history_run, ngram_run):
+    history, ngram = accepted_per_token(history_run), accepted_per_token(ngram_run)
+    assert history > 1.3 * ngram, (history, ngram)
+    # Earlier epochs help: the last epoch accepts more per token than the first (siblings only).
+    first, last = accepted_per_token(history_run, [0]), accepted_per_token(history_run, [EPOCHS - 1])
+    assert last > 1.5 * first and last > first + 0.05, (first, last)
+
+
+def test_a_policy_commit_ages_the_history(history_run):
+    before, after = history_run["before_commit"], history_run["after_commit"]
+    assert before["policy_version"] == 0 and before["completions"] == EPOCHS * PROMPTS * GROUP
+    assert before["config"]["max_age"] == 0  # the knob came through --additional-config
+    assert after["policy_version"] == 1
+    assert after["completions"] == 0 and after["completions_aged_out"] == before["completions"]
+    print(json.dumps(after))

@@ -1,0 +1,157 @@
+"""The history index: what it drafts from (siblings, earlier rollouts, own text), how long, how it ages,
+and that its memory stays under its cap (measured with tracemalloc, not taken from its own count)."""
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from vllm_specrl.proposer.history_index import HistoryConfig, HistoryIndex, prompt_key
+from vllm_specrl.proposer.history_replay import replay
+
+PROMPT = np.arange(100, 120, dtype=np.int32)
+TAIL = 4
+
+
+def arr(*tokens):
+    return np.asarray(tokens, dtype=np.int32)
+
+
+def index(**kw):
+    return HistoryIndex(HistoryConfig(prompt_tail=TAIL, **kw))
+
+
+def draft_for(ix, key, live, me, k=3):
+    """Draft for live sequence ``me`` (its prompt tail + completion) of group ``key``."""
+    full = np.concatenate([PROMPT, live[me][TAIL:]])
+    return ix.draft(ix.corpus(key, live), full[-ix.cfg.max_match:], k)
+
+
+def with_tail(*completion):
+    return np.concatenate([PROMPT[-TAIL:], arr(*completion)])
+
+
+def test_a_sibling_ahead_drafts_its_continuation():
+    ix = index(min_confidence=0.05)
+    key, _ = ix.group(PROMPT)
+    ahead = with_tail(1, 2, 3, 4, 5, 6, 7)
+    behind = with_tail(1, 2, 3)
+    assert draft_for(ix, key, [ahead, behind], 1) == [4, 5, 6]
+    # The sibling at the same point has nothing to draft from the other one (nor from itself).
+    assert draft_for(ix, key, [with_tail(1, 2, 3), with_tail(9, 9, 9)], 0) == []
+
+
+def test_own_text_drafts_like_ngram_but_never_its_own_end():
+    ix = index(min_confidence=0.05)
+    key, _ = ix.group(PROMPT)
+    repeating = with_tail(7, 8, 9, 10, 11, 7, 8)
+    assert draft_for(ix, key, [repeating], 0) == [9, 10, 11]
+    assert draft_for(ix, key, [with_tail(7, 8, 9, 10)], 0) == []
+
+
+def test_earlier_rollouts_of_the_same_prompt_only():
+    ix = index(min_confidence=0.05)
+    key, _ = ix.group(PROMPT)
+    ix.add_completion(key, arr(1, 2, 3, 4, 5), version=0, request_id="old")
+    assert draft_for(ix, key, [with_tail(1, 2)], 0) == [3, 4, 5]
+    # At the start of a completion the match runs across the prompt tail.
+    assert draft_for(ix, key, [with_tail(1)], 0) == [2, 3, 4]
+    other_prompt = PROMPT + 1
+    other, _ = ix.group(other_prompt)
+    assert other != key
+    full = np.concatenate([other_prompt, arr(1, 2)])
+    assert ix.draft(ix.corpus(other, [np.concatenate([other_prompt[-TAIL:], arr(1, 2)])]), full, 3) == []
+
+
+def test_draft_length_follows_agreement():
+    """Continuations that agree give a long draft; where they split evenly the draft stops."""
+    ix = index(min_confidence=0.3)
+    key, _ = ix.group(PROMPT)
+    for i in range(6):
+        ix.add_completion(key, arr(1, 2, 3, 4, 5, 6), 0, f"agree{i}")
+    assert draft_for(ix, key, [with_tail(1, 2)], 0, k=4) == [3, 4, 5, 6]
+    ix2 = index(min_confidence=0.3)
+    key2, _ = ix2.group(PROMPT)
+    for i in range(6):
+        ix2.add_completion(key2, arr(1, 2, 3, 40 + i % 2, 5, 6), 0, f"split{i}")
+    assert draft_for(ix2, key2, [with_tail(1, 2)], 0, k=4) == [3]
+    # One lone earlier rollout matched on 2 tokens: an estimate of 2/3 x 1/2 = 0.33 for its next token.
+    for threshold, expected in ((0.3, [3]), (0.4, [])):
+        ix3 = index(min_confidence=threshold)
+        key3, _ = ix3.group(PROMPT)
+        ix3.add_completion(key3, arr(50, 1, 2, 3), 0, "lone")
+        assert draft_for(ix3, key3, [with_tail(60, 70, 1, 2)], 0) == expected
+
+
+def test_a_policy_update_ages_history():
+    ix = index(min_confidence=0.05, age_decay=0.25, max_age=1)
+    key, _ = ix.group(PROMPT)
+    for i in range(3):  # three old rollouts say 7 ...
+        ix.add_completion(key, arr(1, 2, 7), 0, f"old{i}")
+    ix.set_policy_version(1)
+    ix.add_completion(key, arr(1, 2, 8), 1, "new")  # ... one new one says 8
+    # Same version: 3 votes beat 1. One version later the old ones weigh 0.25 each: 0.75 < 1.
+    assert draft_for(ix, key, [with_tail(1, 2)], 0, k=1) == [8]
+    ix.set_policy_version(3)  # two versions behind max_age=1: the old ones are gone, "new" too
+    assert ix.status()["completions"] == 0 and ix.counts["completions_aged_out"] == 4
+    assert draft_for(ix, key, [with_tail(1, 2)], 0, k=1) == []
+
+
+def test_same_votes_before_aging_pick_the_majority():
+    ix = index(min_confidence=0.05, age_decay=0.25, max_age=1)
+    key, _ = ix.group(PROMPT)
+    for i in range(3):
+        ix.add_completion(key, arr(1, 2, 7), 0, f"old{i}")
+    ix.add_completion(key, arr(1, 2, 8), 0, "new")
+    assert draft_for(ix, key, [with_tail(1, 2)], 0, k=1) == [7]
+
+
+def test_memory_stays_under_its_cap_with_many_prompts():
+    cap = 2 << 20
+    ix = HistoryIndex(HistoryConfig(max_bytes=cap, max_sequences=8))
+    rng = np.random.default_rng(0)
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    peak_over = 0
+    for p in range(3000):
+        prompt = rng.integers(0, 50_000, 40, dtype=np.int32)
+        key, _ = ix.group(prompt)
+        for g in range(4):
+            ix.add_completion(key, rng.integers(0, 50_000, 200, dtype=np.int32), 0, f"{p}-{g}")
+        if p % 500 == 499:
+            used = tracemalloc.get_traced_memory()[0] - base
+            peak_over = max(peak_over, used - cap)
+            assert ix.nbytes <= cap
+    tracemalloc.stop()
+    # Far more was added (3000 prompts x 4 x 800 B = 9.6 MB) than kept; what the process holds
+    # for the index (dict entries, keys, arrays) stays within a quarter over the token cap.
+    assert ix.counts["groups_evicted"] > 2000
+    assert peak_over < cap // 4, peak_over
+
+
+def test_lru_keeps_the_prompts_in_use():
+    ix = HistoryIndex(HistoryConfig(max_prompts=3))
+    prompts = [PROMPT + i for i in range(4)]
+    keys = [ix.group(p)[0] for p in prompts[:3]]
+    ix.group(prompts[0])  # used again: now the most recent
+    ix.group(prompts[3])  # evicts the least recently used, prompts[1]
+    assert list(ix.groups) == [keys[2], keys[0], prompt_key(prompts[3])]
+
+
+def test_unknown_or_inconsistent_knobs_are_refused():
+    with pytest.raises(ValueError, match="unknown history keys"):
+        HistoryConfig.from_dict({"max_byte": 1})
+    with pytest.raises(ValueError, match="min_match"):
+        HistoryConfig.from_dict({"min_match": 5, "max_match": 3})
+
+
+def test_replay_counts_what_a_rejection_sampler_would():
+    """Two identical epochs of one repeating sequence: epoch 1 drafts the whole sequence from epoch 0."""
+    completion = [5, 6, 7, 8, 9, 10, 11, 12, 13]
+    epochs = [[(list(PROMPT), completion)], [(list(PROMPT), completion)]]
+    out = replay(epochs, 3, HistoryConfig(prompt_tail=TAIL, min_confidence=0.05))
+    first, second = out["epochs"]
+    assert first["num_drafts"] == 0
+    # Epoch 1: the first token comes from prefill, then 8 tokens in steps of 4 (3 accepted + 1).
+    assert second["steps"] == 2 and second["num_drafts"] == 2
+    assert second["per_position_acceptance"] == [1.0, 1.0, 1.0]
