@@ -1,6 +1,6 @@
 """Rollout-history proposer vs plain, ngram (and optionally EAGLE-3) on a GRPO-shaped workload.
 
-Each epoch samples G completions (``SamplingParams(n=G)``, T=1) of the same P prompts,
+Each epoch samples G completions (``SamplingParams(n=G)``, T=1 by default) of the same P prompts,
 as a GRPO step does, and the same prompts come back every epoch, as they do across RL
 epochs. Every method runs in its own engine (one per process) on the same workload, one
 after the other; ratios are tokens/s against plain from this run. Served acceptance comes
@@ -32,6 +32,8 @@ def speculative_config(method: str, k: int, draft: str | None) -> dict | None:
         return None
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    if method == "suffix":  # vLLM's SuffixDecoding (needs arctic-inference: scripts/build_arctic_suffix.sh)
+        return {"method": "suffix", "num_speculative_tokens": k}
     if method == "history":
         return {"method": "custom_class", "model": HISTORY, "num_speculative_tokens": k}
     if method == "eagle3":
@@ -58,7 +60,7 @@ def _engine(cfg: dict) -> dict:
     for epoch in range(cfg["epochs"]):
         # No per-request seed: vLLM seeds the children of n=G as seed + i, so epoch e + 1 would
         # repeat e's samples shifted by one child (seen here: a replay acceptance length of 3.5).
-        params = SamplingParams(n=cfg["group"], temperature=1.0, max_tokens=cfg["max_tokens"])
+        params = SamplingParams(n=cfg["group"], temperature=cfg["temperature"], max_tokens=cfg["max_tokens"])
         before = metrics.from_llm_metrics(llm.get_metrics())
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -90,6 +92,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--history-config", default=None, help="JSON knobs for the history proposer")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--arctic-site", default=os.environ.get("ARCTIC_SITE"),
+                    help="directory arctic-inference was installed into (--target), for the suffix method; "
+                         "kept off the default path so its vLLM plugin never loads elsewhere")
     ap.add_argument("--out", default="results/bench_history.json")
     args = ap.parse_args()
     if args._engine:
@@ -106,12 +112,14 @@ def main() -> None:
     draft = args.draft or str(Path(args.fixtures) / "real" / "drafts" / "demo-arithmetic")
     prompts = [p for p, _ in make_tasks(0, args.prompts, args.seed, args.task)]
     history_knobs = json.loads(args.history_config) if args.history_config else None
-    env = cpu_env(kv_cache_gib=2)
+    env = cpu_env(kv_cache_gib=2)  # VLLM_PLUGINS=specrl,...: an installed arctic-inference plugin stays off
+    if args.arctic_site:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.arctic_site, env.get("PYTHONPATH")]))
     report = {"benchmark": "history_proposer", "settings": {**vars(args), "model": model, "_engine": None},
               "prompts": prompts, "runs": {}}
     for method in args.methods.split(","):
         cfg = {"model": model, "dtype": args.dtype, "seed": args.seed, "prompts": prompts, "group": args.group,
-               "epochs": args.epochs, "max_tokens": args.max_tokens,
+               "epochs": args.epochs, "max_tokens": args.max_tokens, "temperature": args.temperature,
                "max_num_seqs": args.prompts * args.group, "save_rollouts": method == "plain",
                "speculative_config": speculative_config(method, args.k, draft),
                "additional_config": {"specrl": {"history": history_knobs}} if history_knobs else None}

@@ -1,7 +1,9 @@
 """`vllm serve` with the plugin: OpenAI routes with logprobs, /specrl/status, the API key.
 
 One real server (default multi-process mode, so API server, engine core and
-worker are three processes) with ngram speculation, shared by the module.
+worker are three processes) with the history proposer (``custom_class``: drafts from a
+request's own text, its siblings and earlier rollouts of its prompt) and adaptive k,
+shared by the module.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from vllm_specrl.server import VLLMServer
 
 pytestmark = pytest.mark.server
 API_KEY = "test-key"
-SPEC = '{"method":"ngram","num_speculative_tokens":3,"prompt_lookup_max":3,"prompt_lookup_min":2}'
+SPEC = ('{"method":"custom_class","model":"vllm_specrl.proposer.history.HistoryProposer",'
+        '"num_speculative_tokens":3}')
+HISTORY_KNOBS = '{"specrl":{"history":{"max_sequences":16}}}'
 REPETITIVE = "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2, 3]\nw = [1, 2, 3]\nv ="
 
 
@@ -24,7 +28,7 @@ REPETITIVE = "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2, 3]\nw = [1, 2, 3]\nv ="
 def server(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "vllm_serve.log"
     args = ["--dtype", "float32", "--max-model-len", "1024", "--speculative-config", SPEC,
-            "--scheduler-cls", "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"]
+            "--additional-config", HISTORY_KNOBS, "--scheduler-cls", "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"]
     with VLLMServer(tiny_model, args, api_key=API_KEY, log_path=log) as srv:
         srv.log = log
         yield srv
@@ -76,7 +80,7 @@ def test_status_requires_the_api_key(server):
 
 
 def test_status_reports_versions_worker_and_spec_config(server, client):
-    # Greedy on a repetitive prompt: ngram drafts and some get accepted.
+    # Greedy on a repetitive prompt: the history proposer drafts from the request's own text.
     client.completions.create(model=server.model, prompt=REPETITIVE, max_tokens=32, temperature=0)
     status = server.status()
     assert status["vllm_specrl"] and status["vllm"].startswith("0.32")
@@ -84,14 +88,19 @@ def test_status_reports_versions_worker_and_spec_config(server, client):
     (worker,) = status["workers"]
     assert worker["plugin"]["status"] == "active" and worker["plugin"]["role"] == "worker"
     assert worker["pid"] != status["api_server"]["pid"], "worker must be another process"
-    assert worker["model"] == "LlamaForCausalLM" and worker["drafter"] == "NgramProposer"
+    assert worker["model"] == "LlamaForCausalLM" and worker["drafter"] == "HistoryProposer"
+    # The proposer's index, from the worker process: the chat group above (n=4) was kept once it
+    # finished, under the knob passed with --additional-config.
+    history = worker["proposer"]
+    assert history["proposer"] == "history" and history["config"]["max_sequences"] == 16, history
+    assert history["completions"] >= 4 and 0 < history["bytes"] <= history["max_bytes"], history
     spec = status["speculative_config"]
-    assert spec["method"] == "ngram" and spec["num_speculative_tokens"] == 3
+    assert spec["method"] == "custom_class" and spec["num_speculative_tokens"] == 3
     sd = status["spec_decode"]
     # Against vLLM's own counters as /metrics renders them (no traffic in between).
     raw = prometheus_values(requests.get(server.url + "/metrics", timeout=30).text)
     drafts, accepted = raw["vllm:spec_decode_num_drafts_total"], raw["vllm:spec_decode_num_accepted_tokens_total"]
-    assert sd["num_drafts"] == drafts > 0 and sd["num_accepted_tokens"] == accepted > 0  # ngram on a repeat
+    assert sd["num_drafts"] == drafts > 0 and sd["num_accepted_tokens"] == accepted > 0  # drafts on a repeat
     assert sd["num_draft_tokens"] == raw["vllm:spec_decode_num_draft_tokens_total"]
     assert sd["acceptance_length"] == pytest.approx(1 + accepted / drafts)
     per_pos = [raw[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="{j}"}}'] / drafts for j in range(3)]
