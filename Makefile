@@ -1,4 +1,5 @@
 # Quickstart: `make demo` runs the main job on defaults, `make test` runs the suite.
+# `make demo DEMO_ARGS="--runs spec,history,plain --dataset-size 8"`: EAGLE-3 and the history proposer.
 # Both set up what they need (venv, fixtures) themselves.
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -32,7 +33,7 @@ draft: setup
 demo: setup
 	@$(VENV)/bin/vllm-specrl fixtures --out $(FIXTURES) --only real
 	@test -f $(DEMO_DRAFT)/trainer_meta.json || $(TRAIN_DRAFT) --draft $(DEMO_DRAFT) $(DEMO_DRAFT_ARGS)
-	@$(PY) scripts/rl_demo.py --fixtures $(FIXTURES) --draft $(DEMO_DRAFT)
+	@$(PY) scripts/rl_demo.py --fixtures $(FIXTURES) --draft $(DEMO_DRAFT) $(DEMO_ARGS)
 
 demo-rollouts: setup
 	@$(VENV)/bin/vllm-specrl fixtures --out $(FIXTURES) --only real

@@ -88,6 +88,8 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4, help="completions per prompt (G)")
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="concurrent sequences (default: P x G, the whole epoch at once); 1 or 4 for the tail")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
@@ -120,7 +122,7 @@ def main() -> None:
     for method in args.methods.split(","):
         cfg = {"model": model, "dtype": args.dtype, "seed": args.seed, "prompts": prompts, "group": args.group,
                "epochs": args.epochs, "max_tokens": args.max_tokens, "temperature": args.temperature,
-               "max_num_seqs": args.prompts * args.group, "save_rollouts": method == "plain",
+               "max_num_seqs": args.max_num_seqs or args.prompts * args.group, "save_rollouts": method == "plain",
                "speculative_config": speculative_config(method, args.k, draft),
                "additional_config": {"specrl": {"history": history_knobs}} if history_knobs else None}
         t0 = time.perf_counter()

@@ -29,7 +29,10 @@ from pathlib import Path
 TOUCH_POINTS: list[tuple[str, str, str, str]] = [
     ("v1/worker/gpu_model_runner.py", "GPUModelRunner.execute_model", "function", "capture tap, step timer, phase timers"),
     ("v1/worker/gpu_model_runner.py", "GPUModelRunner.sample_tokens", "function", "capture tap, seeded rewind, step timer"),
-    ("v1/worker/gpu_model_runner.py", "GPUModelRunner.propose_draft_token_ids", "function", "capture tap, draft recorder"),
+    ("v1/worker/gpu_model_runner.py", "GPUModelRunner.propose_draft_token_ids", "function",
+     "capture tap, draft recorder, custom_class proposer binding"),
+    ("v1/spec_decode/custom_class_proposer.py", "create_custom_proposer", "function",
+     "history proposer (custom_class: constructed with vllm_config, propose(token rows))"),
     ("v1/worker/gpu_model_runner.py", "GPUModelRunner.reload_weights", "function", "in-place policy updates"),
     ("v1/worker/gpu_model_runner.py", "GPUModelRunner.get_model", "function", "worker status, tied head"),
     ("v1/worker/gpu_model_runner.py", "GPUModelRunner", "attrs:drafter,input_batch,execute_model_state,"

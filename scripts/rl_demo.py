@@ -12,7 +12,11 @@ step, and pushes the new weights into the engine in place
 serves the rollouts, capture streams the policy's hidden states, and the
 online draft trainer (``vllm-specrl train-draft --capture``) keeps the draft
 following the policy, and k is chosen per engine step (``vllm_specrl.adaptive``;
-``--no-adaptive-k`` for a fixed k). Per step it records generation (split into
+``--no-adaptive-k`` for a fixed k). A ``history`` run serves the rollouts with the
+rollout-history proposer instead (drafts from the group's siblings and earlier
+rollouts of the same prompt; no draft model, no trainer); ``--proposer history``
+runs it beside plain, ``--runs spec,history,plain`` beside EAGLE-3 too, and
+``--dataset-size N`` makes prompts come back every N / prompts steps, as epochs do. Per step it records generation (split into
 bulk and tail: until half of the prompts' requests finished, and the rest),
 logprob recomputation, training and sync times, acceptance length, the mean k
 chosen, versions and mean reward; at the end it prints a table and writes JSON
@@ -20,6 +24,7 @@ and a PNG.
 
     python scripts/rl_demo.py --fixtures .fixtures            # both runs, defaults
     python scripts/rl_demo.py --runs spec,plain,spec-async --task arithmetic --max-tokens 16
+    python scripts/rl_demo.py --runs spec,history,plain --dataset-size 8   # EAGLE-3 and history
 """
 
 from __future__ import annotations
@@ -54,7 +59,14 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
     server_args = ["--dtype", args.dtype, "--max-model-len", "1024", "--seed", str(args.seed)]
     trainer = None
     speculative = mode.startswith("spec")
+    history = mode.startswith("history")
     asynchronous = mode.endswith("-async")
+    if history:
+        spec = {"method": "custom_class", "model": "vllm_specrl.proposer.history.HistoryProposer",
+                "num_speculative_tokens": args.k}
+        server_args += ["--speculative-config", json.dumps(spec)]
+        if args.adaptive_k:
+            server_args += ["--scheduler-cls", "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"]
     if speculative:
         draft = Path(args.draft) if args.draft else work / "draft"
         if not args.draft:
@@ -85,7 +97,7 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
         pool = ThreadPoolExecutor(1)
 
         def rollouts(step: int):
-            tasks = make_tasks(step, args.prompts, args.seed, args.task)
+            tasks = make_tasks(step, args.prompts, args.seed, args.task, args.dataset_size)
             return sample_groups(srv.url, srv.model, [policy.chat(p) for p, _ in tasks], args.group,
                                  args.max_tokens, args.seed * 7919 + step * 101, step,
                                  lambda i, text: reward(text, tasks[i][1], args.task))
@@ -207,8 +219,9 @@ def summarize(runs: dict) -> dict:
     comparisons = {}
     for mode in runs:
         # Against the same schedule without speculation, else against plain sync (async + spec stacked).
-        base = mode.replace("spec", "plain") if mode.replace("spec", "plain") in runs else "plain"
-        if mode.startswith("spec") and base in runs:
+        proposer = mode.split("-")[0]
+        base = mode.replace(proposer, "plain") if mode.replace(proposer, "plain") in runs else "plain"
+        if proposer in ("spec", "history") and base in runs:
             a, b = summary[mode], summary[base]
             se = (a["reward_se"] ** 2 + b["reward_se"] ** 2) ** 0.5
             z = (a["mean_reward"] - b["mean_reward"]) / se if se > 0 else 0.0
@@ -237,10 +250,10 @@ def plot(report: dict, path: Path) -> None:
     for mode, run_ in runs.items():
         xs = [s["step"] for s in run_["steps"]]
         axes[0].plot(xs, [s["mean_reward"] for s in run_["steps"]], marker="o", label=mode)
-        if mode.startswith("spec"):
+        if mode.startswith(("spec", "history")):
             axes[1].plot(xs, [s["acceptance_length"] or float("nan") for s in run_["steps"]], marker="o", label=mode)
     axes[0].set_title("mean reward per step")
-    axes[1].set_title("acceptance length (draft trained online)")
+    axes[1].set_title("acceptance length (spec: EAGLE-3 trained online; history)")
     modes = list(runs)
     bottoms = [0.0] * len(modes)
     for stage in STAGES:
@@ -285,7 +298,12 @@ def main() -> None:
     ap.add_argument("--fixtures", type=Path, default=None)
     ap.add_argument("--target", type=Path, default=None, help="policy checkpoint (default: the real fixture)")
     ap.add_argument("--runs", default="spec,plain",
-                    help="comma list of spec, plain, spec-async, plain-async (async = policy lag 1)")
+                    help="comma list of spec (EAGLE-3), history (rollout-history proposer), plain, and their "
+                         "-async forms (policy lag 1)")
+    ap.add_argument("--proposer", choices=["eagle3", "history"], default=None,
+                    help="shorthand: --proposer history runs history,plain; eagle3 runs spec,plain")
+    ap.add_argument("--dataset-size", type=int, default=None,
+                    help="draw prompts from a fixed set of this many tasks, in epochs (default: new ones each step)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--group", type=int, default=4)
@@ -307,6 +325,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("results/rl_demo.json"))
     args = ap.parse_args()
+    if args.proposer:
+        args.runs = "history,plain" if args.proposer == "history" else "spec,plain"
 
     from vllm_specrl.fixtures import fixture_target
 

