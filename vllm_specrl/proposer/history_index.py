@@ -221,7 +221,6 @@ class HistoryIndex:
         """The draft for a sequence ending in ``context`` (its last tokens), at most ``max_tokens`` long."""
         tokens, weights = corpus
         cfg = self.cfg
-        self.last_draft_info = []
         n = len(tokens)
         if max_tokens <= 0 or len(context) < cfg.min_match or n < 2:
             return []
@@ -261,7 +260,6 @@ class HistoryIndex:
             confidence *= m / (m + 1.0) * mass[best] / (mass.sum() + 1.0)
             if confidence < cfg.min_confidence:
                 break
-            self.last_draft_info.append((matched, float(mass[best]), float(mass.sum()), confidence))
             out.append(int(uniq[best]))
             cand = cand_live[inverse == best]
         if out:
