@@ -910,12 +910,17 @@ def specrl_additional_config(vllm_config: Any) -> dict[str, Any]:
 
 def install_custom_proposer_binding() -> str:
     """Wrap the runner's ``propose_draft_token_ids`` so ``custom_class`` drafters see the batch."""
+    import functools
+
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     if getattr(GPUModelRunner, "_specrl_custom_binding", False):
         return "installed"
     stock = GPUModelRunner.propose_draft_token_ids
 
+    # ``wraps`` keeps the stock signature visible (``inspect.signature`` follows ``__wrapped__``):
+    # the capture tap and the draft recorder bind this method's arguments by name.
+    @functools.wraps(stock)
     def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
         bind = getattr(getattr(self, "drafter", None), "bind_step", None)
         if bind is not None:
