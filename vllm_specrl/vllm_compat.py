@@ -134,7 +134,7 @@ def worker_model_summary(worker: Any) -> dict[str, Any]:
     """Class names of the worker's target model and drafter (if any)."""
     runner = getattr(worker, "model_runner", None)
     model = runner.get_model() if runner is not None and hasattr(runner, "get_model") else None
-    drafter = getattr(runner, "drafter", None) if runner is not None else None
+    drafter = runner_drafter(worker)
     draft_model = getattr(drafter, "model", None)
     return {
         "runner": type(runner).__name__ if runner is not None else None,

@@ -78,22 +78,14 @@ class HistoryProposer:
         rows_by_group: dict[str, list[int]] = {}
         for row, rid in enumerate(req_ids):
             rows_by_group.setdefault(self.live[rid].key, []).append(row)
-        tail = self.index.cfg.prompt_tail
-        max_match = self.index.cfg.max_match
         for key, rows in rows_by_group.items():
-            if key not in self.index.groups:  # evicted under the memory cap while in flight
-                self.index.group(token_ids_cpu[rows[0], :int(prompt_lens[rows[0]])])
-            seqs = []
-            for row in rows:
-                start = max(int(prompt_lens[row]) - tail, 0)
-                seqs.append(token_ids_cpu[row, start:int(num_tokens_no_spec[row])])
-            corpus = self.index.corpus(key, [s.astype(np.int32, copy=False) for s in seqs])
-            for row in rows:
-                n = int(num_tokens_no_spec[row])
-                if not sampled_token_ids[row] or n >= self.max_model_len:
-                    continue
-                context = token_ids_cpu[row, max(n - max_match, 0):n]
-                drafts[row] = self.index.draft(corpus, context, min(k, self.max_model_len - n - 1))
+            lengths = [int(num_tokens_no_spec[row]) for row in rows]
+            limits = [min(k, self.max_model_len - n - 1) if sampled_token_ids[row] and n < self.max_model_len else 0
+                      for row, n in zip(rows, lengths)]
+            out = self.index.draft_group(key, token_ids_cpu[rows[0], :int(prompt_lens[rows[0]])],
+                                         [token_ids_cpu[row, :n] for row, n in zip(rows, lengths)], limits)
+            for row, draft in zip(rows, out):
+                drafts[row] = draft
         return drafts
 
     # --- live requests ----------------------------------------------------------------

@@ -183,14 +183,10 @@ class HistoryIndex:
                 g.invalidate()
 
     def _enforce_caps(self, keep: str) -> None:
+        """Drop least recently used groups, then ``keep``'s oldest rollouts, until under the caps.
+        ``keep`` was just used, so it is last in LRU order: the loop stops before reaching it."""
         while len(self.groups) > 1 and (self.nbytes > self.cfg.max_bytes or len(self.groups) > self.cfg.max_prompts):
-            key = next(iter(self.groups))
-            if key == keep:
-                self.groups.move_to_end(key)
-                key = next(iter(self.groups))
-                if key == keep:
-                    break
-            self.nbytes -= self.groups.pop(key).nbytes
+            self.nbytes -= self.groups.popitem(last=False)[1].nbytes
             self.counts["groups_evicted"] += 1
         g = self.groups.get(keep)
         while g is not None and self.nbytes > self.cfg.max_bytes and g.completions:
@@ -216,6 +212,18 @@ class HistoryIndex:
         if len(kept):
             weights[live_len:] = self.cfg.age_decay ** np.maximum(self.policy_version - versions, 0)
         return tokens, weights
+
+    def draft_group(self, key: str, prompt: np.ndarray, sequences: list[np.ndarray],
+                    max_tokens: list[int]) -> list[list[int]]:
+        """Drafts for the live sequences of one prompt (each its full token ids, prompt first; each
+        drafts from its own text, its siblings' and the kept rollouts); ``max_tokens[i]`` 0: none.
+        The one drafting path of both the proposer and the replay."""
+        if key not in self.groups:  # evicted under the memory cap while in flight
+            self.group(prompt)
+        tail_start = max(len(prompt) - self.cfg.prompt_tail, 0)
+        corpus = self.corpus(key, [np.asarray(seq[tail_start:], dtype=np.int32) for seq in sequences])
+        return [self.draft(corpus, seq[-self.cfg.max_match:], m) if m > 0 else []
+                for seq, m in zip(sequences, max_tokens)]
 
     def draft(self, corpus: tuple[np.ndarray, np.ndarray], context: np.ndarray, max_tokens: int) -> list[int]:
         """The draft for a sequence ending in ``context`` (its last tokens), at most ``max_tokens`` long."""

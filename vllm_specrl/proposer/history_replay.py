@@ -46,7 +46,6 @@ def replay_epoch(index: HistoryIndex, batch: list[tuple[list[int], list[int], st
         key, _ = index.group(np.asarray(prompt, dtype=np.int32))
         live.append({"key": key, "prompt": list(prompt), "completion": list(completion), "done": 1, "rid": rid})
     counts.accepted_per_pos = counts.accepted_per_pos or [0] * k
-    tail = index.cfg.prompt_tail
     while any(r["done"] < len(r["completion"]) for r in live):
         counts.steps += 1
         by_group: dict[str, list[dict]] = {}
@@ -54,15 +53,11 @@ def replay_epoch(index: HistoryIndex, batch: list[tuple[list[int], list[int], st
             by_group.setdefault(r["key"], []).append(r)
         drafts = {}
         for key, rows in by_group.items():
-            if key not in index.groups:
-                index.group(np.asarray(rows[0]["prompt"], dtype=np.int32))
-            seqs = [np.asarray(r["prompt"][-tail:] + r["completion"][:r["done"]], dtype=np.int32) if tail
-                    else np.asarray(r["completion"][:r["done"]], dtype=np.int32) for r in rows]
-            corpus = index.corpus(key, seqs)
-            for r in rows:
-                if r["done"] < len(r["completion"]):
-                    seq = np.asarray(r["prompt"] + r["completion"][:r["done"]], dtype=np.int32)
-                    drafts[id(r)] = index.draft(corpus, seq[-index.cfg.max_match:], k)
+            out = index.draft_group(key, np.asarray(rows[0]["prompt"], dtype=np.int32),
+                                    [np.asarray(r["prompt"] + r["completion"][:r["done"]], dtype=np.int32)
+                                     for r in rows],
+                                    [k if r["done"] < len(r["completion"]) else 0 for r in rows])
+            drafts.update({id(r): d for r, d in zip(rows, out)})
         for r in live:
             if r["done"] >= len(r["completion"]):
                 continue
