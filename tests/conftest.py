@@ -72,7 +72,10 @@ def warm_draft(tiny_model, tmp_path_factory) -> Path:
         [sys.executable, "-m", "vllm_specrl.cli", "train-draft", "--offline",
          "--target", str(tiny_model), "--draft", str(out), "--raw-prompts",
          "--prompts", str(prompt_file), "--samples", "4", "--max-tokens", "48", "--steps", "80",
-         "--batch-size", "16", "--lr", "3e-3", "--draft-vocab-size", str(WARM_DRAFT_VOCAB)],
+         "--batch-size", "16", "--lr", "3e-3", "--draft-vocab-size", str(WARM_DRAFT_VOCAB),
+         # The HF feature path: the drafts other tests use stay as they were; the capture path
+         # (the CLI default) is checked against it in tests/trainer/test_captured.py.
+         "--features", "hf"],
         env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return out

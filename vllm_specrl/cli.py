@@ -138,7 +138,8 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
     cfg = OfflineConfig(num_prompts=args.num_prompts, samples_per_prompt=args.samples,
                         max_tokens=args.max_tokens, steps=args.steps, batch_size=args.batch_size,
                         seed=args.seed, chat=not args.raw_prompts, dtype=args.dtype,
-                        eval_fraction=args.eval_fraction, eval_every=args.eval_every, task=args.task)
+                        eval_fraction=args.eval_fraction, eval_every=args.eval_every, task=args.task,
+                        features=args.features)
     summary = warm_start(args.target, args.draft, prompts, cfg, _train_config(args), args.draft_vocab_size,
                          args.init_from, args.log, args.rollouts)
     print(json.dumps(summary, indent=2))
@@ -228,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--draft-vocab-size", type=int, default=None)
     tr.add_argument("--mixed-precision", choices=["no", "bf16"], default="no")
     tr.add_argument("--dtype", default="float32", help="vLLM dtype for generating rollouts")
+    tr.add_argument("--features", choices=["capture", "hf"], default="capture",
+                    help="offline: target hidden states captured from vLLM while it generates (default), "
+                         "or from a transformers forward afterwards (always with --rollouts)")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--log", type=Path, default=None, help="JSONL of per-step metrics")
     tr.set_defaults(func=_cmd_train_draft)

@@ -1,8 +1,10 @@
 """Offline warm start: train a draft on the target's own rollouts before RL starts.
 
-1. generate rollouts from the target with vLLM (temperature 1, the RL setting);
-2. compute the target's aux and final hidden states for them with transformers;
-3. train the draft with the EAGLE-3 loss and save it where vLLM loads it.
+1. generate rollouts from the target with vLLM (temperature 1, the RL setting), with the
+   target's aux and final hidden states captured out of vLLM as it generates
+   (``features="capture"``, the default: ``trainer.captured``), or computed afterwards by
+   a transformers forward (``features="hf"``; always when ``--rollouts`` reuses saved ones);
+2. train the draft with the EAGLE-3 loss and save it where vLLM loads it.
 
 The paper's strongest result came from initialising the draft on in-domain
 data (1.77x vs 1.51x with a general-chat draft); this is that step.
@@ -21,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from vllm_specrl.proposer.checkpoint import init_draft, load_draft, target_lm_head
+from vllm_specrl.proposer.eagle3_config import default_aux_layer_ids, read_config
 from vllm_specrl.trainer.core import TRAINER_STATE, DraftTrainer, TrainConfig, collate
 from vllm_specrl.trainer.features import sequence_features
 
@@ -53,6 +56,7 @@ class OfflineConfig:
     chat: bool = True
     dtype: str = "float32"
     task: str = "chat"           # prompt family when no prompts are given (TASK_PROMPTS)
+    features: str = "capture"    # "capture": from vLLM while it generates; "hf": a transformers forward after
 
 
 # The RL demo's task family (scripts/rl_demo.py): small-number arithmetic, answered in a few
@@ -82,20 +86,26 @@ def default_prompts(n: int, seed: int, task: str = "chat") -> list[str]:
     return out
 
 
+def prompt_texts(target_dir: Path, prompts: list[str], chat: bool) -> list[str]:
+    """The prompts as the engine sees them (the target's chat template when ``chat``)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    if chat and tok.chat_template:
+        return [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                        add_generation_prompt=True) for p in prompts]
+    return list(prompts)
+
+
 def generate_rollouts(target_dir: Path, prompts: list[str], cfg: OfflineConfig
                       ) -> tuple[list[list[int]], list[int], list[int]]:
     """Prompt + completion token ids of ``samples_per_prompt`` T=1 rollouts per prompt, with each
     rollout's prompt length and prompt index."""
     from vllm import LLM, SamplingParams
 
+    texts = prompt_texts(target_dir, prompts, cfg.chat)
     llm = LLM(model=str(target_dir), dtype=cfg.dtype, enforce_eager=True, seed=cfg.seed,
               max_model_len=2048)
-    tok = llm.get_tokenizer()
-    if cfg.chat and tok.chat_template:
-        texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                         add_generation_prompt=True) for p in prompts]
-    else:
-        texts = prompts
     params = SamplingParams(n=cfg.samples_per_prompt, temperature=cfg.temperature,
                             max_tokens=cfg.max_tokens, seed=cfg.seed)
     outs = llm.generate(texts, params)
@@ -128,10 +138,17 @@ def warm_start(target_dir: Path | str, draft_dir: Path | str, prompts: list[str]
     """
     from transformers import AutoModelForCausalLM
 
+    from vllm_specrl.trainer.captured import captured_rollouts
+
     cfg = cfg or OfflineConfig()
+    if cfg.features not in ("capture", "hf"):
+        raise ValueError(f"features must be 'capture' or 'hf', not {cfg.features!r}")
     train_cfg = train_cfg or TrainConfig(seed=cfg.seed)
     target_dir, draft_dir = Path(target_dir), Path(draft_dir)
+    aux_ids = (load_draft(init_from, target_dir).shape.aux_layer_ids if init_from else
+               tuple(default_aux_layer_ids(read_config(target_dir)["num_hidden_layers"])))
     t0 = time.time()
+    features, capture_counts = None, None
     if rollouts_path is not None:
         saved = json.loads(Path(rollouts_path).read_text())
         prompts, sequences = saved["prompts"], saved["sequences"]
@@ -140,7 +157,12 @@ def warm_start(target_dir: Path | str, draft_dir: Path | str, prompts: list[str]
         train_prompts = set(prompt_index) - eval_prompts
     else:
         prompts = prompts or default_prompts(cfg.num_prompts, cfg.seed, cfg.task)
-        sequences, prompt_lengths, prompt_index = generate_rollouts(target_dir, prompts, cfg)
+        if cfg.features == "capture":
+            sequences, prompt_lengths, prompt_index, features, capture_counts = captured_rollouts(
+                target_dir, prompt_texts(target_dir, prompts, cfg.chat), cfg.samples_per_prompt,
+                cfg.max_tokens, cfg.temperature, cfg.seed, cfg.dtype, aux_ids)
+        else:
+            sequences, prompt_lengths, prompt_index = generate_rollouts(target_dir, prompts, cfg)
         train_prompts, eval_prompts = split_by_prompt(prompt_index, cfg.eval_fraction, cfg.seed)
     t_gen = time.time() - t0
 
@@ -151,13 +173,13 @@ def warm_start(target_dir: Path | str, draft_dir: Path | str, prompts: list[str]
     for tok_id, c in counts.items():
         token_counts[tok_id] = c
     draft = (load_draft(init_from, target_dir) if init_from else
-             init_draft(target_dir, None, draft_vocab_size, token_counts=token_counts, seed=cfg.seed))
-    aux_ids = draft.shape.aux_layer_ids
-
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
-    target.eval()
-    features = sequence_features(target, sequences, aux_ids, prompt_lengths=prompt_lengths)
-    del target
+             init_draft(target_dir, None, draft_vocab_size, aux_layer_ids=aux_ids, token_counts=token_counts,
+                        seed=cfg.seed))
+    if features is None:
+        target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+        target.eval()
+        features = sequence_features(target, sequences, aux_ids, prompt_lengths=prompt_lengths)
+        del target
     t_feat = time.time() - t0 - t_gen
 
     rng = random.Random(cfg.seed)
@@ -194,6 +216,7 @@ def warm_start(target_dir: Path | str, draft_dir: Path | str, prompts: list[str]
         "train_prompt_texts": [prompts[i] for i in sorted(train_prompts)],
         "eval_rollouts": len(eval_items),
         "steps": cfg.steps, "draft_vocab_size": draft.shape.draft_vocab_size,
+        "features": "hf" if capture_counts is None else "capture", "capture": capture_counts,
         "train_config": {k: v for k, v in vars(train_cfg).items()},
         "eval_before": before, "eval_after": after, "curve": curve,
         "seconds": {"generate": round(t_gen, 1), "features": round(t_feat, 1),

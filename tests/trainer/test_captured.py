@@ -1,0 +1,97 @@
+"""Warm-start features captured out of vLLM equal an HF forward of the same rollouts.
+
+An in-process engine (tiny fixture, float32) generates T=1 rollouts with the capture tap on
+and a vehicle draft at k = 0; the features it returns are compared with
+``trainer.features.sequence_features`` (transformers) on the same token ids: aux and final
+hidden states (captured in bf16), the full-vocabulary logsumexp the loss normalises with
+(derived from the engine's logprobs), and the first drafted position.
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from helpers import result_json, run_python
+from vllm_specrl.proposer.eagle3_config import default_aux_layer_ids, read_config
+from vllm_specrl.trainer.features import sequence_features
+
+PROMPTS = ["def f(x):\n    return", "import os\nimport sys\n", "class A:\n    def __init__(self):",
+           "for i in range(10):\n    print("]
+SAMPLES = 3
+
+
+@pytest.fixture(scope="module")
+def captured(tiny_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("captured")
+    aux = tuple(default_aux_layer_ids(read_config(tiny_model)["num_hidden_layers"]))
+    script = f"""
+import json
+from safetensors.torch import save_file
+from vllm_specrl.trainer.captured import captured_rollouts
+seqs, lens, index, feats, counts = captured_rollouts(
+    {str(tiny_model)!r}, {PROMPTS!r}, {SAMPLES}, 24, 1.0, 0, "float32", {aux!r}, max_model_len=512)
+save_file({{f"{{i}}.{{k}}": (v if hasattr(v, "contiguous") else __import__("torch").tensor(v)).contiguous()
+           for i, f in enumerate(feats) for k, v in f.items()}}, {str(out / "features.safetensors")!r})
+print("RESULT " + json.dumps({{"sequences": seqs, "prompt_lengths": lens, "prompt_index": index,
+                              "counts": counts}}))
+"""
+    meta = result_json(run_python(script, env={"VLLM_PLUGINS": "specrl"}))
+    flat = load_file(out / "features.safetensors")
+    feats = [{k.split(".", 1)[1]: v for k, v in flat.items() if k.split(".", 1)[0] == str(i)}
+             for i in range(len(meta["sequences"]))]
+    return meta, feats, aux
+
+
+def test_every_rollout_is_captured_whole(captured):
+    meta, feats, _ = captured
+    counts = meta["counts"]
+    assert counts["rollouts"] == len(PROMPTS) * SAMPLES and counts["kept"] == counts["rollouts"], counts
+    assert counts["incomplete"] == 0 and counts["sender"]["frames_dropped_queue_full"] == 0, counts
+    assert sorted(meta["prompt_index"]) == sorted(i for i in range(len(PROMPTS)) for _ in range(SAMPLES))
+    # T=1: the samples of one prompt differ (the engine generated them, not a copy of one).
+    for i in range(len(PROMPTS)):
+        group = [tuple(s) for s, j in zip(meta["sequences"], meta["prompt_index"]) if j == i]
+        assert len(set(group)) > 1, group
+
+
+def test_captured_features_equal_an_hf_forward(captured, tiny_model):
+    meta, feats, aux = captured
+    target = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    ref = sequence_features(target, meta["sequences"], aux, dtype=torch.float32,
+                            prompt_lengths=meta["prompt_lengths"])
+    for got, want, n_prompt in zip(feats, ref, meta["prompt_lengths"]):
+        assert got["token_ids"].tolist() == want["token_ids"].tolist()
+        assert int(got["first_draft"]) == want["first_draft"] == n_prompt - 1
+        rows = len(want["token_ids"]) - 1  # the last token's row is never computed by the engine
+        for key in ("aux_hidden", "final_hidden"):
+            a, b = got[key][:rows].float(), want[key][:rows]
+            scale = b.pow(2).mean().sqrt()
+            # bf16 capture: ~0.4% relative per element; a wrong layer or a shifted row is O(1).
+            assert ((a - b).abs().max() / scale) < 0.05, (key, float((a - b).abs().max() / scale))
+            assert got[key][rows:].abs().max() == 0
+        first = n_prompt - 1
+        lse_got, lse_want = got["target_lse"][first:rows], want["target_lse"][first:rows]
+        assert torch.allclose(lse_got, lse_want, atol=0.02), (lse_got - lse_want).abs().max()
+
+
+def test_warm_start_trains_on_captured_features(tiny_model, tmp_path):
+    draft = tmp_path / "draft"
+    script = f"""
+import json
+from vllm_specrl.trainer.offline import OfflineConfig, warm_start
+cfg = OfflineConfig(num_prompts=6, samples_per_prompt=2, max_tokens=16, steps=30, batch_size=4,
+                    eval_fraction=0.34, chat=False, features="capture")
+summary = warm_start({str(tiny_model)!r}, {str(draft)!r}, None, cfg, draft_vocab_size=256)
+print("RESULT " + json.dumps({{k: summary[k] for k in ("features", "capture", "rollouts", "eval_rollouts",
+                                                       "eval_before", "eval_after")}}))
+"""
+    summary = result_json(run_python(script, env={"VLLM_PLUGINS": "specrl"}))
+    assert summary["features"] == "capture" and summary["rollouts"] == 12, summary
+    assert summary["capture"]["kept"] == 12 and summary["capture"]["incomplete"] == 0, summary["capture"]
+    assert summary["eval_rollouts"] == 4  # 2 of 6 prompts held out, with both their rollouts
+    assert summary["eval_after"]["loss"] < summary["eval_before"]["loss"], summary
+    saved = json.loads((draft / "warm_start_rollouts.json").read_text())
+    assert len(saved["sequences"]) == 12 and (draft / "config.json").exists()

@@ -1,0 +1,157 @@
+"""Warm-start rollouts whose training features come out of vLLM itself (the capture path).
+
+The HF path generates rollouts with vLLM and then runs the target a second time in
+transformers for its hidden states (5 of 28 minutes of `make draft` on 2 cores).
+vLLM already computes those states while it generates: with an EAGLE-3 drafter
+attached, the runner hands the target's aux and final hidden states to the drafter
+every step, and the capture tap (``vllm_specrl.capture``) streams the committed rows
+out. Here the drafter is only a vehicle: a freshly initialised draft served at k = 0
+for every batch size (vLLM's ``num_speculative_tokens_per_batch_size``), so nothing is
+verified and generation is plain decoding plus the drafter's KV-sync pass. The
+features are then exactly the states vLLM serves with.
+
+Prefix caching is off for this engine: every rollout's rows then start at position 0,
+so the draft trains with its whole prompt as context, as vLLM serves it. A rollout
+whose captured rows do not reproduce the engine's output exactly (a dropped frame) is
+left out and counted.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm_specrl.capture.receiver import CaptureReceiver, SequenceAssembler
+from vllm_specrl.proposer.checkpoint import init_draft, target_lm_head
+
+
+class _Drain(threading.Thread):
+    """Receives frames into an assembler until stopped, so the engine's sender never backs up."""
+
+    def __init__(self, receiver: CaptureReceiver):
+        super().__init__(name="specrl-warm-start-capture", daemon=True)
+        self.receiver, self.assembler = receiver, SequenceAssembler()
+        self.stop = threading.Event()
+        self.last_frame = time.time()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            for header, tensors in self.receiver.receive(100):
+                self.assembler.add(header, tensors)
+                self.last_frame = time.time()
+
+
+def _wait_for_flush(llm: Any, drain: _Drain, timeout_s: float = 60.0) -> dict:
+    """Until the worker's sender has sent (or dropped) every frame it was offered and the
+    receiver has been quiet for a moment; returns the sender's final counters."""
+    deadline = time.time() + timeout_s
+    state: dict = {}
+    while time.time() < deadline:
+        state = llm.collective_rpc("specrl_capture_state")[0] or {}
+        done = state.get("frames_sent", 0) + state.get("frames_dropped_queue_full", 0) \
+            + state.get("frames_dropped_no_peer", 0)
+        if done >= state.get("frames_offered", 0) and state.get("queued", 0) == 0 \
+                and time.time() - drain.last_frame > 0.5:
+            break
+        time.sleep(0.2)
+    return state
+
+
+def features_from_capture(sequence: dict[str, Any], completion_last: int, head: torch.Tensor) -> dict:
+    """One assembled request as warm-start features (the keys ``trainer.features`` produces).
+
+    The captured rows are positions 0..L-2 of an L-token rollout (the last sampled token is
+    never fed back); ``token_ids`` is the whole rollout and the last row's states are zero
+    (a base with no successor, never trained on). ``target_lse`` (the full-vocabulary
+    logsumexp the loss normalises with) follows from the engine's own logprob of each
+    sampled token: lse = head[next] . h - logprob.
+    """
+    rows = sequence["token_ids"]
+    tokens = torch.cat([rows, torch.tensor([completion_last])])
+    aux, final = sequence["aux_hidden"], sequence["final_hidden"]
+    zero = lambda x: torch.zeros(1, *x.shape[1:], dtype=x.dtype)  # noqa: E731
+    nxt = sequence["next_token_ids"]
+    logprobs = sequence["logprobs"]
+    sampled = ~torch.isnan(logprobs)
+    lse = torch.zeros(len(tokens))
+    if sampled.any():
+        h = final[sampled].float()
+        lse[:len(rows)][sampled] = (h * head[nxt[sampled]].float()).sum(-1) - logprobs[sampled]
+    return {"token_ids": tokens, "aux_hidden": torch.cat([aux, zero(aux)]),
+            "final_hidden": torch.cat([final, zero(final)]), "target_lse": lse,
+            "first_draft": int(sequence["first_draft"])}
+
+
+def captured_rollouts(target_dir: Path, texts: list[str], samples: int, max_tokens: int,
+                      temperature: float, seed: int, dtype: str, aux_layer_ids: tuple[int, ...],
+                      max_model_len: int = 2048) -> tuple[list[list[int]], list[int], list[int], list[dict], dict]:
+    """T=``temperature`` rollouts of ``texts`` (``samples`` each) with their features captured.
+
+    Returns (sequences, prompt lengths, prompt index, features, counts): features[i] belongs
+    to sequences[i]; rollouts whose capture was incomplete are dropped from all four lists
+    and counted in ``counts``.
+    """
+    from vllm import LLM, SamplingParams
+
+    from vllm_specrl.server import free_port
+
+    target_dir = Path(target_dir)
+    head = target_lm_head(target_dir).float()
+    address = f"tcp://127.0.0.1:{free_port()}"
+    receiver = CaptureReceiver(address, rcv_hwm=4096)
+    drain = _Drain(receiver)
+    drain.start()
+    with tempfile.TemporaryDirectory(prefix="specrl-vehicle-draft-") as vehicle:
+        init_draft(target_dir, vehicle, aux_layer_ids=aux_layer_ids, seed=seed)
+        max_num_seqs = 256
+        llm = LLM(model=str(target_dir), dtype=dtype, enforce_eager=True, seed=seed,
+                  max_model_len=max_model_len, max_num_seqs=max_num_seqs, enable_prefix_caching=False,
+                  speculative_config={"method": "eagle3", "model": vehicle, "num_speculative_tokens": 1,
+                                      # k = 0 at every batch size: the drafter only syncs its KV
+                                      "num_speculative_tokens_per_batch_size": [[1, max_num_seqs, 0]]},
+                  worker_extension_cls="vllm_specrl.sync.SpecRLWorkerExtension",
+                  additional_config={"specrl": {"capture_topk": 0, "capture_queue_frames": 1 << 16}})
+        try:
+            started = llm.collective_rpc("specrl_capture_start", args=(address,))[0]
+            if not started.get("ok"):
+                raise RuntimeError(f"capture did not start: {started}")
+            params = SamplingParams(n=samples, temperature=temperature, max_tokens=max_tokens, seed=seed)
+            outs = llm.generate(texts, params)
+            sender = _wait_for_flush(llm, drain)
+        finally:
+            drain.stop.set()
+            drain.join()
+            receiver.close()
+            del llm
+    # The engine suffixes request ids; match each captured request to its rollout by its tokens.
+    by_tokens: dict[tuple[int, ...], list[tuple[int, int, list[int]]]] = {}
+    for i, o in enumerate(outs):
+        prompt = list(o.prompt_token_ids)
+        for c in o.outputs:
+            full = prompt + list(c.token_ids)
+            by_tokens.setdefault(tuple(full[:-1]), []).append((i, len(prompt), full))
+    sequences, prompt_lengths, prompt_index, features = [], [], [], []
+    counts = {"rollouts": sum(len(o.outputs) for o in outs), "captured_requests": len(drain.assembler.requests),
+              "incomplete": 0, "sender": {k: v for k, v in sender.items() if isinstance(v, int)}}
+    for rid in list(drain.assembler.requests):
+        seq = drain.assembler.pop(rid)
+        key = tuple(seq["token_ids"].tolist())
+        match = by_tokens.get(key) if seq["start"] == 0 else None
+        if not match:
+            counts["incomplete"] += 1
+            continue
+        i, n_prompt, full = match.pop()
+        if int(seq["next_token_ids"][-1]) != full[-1]:
+            counts["incomplete"] += 1
+            continue
+        sequences.append(full)
+        prompt_lengths.append(n_prompt)
+        prompt_index.append(i)
+        features.append(features_from_capture(seq, full[-1], head))
+    counts["kept"] = len(sequences)
+    return sequences, prompt_lengths, prompt_index, features, counts
