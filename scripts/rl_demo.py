@@ -304,7 +304,7 @@ def main() -> None:
                     help="shorthand: --proposer history runs history,plain; eagle3 runs spec,plain")
     ap.add_argument("--dataset-size", type=int, default=None,
                     help="draw prompts from a fixed set of this many tasks, in epochs (default: new ones each step)")
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--task", default="explain", choices=TASKS,

@@ -4,6 +4,11 @@
 only enqueues (``put_nowait``). A background thread encodes and sends frames
 without blocking (``zmq.NOBLOCK``). A full queue, a slow trainer or no trainer
 at all means dropped frames, counted, never a stalled engine.
+
+``send_timeout_s`` > 0 lets the *sender thread* wait that long for a slow peer
+before dropping a frame (the queue keeps absorbing the engine's frames meanwhile,
+so the step still never waits). An offline warm start, which wants every row,
+uses it; online serving keeps 0: a frame that cannot go at once is dropped.
 """
 
 from __future__ import annotations
@@ -23,11 +28,13 @@ SEND_HWM = 64
 
 
 class CaptureSender:
-    def __init__(self, address: str, queue_frames: int = DEFAULT_QUEUE_FRAMES, allow_remote: bool = False):
+    def __init__(self, address: str, queue_frames: int = DEFAULT_QUEUE_FRAMES, allow_remote: bool = False,
+                 send_timeout_s: float = 0.0):
         self.address = require_local_zmq_address(
             address, allow_remote, "capture",
             'set "capture_allow_remote": true in --additional-config \'{"specrl": {...}}\'')
         self._queue: queue.Queue = queue.Queue(maxsize=queue_frames)
+        self.send_timeout_s = send_timeout_s
         self.counters = {"frames_offered": 0, "frames_sent": 0, "frames_dropped_queue_full": 0,
                          "frames_dropped_no_peer": 0, "bytes_sent": 0}
         self.last_send_ok: float | None = None
@@ -59,9 +66,7 @@ class CaptureSender:
                 except queue.Empty:
                     continue
                 parts = encode_frame(header, tensors)
-                try:
-                    sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
-                except zmq.Again:
+                if not self._send(sock, parts):
                     self.counters["frames_dropped_no_peer"] += 1
                     continue
                 self.counters["frames_sent"] += 1
@@ -69,6 +74,21 @@ class CaptureSender:
                 self.last_send_ok = time.time()
         finally:
             sock.close(0)
+
+    def _send(self, sock, parts: list) -> bool:
+        """Hand a frame to ZeroMQ without blocking; with ``send_timeout_s``, retry while the peer
+        catches up (or until the sender is closed)."""
+        import zmq
+
+        deadline = time.monotonic() + self.send_timeout_s
+        while True:
+            try:
+                sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
+                return True
+            except zmq.Again:
+                if self._stop.is_set() or time.monotonic() >= deadline:
+                    return False
+                sock.poll(50, zmq.POLLOUT)
 
     def state(self) -> dict[str, Any]:
         recent = self.last_send_ok is not None and time.time() - self.last_send_ok < 10.0

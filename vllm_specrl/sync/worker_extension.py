@@ -229,7 +229,8 @@ class SpecRLWorkerExtension:
             sender = CaptureSender(address, int(queue_frames or cfg.get("capture_queue_frames",
                                                                          DEFAULT_QUEUE_FRAMES)),
                                    bool(allow_remote if allow_remote is not None
-                                        else cfg.get("capture_allow_remote", False)))
+                                        else cfg.get("capture_allow_remote", False)),
+                                   send_timeout_s=float(cfg.get("capture_send_timeout_s", 0.0)))
         except ValueError as exc:
             return {"ok": False, "error": str(exc)}
         fraction = float(fraction if fraction is not None else cfg.get("capture_fraction", 1.0))

@@ -46,18 +46,21 @@ class _Drain(threading.Thread):
                 self.last_frame = time.time()
 
 
-def _wait_for_flush(llm: Any, drain: _Drain, timeout_s: float = 60.0) -> dict:
+def _wait_for_flush(llm: Any, drain: _Drain, stall_s: float = 60.0) -> dict:
     """Until the worker's sender has sent (or dropped) every frame it was offered and the
-    receiver has been quiet for a moment; returns the sender's final counters."""
-    deadline = time.time() + timeout_s
+    receiver has been quiet for a moment, or nothing moved for ``stall_s``; returns the
+    sender's final counters."""
     state: dict = {}
-    while time.time() < deadline:
+    progress, last_move = -1, time.time()
+    while time.time() - last_move < stall_s:
         state = llm.collective_rpc("specrl_capture_state")[0] or {}
         done = state.get("frames_sent", 0) + state.get("frames_dropped_queue_full", 0) \
             + state.get("frames_dropped_no_peer", 0)
         if done >= state.get("frames_offered", 0) and state.get("queued", 0) == 0 \
                 and time.time() - drain.last_frame > 0.5:
             break
+        if done != progress:
+            progress, last_move = done, time.time()
         time.sleep(0.2)
     return state
 
@@ -115,7 +118,10 @@ def captured_rollouts(target_dir: Path, texts: list[str], samples: int, max_toke
                                       # k = 0 at every batch size: the drafter only syncs its KV
                                       "num_speculative_tokens_per_batch_size": [[1, max_num_seqs, 0]]},
                   worker_extension_cls="vllm_specrl.sync.SpecRLWorkerExtension",
-                  additional_config={"specrl": {"capture_topk": 0, "capture_queue_frames": 1 << 16}})
+                  # Every row: a deep queue, and a sender that waits for this process's receiver
+                  # rather than dropping (the engine step never waits either way).
+                  additional_config={"specrl": {"capture_topk": 0, "capture_queue_frames": 1 << 16,
+                                                "capture_send_timeout_s": 60.0}})
         try:
             started = llm.collective_rpc("specrl_capture_start", args=(address,))[0]
             if not started.get("ok"):
