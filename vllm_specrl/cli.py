@@ -90,12 +90,17 @@ def _train_config(args: argparse.Namespace):
 
     return TrainConfig(lr=args.lr, ttt_steps=args.ttt_steps, seed=args.seed, decay=args.decay,
                        tv_weight=args.tv_weight, accept_weighted=args.accept_weighted,
-                       mixed_precision=args.mixed_precision)
+                       mixed_precision=args.mixed_precision, lr_schedule=args.lr_schedule,
+                       warmup_steps=args.warmup_steps, total_steps=args.steps)
 
 
 def _cmd_train_online(args: argparse.Namespace) -> int:
     from vllm_specrl.trainer.online import OnlineConfig, OnlineDraftTrainer
 
+    if args.lr_schedule != "constant":
+        print("error: --lr-schedule applies to --offline warm starts (online training has no end "
+              "for a schedule to decay towards)", file=sys.stderr)
+        return 2
     cfg = OnlineConfig(capture=args.capture, engine=args.engine, api_key=args.api_key,
                        batch_size=args.batch_size, publish_every=args.publish_every,
                        checkpoint_every=args.checkpoint_every, max_steps=args.max_steps,
@@ -216,6 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--steps", type=int, default=300)
     tr.add_argument("--batch-size", type=int, default=8)
     tr.add_argument("--lr", type=float, default=1e-3)
+    tr.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
+                    help="offline: cosine decays to 0.1 lr over --steps after --warmup-steps "
+                         "(online training never ends, so it stays constant)")
+    tr.add_argument("--warmup-steps", type=int, default=0)
     tr.add_argument("--ttt-steps", type=int, default=3)
     tr.add_argument("--decay", type=float, default=0.8, help="weight of TTT step k is decay**k")
     tr.add_argument("--tv-weight", type=float, default=0.0,

@@ -70,3 +70,29 @@ def test_ttt_steps_never_see_the_future():
     tok4 = tok.clone()
     tok4[:, t + 1 + 2] = (tok4[:, t + 1 + 2] + 1) % 50
     assert not torch.allclose(d.unroll(aux, tok4, steps=3)[2][:, t], base[2][:, t])
+
+
+def test_masked_unroll_equals_the_dense_one_where_a_loss_reads():
+    """The row-sparse unroll (only rows some step's loss reads go past the attention scores)
+    gives the dense unroll's logits and gradients at every masked position, also for masks
+    that do not nest (a row only step 2 reads still needs steps 0 and 1)."""
+    d = make_draft()
+    aux, tok = inputs(b=3, t=14)
+    g = torch.Generator().manual_seed(2)
+    masks = [torch.rand(3, 14, generator=g) < p for p in (0.5, 0.3, 0.4)]
+    dense = d.unroll(aux, tok, steps=3)
+    sparse = d.unroll(aux, tok, steps=3, logits_masks=masks)
+    for k, m in enumerate(masks):
+        torch.testing.assert_close(sparse[k][m], dense[k][m], rtol=1e-5, atol=1e-5)
+        assert not sparse[k][~m].any()
+
+    def grads(outs):
+        d.zero_grad()
+        sum((o[m] ** 2).mean() * (k + 1) for k, (o, m) in enumerate(zip(outs, masks))).backward()
+        return {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}
+
+    want = grads(d.unroll(aux, tok, steps=3))
+    got = grads(d.unroll(aux, tok, steps=3, logits_masks=masks))
+    assert want.keys() == got.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -50,3 +50,37 @@ def test_training_improves_acceptance_and_resumes(tiny_model, features, tmp_path
     for (n, a), (_, b) in zip(trainer.unwrapped.state_dict().items(), reloaded.state_dict().items()):
         torch.testing.assert_close(a, b, msg=n)
     torch.testing.assert_close(resumed.evaluate(eval_batch)["loss"], after["loss"], rtol=1e-4, atol=1e-4)
+
+
+def test_cosine_schedule_warms_up_decays_and_is_applied(tiny_model):
+    import math
+
+    from vllm_specrl.trainer.core import scheduled_lr
+
+    cfg = TrainConfig(lr=1e-3, lr_schedule="cosine", warmup_steps=10, total_steps=100, min_lr_ratio=0.1)
+    lrs = [scheduled_lr(cfg, s) for s in range(101)]
+    assert lrs[0] == pytest.approx(1e-4 * (0.1 + 0.9 * 0.5 * (1 + math.cos(0))))
+    assert lrs[9] == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.09))))
+    assert lrs[50] == pytest.approx(1e-3 * 0.55)
+    assert lrs[100] == pytest.approx(1e-4)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+    assert scheduled_lr(TrainConfig(lr=3e-3), 12345) == 3e-3
+    with pytest.raises(ValueError, match="total_steps"):
+        scheduled_lr(TrainConfig(lr_schedule="cosine"), 0)
+    # The trainer's optimizer runs at the scheduled rate, counted from where this run started.
+    trainer = DraftTrainer(init_draft(tiny_model, None, seed=0), target_lm_head(tiny_model), cfg)
+    trainer.step_count = trainer.schedule_origin = 40
+    batch = _random_batch(trainer)
+    assert trainer.step(batch)["lr"] == pytest.approx(lrs[0])
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(lrs[0])
+    assert trainer.step(batch)["lr"] == pytest.approx(lrs[1])
+
+
+def _random_batch(trainer: DraftTrainer):
+    s = trainer.unwrapped.shape
+    g = torch.Generator().manual_seed(0)
+    seqs = [{"token_ids": torch.randint(0, s.vocab_size, (12,), generator=g),
+             "aux_hidden": torch.randn(12, len(s.aux_layer_ids) * s.target_hidden_size, generator=g),
+             "final_hidden": torch.randn(12, s.target_hidden_size, generator=g), "first_draft": 3}
+            for _ in range(2)]
+    return collate(seqs)

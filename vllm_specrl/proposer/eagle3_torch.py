@@ -94,6 +94,17 @@ class Eagle3MidLayer(nn.Module):
         self.mlp = Eagle3MLP(s)
 
 
+def _rows_needed(logits_masks: list[torch.Tensor] | None, steps: int) -> list[torch.Tensor] | None:
+    """Rows step k must compute: those any step >= k reads (a row's chain feeds only itself)."""
+    if logits_masks is None:
+        return None
+    needed, acc = [], torch.zeros_like(logits_masks[0])
+    for k in reversed(range(steps)):
+        acc = acc | logits_masks[k]
+        needed.append(acc)
+    return needed[::-1]
+
+
 class Eagle3Draft(nn.Module):
     """Trainable EAGLE-3 head; ``embed_tokens`` is the target's and stays frozen."""
 
@@ -137,9 +148,13 @@ class Eagle3Draft(nn.Module):
                logits_masks: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Draft logits [B, T, draft_vocab] for each of ``steps`` TTT steps.
 
-        With ``logits_masks`` (one [B, T] bool mask per step) the LM head runs only where the
-        mask is set (the positions a loss reads; the rest stay 0): the head is the largest
-        matmul of a step, and prompt positions never need it.
+        With ``logits_masks`` (one [B, T] bool mask per step, the positions a loss reads) only the
+        rows a loss can see are computed past the attention scores: the LM head where step k's
+        mask is set, the output projection and MLP where any step >= k's mask is set (a row's
+        later steps read its own earlier output; every other row contributes only its step-0
+        keys and values, which come before the MLP). Other rows of the logits stay 0. Prompt and
+        padding rows are most of a batch, so this is most of a training step's compute, and the
+        rows the loss reads are computed exactly as without masks.
 
         aux_hidden: [B, T, n_aux * H_target] target states at positions 0..T-1.
         token_ids:  [B, T] tokens; step k at index t consumes token t+1+k
@@ -149,6 +164,7 @@ class Eagle3Draft(nn.Module):
         layer, s = self.midlayer, self.shape
         if positions is None:
             positions = torch.arange(t, device=aux_hidden.device)
+        needed = _rows_needed(logits_masks, steps)
         hidden = self.fc(aux_hidden)
         causal = torch.ones(t, t, dtype=torch.bool, device=aux_hidden.device).tril()
         keys: list[torch.Tensor] = []
@@ -171,17 +187,20 @@ class Eagle3Draft(nn.Module):
             attn = probs[..., :t] @ values[0]
             for j in range(1, k + 1):
                 attn = attn + probs[..., t + j - 1 : t + j] * values[j]
-            attn = layer.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
-            residual = attn + hidden
-            out = layer.mlp(layer.post_attention_layernorm(residual)) + residual
-            if logits_masks is None:
+            attn = attn.transpose(1, 2).reshape(b, t, -1)
+            if needed is None:
+                residual = layer.self_attn.o_proj(attn) + hidden
+                out = layer.mlp(layer.post_attention_layernorm(residual)) + residual
                 outputs.append(self.lm_head(self.norm(out)))
-            else:
-                mask = logits_masks[k]
-                logits = out.new_zeros(b, t, self.lm_head.out_features)
-                logits[mask] = self.lm_head(self.norm(out[mask]))
-                outputs.append(logits)
-            hidden = out
+                hidden = out
+                continue
+            rows, mask = needed[k], logits_masks[k]
+            residual = layer.self_attn.o_proj(attn[rows]) + hidden[rows]
+            out = layer.mlp(layer.post_attention_layernorm(residual)) + residual
+            logits = out.new_zeros(b, t, self.lm_head.out_features)
+            logits[mask] = self.lm_head(self.norm(out[mask[rows]]))
+            outputs.append(logits)
+            hidden = hidden.new_zeros(b, t, hidden.shape[-1]).index_put((rows,), out)
         return outputs
 
     # -- checkpoint names (the stock EAGLE-3 layout) ---------------------------------

@@ -11,6 +11,7 @@ stopped and vLLM can load the same directory.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -36,6 +37,27 @@ class TrainConfig:
     grad_clip: float = 1.0
     mixed_precision: str = "no"  # "no" (fp32) or "bf16"
     seed: int = 0
+    # "constant" (the online trainer: it never ends) or "cosine": linear warm-up over
+    # ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr`` at ``total_steps`` (a warm
+    # start of known length ends at a lower loss for the same steps).
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int = 0
+    min_lr_ratio: float = 0.1
+
+
+def scheduled_lr(config: TrainConfig, step: int) -> float:
+    """The learning rate for the ``step``-th update (0-based) under ``config``'s schedule."""
+    if config.lr_schedule == "constant":
+        return config.lr
+    if config.lr_schedule != "cosine":
+        raise ValueError(f"lr_schedule must be 'constant' or 'cosine', not {config.lr_schedule!r}")
+    if config.total_steps <= 0:
+        raise ValueError("the cosine schedule needs total_steps > 0")
+    warm = min(1.0, (step + 1) / config.warmup_steps) if config.warmup_steps else 1.0
+    progress = min(1.0, step / config.total_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return config.lr * warm * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine)
 
 
 @dataclass
@@ -109,6 +131,7 @@ class DraftTrainer:
         self.draft, self.optimizer = self.accelerator.prepare(draft, opt)
         self.set_target_head(target_head)
         self.step_count = 0
+        self.schedule_origin = 0   # the step the schedule counts from (a resumed run restarts it)
 
     def set_target_head(self, target_head: torch.Tensor | None) -> None:
         """The target's LM head the soft targets come from with hidden-state features (None when
@@ -124,7 +147,7 @@ class DraftTrainer:
         if state.exists():
             saved = torch.load(state, map_location="cpu", weights_only=True)
             trainer.optimizer.load_state_dict(saved["optimizer"])
-            trainer.step_count = int(saved["step"])
+            trainer.step_count = trainer.schedule_origin = int(saved["step"])
         return trainer
 
     @property
@@ -153,11 +176,14 @@ class DraftTrainer:
             out = self._loss(batch, with_metrics=True)
         self.optimizer.zero_grad(set_to_none=True)
         self.accelerator.backward(out.loss)
+        lr = scheduled_lr(self.config, self.step_count - self.schedule_origin)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         if self.config.grad_clip:
             self.accelerator.clip_grad_norm_(draft.parameters(), self.config.grad_clip)
         self.optimizer.step()
         self.step_count += 1
-        return dict(out.metrics, step=self.step_count)
+        return dict(out.metrics, step=self.step_count, lr=lr)
 
     @torch.no_grad()
     def evaluate(self, batch: Batch) -> dict[str, float]:
