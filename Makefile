@@ -10,8 +10,8 @@ export VLLM_SPECRL_FIXTURES := $(FIXTURES)
 # and cached like the fixtures: `make draft` is the full one (bench_rollout / bench_calibration),
 # `make demo` uses a smaller one so a fresh clone stays within its time budget.
 DRAFT ?= $(FIXTURES)/real/drafts/warm-arithmetic
-DRAFT_ARGS ?= --num-prompts 96 --samples 8 --max-tokens 96 --steps 500 --batch-size 8 --lr 2e-3 \
-	--draft-vocab-size 8192 --dtype float32 --eval-every 100
+DRAFT_ARGS ?= --num-prompts 128 --samples 8 --max-tokens 96 --steps 1200 --batch-size 8 --lr 2e-3 \
+	--lr-schedule cosine --warmup-steps 25 --draft-vocab-size 4096 --dtype float32 --eval-every 200
 DEMO_DRAFT ?= $(FIXTURES)/real/drafts/demo-arithmetic
 DEMO_DRAFT_ARGS ?= --num-prompts 48 --samples 4 --max-tokens 64 --steps 150 --batch-size 8 --lr 2e-3 \
 	--draft-vocab-size 8192 --dtype float32 --eval-every 50
