@@ -83,7 +83,8 @@ EXTENSION_HINT = "start vllm serve with --worker-extension-cls vllm_specrl.sync.
 class SpecRLHttpState:
     """Per-app state: the engine client, hashed API keys, versions, the stale-draft guard."""
 
-    def __init__(self, engine_client: Any, api_keys: list[str], allow_unauthenticated_remote: bool = False):
+    def __init__(self, engine_client: Any, api_keys: list[str], allow_unauthenticated_remote: bool = False,
+                 update_idle_timeout_s: float = 300.0):
         self.engine_client = engine_client
         self._key_hashes = [hashlib.sha256(k.encode()).digest() for k in api_keys]
         self.allow_unauthenticated_remote = allow_unauthenticated_remote
@@ -91,6 +92,10 @@ class SpecRLHttpState:
         self.last_commit_failure: dict | None = None
         self.draft_trainer: dict | None = None  # the online trainer's last report (with its publishes)
         self.uploads: dict[str, dict] = {}
+        # An update with no begin/upload/prepare call for this long was abandoned by its client
+        # (a trainer or RL driver that died mid-publish): the next begin aborts it.
+        self.update_idle_timeout_s = update_idle_timeout_s
+        self.abandoned_updates: list[dict] = []
         self.commit_lock = asyncio.Lock()
         self.guard = StaleDraftGuard()
         spec = getattr(getattr(engine_client, "vllm_config", None), "speculative_config", None)
@@ -198,6 +203,9 @@ async def gather_status(state: SpecRLHttpState) -> dict[str, Any]:
     out["versions"] = dict(state.versions)
     out["stale_draft"] = update_gauges(state)
     out["updates_in_progress"] = state.uploads
+    out["update_idle_timeout_s"] = state.update_idle_timeout_s
+    out["abandoned_updates"] = state.abandoned_updates[-10:]
+    out["abandoned_updates_total"] = len(state.abandoned_updates)
     out["last_commit_failure"] = state.last_commit_failure
     out["draft_trainer"] = state.draft_trainer
     out["adaptive_k"] = adaptive_state.read()  # None unless --scheduler-cls ...AdaptiveKScheduler
@@ -257,7 +265,8 @@ class SpecRLEndpointPlugin:
         keys = [k for k in (getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY")]) if k]
         specrl_cfg = vllm_compat.specrl_additional_config(engine_client.vllm_config)
         state.specrl = SpecRLHttpState(engine_client, keys, security.unauthenticated_remote_allowed(
-            bool(specrl_cfg.get("allow_unauthenticated_remote", False))))
+            bool(specrl_cfg.get("allow_unauthenticated_remote", False))),
+            update_idle_timeout_s=float(specrl_cfg.get("update_idle_timeout_s", 300.0)))
         update_gauges(state.specrl)
         register_adaptive_k_metrics()
         capture = specrl_cfg.get("capture")

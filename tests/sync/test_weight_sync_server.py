@@ -31,6 +31,7 @@ KEY = "sync-key"
 MAX_TOKENS = 16
 FAILING_POLICY_VERSION = 99  # the server's loader fails part way through this update (a failpoint)
 FAULTS = f"apply:policy:{FAILING_POLICY_VERSION}:7"
+IDLE_TIMEOUT_S = 8.0  # an update silent this long was abandoned (the default is 300 s)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,8 @@ def random_draft(tiny_model, tmp_path_factory):
 def server(tiny_model, random_draft, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "vllm_serve.log"
     spec = {"method": "eagle3", "model": str(random_draft), "num_speculative_tokens": 3}
-    args = ["--dtype", "float32", "--max-model-len", "512", "--speculative-config", json.dumps(spec)]
+    args = ["--dtype", "float32", "--max-model-len", "512", "--speculative-config", json.dumps(spec),
+            "--additional-config", json.dumps({"specrl": {"update_idle_timeout_s": IDLE_TIMEOUT_S}})]
     with VLLMServer(tiny_model, args, api_key=KEY, log_path=log, env={**cpu_env(), FAULTS_ENV: FAULTS}) as srv:
         yield srv
 
@@ -196,6 +198,62 @@ def test_update_draft_raises_acceptance_and_stays_lossless(server, client, warm_
     assert warm_accept > random_accept + 0.3, (random_accept, warm_accept)
     status = client.status()
     assert status["versions"] == {"policy": 3, "draft": 3} and not status["stale_draft"]["stale"]
+
+
+KILLED_PUBLISHER = """
+import sys, time
+from safetensors.torch import load_file
+from vllm_specrl.sync.client import EngineClient
+
+url, key, draft, version = sys.argv[1:5]
+client = EngineClient(url, api_key=key, transport="http", chunk_bytes=1 << 16, progress=False)
+upload = client._upload
+
+def first_chunk_then_hang(uid, chunk, transport):
+    upload(uid, chunk, transport)
+    print("UPLOADED", uid, flush=True)
+    time.sleep(3600)  # killed here, half-way through its publish
+
+client._upload = first_chunk_then_hang
+client.update_draft(load_file(draft + "/model.safetensors"), version=int(version))
+"""
+
+
+def test_a_publisher_killed_mid_update_blocks_nothing(server, client, warm_draft, prompts):
+    """A trainer SIGKILLed after its first chunk leaves an open update (no abort ever comes): the
+    engine keeps serving the old draft, the next begin is refused naming it while it is fresh, and
+    once it has been idle for the timeout the next begin aborts it and goes ahead."""
+    import subprocess
+    import sys
+    import time
+
+    before = versions(client)
+    texts = served_texts(server, prompts)
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_PUBLISHER, server.url, KEY, str(warm_draft),
+                             str(before["draft"] + 1)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("UPLOADED"), line
+        dead_id = line.split()[1]
+    finally:
+        proc.kill()
+        proc.wait(30)
+    killed_at = time.time()
+    draft = load_file(warm_draft / "model.safetensors")
+    with pytest.raises(WeightSyncError, match=f"update {dead_id}.*in progress.*aborted by the next begin"):
+        client.update_draft(draft, version=before["draft"] + 1)
+    status = client.status()
+    assert list(status["updates_in_progress"]) == [dead_id]
+    assert status["workers"][0]["sync"]["in_progress"]["update_id"] == dead_id
+    assert served_texts(server, prompts) == texts and versions(client) == before  # serving goes on
+    time.sleep(max(0.0, IDLE_TIMEOUT_S + 1 - (time.time() - killed_at)))
+    res = client.update_draft(draft, version=before["draft"] + 1)
+    assert res["version"] == before["draft"] + 1
+    status = client.status()
+    assert status["abandoned_updates_total"] == 1 and status["abandoned_updates"][0]["update_id"] == dead_id
+    assert status["abandoned_updates"][0]["aborted"] and status["updates_in_progress"] == {}
+    assert status["versions"] == {"policy": before["policy"], "draft": before["draft"] + 1}
+    assert served_texts(server, prompts) == texts  # the same draft again: lossless either way
 
 
 def test_updates_under_load_fail_no_request(server, client, original, new_policy):

@@ -61,6 +61,29 @@ async def commit_on_every_rank(engine: Any, update_id: str) -> dict:
     return res
 
 
+async def abort_abandoned(state: Any) -> None:
+    """Abort, on every rank, updates whose client went silent for longer than the idle timeout:
+    a client that died mid-upload must not block every later update. An update being committed
+    is never touched (its commit holds the lock and marks it)."""
+    now = time.time()
+    for update_id, info in list(state.uploads.items()):
+        idle = now - info.get("last", info["t0"])
+        if info.get("committing") or idle <= state.update_idle_timeout_s:
+            continue
+        state.uploads.pop(update_id, None)
+        res = await rpc_all(state.engine_client, "specrl_abort_update", update_id)
+        state.abandoned_updates.append({"update_id": update_id, "target": info["target"],
+                                        "version": info["version"], "idle_s": round(idle, 1),
+                                        "aborted_at": now, "aborted": bool(res.get("ok"))})
+        logger.warning("vllm-specrl: update %s (%s v%s) abandoned after %.0f s idle; aborted",
+                       update_id, info["target"], info["version"], idle)
+
+
+def touch(state: Any, update_id: str) -> None:
+    if update_id in state.uploads:
+        state.uploads[update_id]["last"] = time.time()
+
+
 def answer(res: dict) -> JSONResponse:
     return JSONResponse(res, status_code=200 if res.get("ok") else 400)
 
@@ -73,10 +96,15 @@ def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
         state = get_state(request)
         body = await request.json()
         target, version = body.get("target"), body.get("version")
+        await abort_abandoned(state)
         res = await rpc_all(state.engine_client, "specrl_begin_update", target, version,
                             body.get("update_id") or uuid.uuid4().hex[:12])
         if res.get("ok"):
-            state.uploads[res["update_id"]] = {"target": target, "version": version, "t0": time.time()}
+            now = time.time()
+            state.uploads[res["update_id"]] = {"target": target, "version": version, "t0": now, "last": now}
+        elif "in progress" in str(res.get("error", "")):
+            res["error"] += (f" (an update with no upload for {state.update_idle_timeout_s:g} s is aborted "
+                             "by the next begin)")
         if isinstance(body.get("trainer_report"), dict):
             state.trainer_reported(body["trainer_report"])
         return answer(res)
@@ -86,7 +114,10 @@ def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
         """Body: one safetensors-serialised chunk; parsed and validated in the worker."""
         state = get_state(request)
         body = await request.body()
-        return answer(await rpc_all(state.engine_client, "specrl_stage_bytes", update_id, body))
+        touch(state, update_id)
+        res = await rpc_all(state.engine_client, "specrl_stage_bytes", update_id, body)
+        touch(state, update_id)
+        return answer(res)
 
     @router.post("/update/{update_id}/shm")
     async def upload_shm(update_id: str, request: Request) -> JSONResponse:
@@ -96,14 +127,20 @@ def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
             path = confined_file(raw, SHM_DIR, "specrl-", ".safetensors")
         except ValueError:
             return refused(f"shared-memory chunks must be {SHM_DIR}/specrl-*.safetensors; got {raw!r}")
-        return answer(await rpc_all(state.engine_client, "specrl_stage_file", update_id, str(path)))
+        touch(state, update_id)
+        res = await rpc_all(state.engine_client, "specrl_stage_file", update_id, str(path))
+        touch(state, update_id)
+        return answer(res)
 
     @router.post("/update/{update_id}/prepare")
     async def prepare(update_id: str, request: Request) -> JSONResponse:
         """Phase one alone (for a client coordinating several engines): every rank holds the whole,
         valid update; nothing is applied. The commit runs it again."""
         state = get_state(request)
-        return answer(await rpc_all(state.engine_client, "specrl_prepare_commit", update_id))
+        touch(state, update_id)
+        res = await rpc_all(state.engine_client, "specrl_prepare_commit", update_id)
+        touch(state, update_id)
+        return answer(res)
 
     @router.post("/update/{update_id}/commit")
     async def commit(update_id: str, request: Request) -> JSONResponse:
@@ -113,6 +150,8 @@ def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
         if mode not in PAUSE_MODES:
             return refused(f"pause must be one of {PAUSE_MODES}; got {mode!r}")
         engine = state.engine_client
+        if update_id in state.uploads:
+            state.uploads[update_id]["committing"] = True
         async with state.commit_lock:
             prepared = await rpc_all(engine, "specrl_prepare_commit", update_id)
             if not prepared.get("ok"):  # some rank lacks a valid, whole update: nobody applies
