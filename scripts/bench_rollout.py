@@ -90,8 +90,11 @@ def _engine_offline(cfg: dict) -> list[dict]:
     for batch in cfg["batch_sizes"] if cfg["warmup_steps"] else ():
         # Every engine, measured or not: an adaptive-k engine calibrates here, as a rollout server
         # does over its first steps (its exploration after this is part of every measured cell).
-        llm.generate(prompts[-batch:], SamplingParams(max_tokens=cfg["warmup_steps"], temperature=1.0,
-                                                      ignore_eos=True, seed=1), use_tqdm=False)
+        # Exactly `batch` sequences (prompts repeat when there are fewer), so the warm-up reaches
+        # the batch size the cell measures.
+        llm.generate([prompts[-1 - i % len(prompts)] for i in range(batch)],
+                     [SamplingParams(max_tokens=cfg["warmup_steps"], temperature=1.0, ignore_eos=True,
+                                     seed=1 + i) for i in range(batch)], use_tqdm=False)
     cells = []
     for temperature in cfg["temperatures"]:
         for batch in cfg["batch_sizes"]:
