@@ -100,6 +100,30 @@ def test_exploration_is_a_small_share_of_steps_once_calibrated():
     assert counts[0] > 0.9 * sum(counts), counts  # calibration + a burst per 200 steps
 
 
+@pytest.mark.parametrize("accept, first, then", [(0.6, 16, 8), (0.8, 8, 4), (0.6, 8, 4), (0.8, 1, 2)])
+def test_a_new_batch_size_starts_from_its_calibrated_neighbour(accept, first, then):
+    """As an RL wave's sequences finish, the batch falls through every bucket. A bucket next to a
+    calibrated one starts at its k and climbs: a third of the exploration, and still the optimum
+    (within 3%) -- also where the neighbour's k is 5% off for it (0.8: 8 -> 4, k 1 -> 2), which
+    its own bursts must correct."""
+    def run(share: bool) -> tuple[int, int]:
+        ctl = AdaptiveKController(3, 32, AdaptiveKConfig(share_calibration=share))
+        simulate(ctl, batch=first, accept=accept, cost=cpu_cost, steps=300)
+        explored, neighbours_k = ctl.explored_steps, ctl.k_for(first)
+        simulate(ctl, batch=then, accept=accept, cost=cpu_cost, steps=1, seed=1)
+        assert (ctl.k_for(then) == neighbours_k) if share else (ctl.k_for(then) == 0)
+        simulate(ctl, batch=then, accept=accept, cost=cpu_cost, steps=400, seed=2)
+        assert ctl.state()["buckets"][f"{2 ** batch_bucket(then)}-{2 ** (batch_bucket(then) + 1) - 1}"][
+            "from_neighbour"] is share
+        return ctl.explored_steps - explored, ctl.k_for(then)
+
+    shared, alone = run(True), run(False)
+    assert shared[0] <= alone[0] / 2, (shared, alone)
+    want = best_k(then, accept)
+    for explored, got in (shared, alone):
+        assert throughput(then, accept, got) >= 0.97 * throughput(then, accept, want), (shared, alone, want)
+
+
 def test_a_drop_in_acceptance_moves_k_down():
     ctl = AdaptiveKController(3, 4)
     simulate(ctl, batch=1, accept=0.9, cost=cpu_cost, steps=400)
