@@ -66,6 +66,7 @@ TOUCH_POINTS: list[tuple[str, str, str, str]] = [
     ("v1/engine/async_llm.py", "AsyncLLM.resume_generation", "function", "pause around commits"),
     ("v1/engine/async_llm.py", "AsyncLLM.reset_prefix_cache", "function", "KV reset after a commit"),
     ("v1/engine/async_llm.py", "AsyncLLM.collective_rpc", "function", "every /specrl route"),
+    ("v1/engine/async_llm.py", "AsyncLLM.errored", "function", "calls fail when the engine core dies"),
 ]
 
 

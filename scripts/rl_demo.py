@@ -206,7 +206,7 @@ def summarize(runs: dict) -> dict:
                      if s["on_policy_logprob_abs_diff_max"] is not None]
         ks = [s["mean_k"] for s in steps if s.get("mean_k") is not None]
         summary[mode] = {**{k: mean(k) for k in ("generation_s", "generation_bulk_s", "generation_tail_s",
-                                                 *STAGES, "step_s")},
+                                                 *STAGES, "step_s", "tokens")},
                          "mean_k": sum(ks) / len(ks) if ks else None,
                          "mean_reward": p, "reward_se": (p * (1 - p) / len(rewards)) ** 0.5,
                          "rollouts": sum(s["rollouts"] for s in steps),
@@ -229,6 +229,9 @@ def summarize(runs: dict) -> dict:
                 "step_time": a["step_s"] / b["step_s"], "rollout_time": a["generation_s"] / b["generation_s"],
                 "rollout_bulk_time": a["generation_bulk_s"] / b["generation_bulk_s"],
                 "rollout_tail_time": a["generation_tail_s"] / max(b["generation_tail_s"], 1e-9),
+                # The runs sample different tokens (same distribution, other random draws), so their
+                # answers' lengths differ: generation time per generated token compares like with like.
+                "rollout_time_per_token": (a["generation_s"] / a["tokens"]) / (b["generation_s"] / b["tokens"]),
                 "reward_difference": a["mean_reward"] - b["mean_reward"], "reward_z": z,
                 "rewards_agree_within_noise": abs(z) < 3}
     for mode in runs:
@@ -286,7 +289,8 @@ def print_table(report: dict) -> None:
               f"{acc:>19s}  {s['logprob_abs_diff_mean']:.4f}/{s['logprob_abs_diff_max']:.3f} {onp:>14s}"
               + (f"  {s['mean_k']:.2f}" if s["mean_k"] is not None else "       -"))
     for name, c in summary["comparisons"].items():
-        extra = (f", rollout time {c['rollout_time']:.2f} (bulk {c['rollout_bulk_time']:.2f}, "
+        extra = (f", rollout time {c['rollout_time']:.2f} (per token {c['rollout_time_per_token']:.2f}; "
+                 f"bulk {c['rollout_bulk_time']:.2f}, "
                  f"tail {c['rollout_tail_time']:.2f}), reward diff {c['reward_difference']:+.3f} "
                  f"(z {c['reward_z']:+.2f}, {'agree' if c['rewards_agree_within_noise'] else 'DISAGREE'})"
                  if "rollout_time" in c else "")
@@ -319,7 +323,9 @@ def main() -> None:
     ap.add_argument("--draft-vocab-size", type=int, default=8192)
     ap.add_argument("--draft-replay-ratio", type=float, default=4.0,
                     help="online draft trainer: samples trained per captured rollout")
-    ap.add_argument("--draft-nice", type=int, default=5, help="niceness of the online draft trainer process")
+    ap.add_argument("--draft-nice", type=int, default=19,
+                    help="niceness of the online draft trainer process: it shares this machine's cores with the "
+                         "engine and the policy update, so by default it only takes the cycles they leave")
     ap.add_argument("--dtype", default="float32",
                     help="float32: this CPU (AVX2, no AVX512-BF16) emulates bf16 matmuls, ~10x slower")
     ap.add_argument("--seed", type=int, default=0)

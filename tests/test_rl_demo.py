@@ -88,6 +88,10 @@ def test_summary_table_and_plot(report):
     # Recomputed from the per-step records: the summary must say what the steps measured.
     mean = {mode: sum(s["step_s"] for s in data["runs"][mode]["steps"]) / STEPS for mode in ("spec-async", "plain")}
     assert comparison["step_time"] == pytest.approx(mean["spec-async"] / mean["plain"], rel=1e-9)
+    per_token = {mode: sum(s["generation_s"] for s in data["runs"][mode]["steps"])
+                 / sum(s["tokens"] for s in data["runs"][mode]["steps"]) for mode in mean}
+    assert comparison["rollout_time_per_token"] == pytest.approx(per_token["spec-async"] / per_token["plain"],
+                                                                 rel=1e-9)
     rewards = {mode: [x for s in data["runs"][mode]["steps"] for x in s["rewards"]] for mode in mean}
     assert all(len(r) == STEPS * PROMPTS * GROUP and set(r) <= {0.0, 1.0} for r in rewards.values())
     diff = sum(rewards["spec-async"]) / len(rewards["spec-async"]) - sum(rewards["plain"]) / len(rewards["plain"])

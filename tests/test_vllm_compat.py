@@ -37,3 +37,25 @@ def test_speculative_config_summary():
     summary = vllm_compat.speculative_config_summary(_Cfg())
     assert summary["method"] == "eagle3" and summary["num_speculative_tokens"] == 3
     assert vllm_compat.speculative_config_summary(object()) is None
+
+
+class _Engine:
+    errored = False
+
+
+def test_a_call_pending_when_the_engine_dies_fails_instead_of_hanging():
+    """vLLM never answers a utility call that was pending when the engine core died; the guard
+    turns it into ``EngineDied`` once ``errored`` is set, and leaves live calls alone."""
+    import asyncio
+
+    async def scenario():
+        engine = _Engine()
+        assert await vllm_compat.unless_engine_dies(engine, asyncio.sleep(0.01, result=7), "ok") == 7
+        parked = asyncio.get_running_loop().create_future()  # what vLLM leaves in utility_results
+        asyncio.get_running_loop().call_later(0.3, setattr, engine, "errored", True)
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(vllm_compat.EngineDied, match="during specrl_commit_update"):
+            await vllm_compat.unless_engine_dies(engine, parked, "specrl_commit_update")
+        return asyncio.get_running_loop().time() - t0
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 10)) < 0.3 + 2 * vllm_compat.ENGINE_POLL_S

@@ -1,16 +1,18 @@
 """Failpoints: faults injected on purpose, to prove that recovery paths work.
 
 Off unless ``VLLM_SPECRL_FAULTS`` is set in the engine's environment. Each entry
-``apply:<target>:<version>:<n>[@<rank>]`` makes the commit of that update
+``<kind>:<target>:<version>:<n>[@<rank>]`` acts during the commit of that update
 (``policy`` or ``draft``, that version; on every worker, or only on that rank)
-raise after applying ``n`` tensors, exactly as a failure inside vLLM's weight
-loader would. Versions pick the faulty update, so a test can
-arm a server once and still run every other update normally.
+after applying ``n`` tensors: kind ``apply`` raises, exactly as a failure inside
+vLLM's weight loader would; kind ``kill`` SIGKILLs the worker's process, as an
+out-of-memory kill or a lost host would. Versions pick the faulty update, so a
+test can arm a server once and still run every other update normally.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -21,23 +23,28 @@ class InjectedFault(RuntimeError):
     """Raised by a failpoint (never in normal operation)."""
 
 
-def apply_fault_after(target: str, version: int, rank: int | None = None) -> int | None:
-    """Tensors to apply before the injected failure of this update on this rank, or None."""
+KINDS = ("apply", "kill")
+
+
+def armed_fault(target: str, version: int, rank: int | None = None) -> tuple[str, int] | None:
+    """``(kind, tensors applied before it)`` for this update on this rank, or None."""
     for entry in filter(None, (e.strip() for e in os.environ.get(FAULTS_ENV, "").split(","))):
         entry, _, only_rank = entry.partition("@")
         parts = entry.split(":")
         if only_rank and str(rank) != only_rank:
             continue
-        if len(parts) == 4 and parts[0] == "apply" and parts[1] == target and parts[2] == str(version):
-            return int(parts[3])
+        if len(parts) == 4 and parts[0] in KINDS and parts[1] == target and parts[2] == str(version):
+            return parts[0], int(parts[3])
     return None
 
 
 def with_apply_fault(named: Iterable[tuple[str, Any]], target: str, version: int,
                      rank: int | None = None) -> Iterator[tuple[str, Any]]:
     """``named`` unchanged, or failing after the configured number of tensors."""
-    after = apply_fault_after(target, version, rank)
+    kind, after = armed_fault(target, version, rank) or (None, None)
     for i, item in enumerate(named):
-        if after is not None and i == after:
+        if i == after:
+            if kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
             raise InjectedFault(f"injected fault ({FAULTS_ENV}): {target} v{version} after {after} tensors")
         yield item

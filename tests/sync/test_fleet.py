@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -155,3 +156,33 @@ def test_one_trainer_learns_from_every_replica_and_publishes_to_all(replicas, fl
     records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     published = [r["publish"] for r in records if r.get("publish") and "error" not in r["publish"]]
     assert published and sorted(published[-1]["committed"]) == sorted([a.url, b.url]), published[-1:]
+
+
+KILLED_AT = 100  # replica C's engine is SIGKILLed part way through applying this policy version
+
+
+def test_an_engine_killed_during_a_commit_is_quarantined_and_the_fleet_goes_on(replicas, fleet, weights,
+                                                                               tiny_model, work):
+    """Replica C's engine process dies (SIGKILL, as an OOM kill would) after applying 3 tensors of an
+    update: the update lands on the live replica, C is quarantined with the reason instead of hanging
+    the fleet, the live replica serves requests throughout, and the next update goes on without C."""
+    original, new = weights
+    a, b = replicas
+    env = dict(cpu_env(), **{FAULTS_ENV: f"kill:policy:{KILLED_AT}:3"})
+    with VLLMServer(tiny_model, ["--dtype", "float32", "--max-model-len", "256"], api_key=KEY, env=env,
+                    log_path=work / "c.log") as c:
+        pair = FleetClient([b.url, c.url], api_key=KEY)
+        with ThreadPoolExecutor(1) as pool:
+            during = pool.submit(lambda: [texts(b) for _ in range(3)])
+            res = pair.update_policy(original, version=KILLED_AT)
+            served_during = during.result()
+        assert res["committed"] == [b.url] and list(res["quarantined"]) == [c.url], res
+        assert len(served_during) == 3
+        with pytest.raises(requests.RequestException):  # C's engine is gone: it serves nothing
+            requests.post(c.url + "/v1/completions", headers=c.headers, timeout=60,
+                          json={"model": c.model, "prompt": "x", "max_tokens": 2}).raise_for_status()
+        fleet.replicas[a.url].update_policy(original, version=KILLED_AT)
+        assert texts(a) == texts(b), "the live replica serves exactly the committed weights"
+        res = pair.update_policy(new, version=KILLED_AT + 1)
+        assert res["committed"] == [b.url] and not res["quarantined"]
+        assert pair.versions()[b.url]["policy"] == KILLED_AT + 1

@@ -21,6 +21,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from vllm_specrl import vllm_compat
 from vllm_specrl._log import logger
 from vllm_specrl.security import confined_file
 from vllm_specrl.sync.shm import SHM_DIR
@@ -33,9 +34,15 @@ def refused(error: str, problems: list[str] | None = None, status: int = 400) ->
     return JSONResponse({"ok": False, "error": error, "problems": problems or []}, status_code=status)
 
 
+async def rpc(engine: Any, method: str, *args: Any) -> list:
+    """Every rank's answer; ``EngineDied`` if the engine core dies meanwhile (never a hang)."""
+    return await vllm_compat.unless_engine_dies(
+        engine, engine.collective_rpc(method, timeout=RPC_TIMEOUT_S, args=args), method)
+
+
 async def rpc_all(engine: Any, method: str, *args: Any) -> dict:
     """Call a worker method on every rank; the first refusal wins, else rank 0's answer."""
-    results = await engine.collective_rpc(method, timeout=RPC_TIMEOUT_S, args=args)
+    results = await rpc(engine, method, *args)
     for res in results:
         if not res.get("ok", False):
             return res
@@ -45,19 +52,45 @@ async def rpc_all(engine: Any, method: str, *args: Any) -> dict:
 async def commit_on_every_rank(engine: Any, update_id: str) -> dict:
     """Apply on every rank; if any rank failed (and restored itself), the ranks that applied go
     back too, so all ranks serve one version. Rank 0's record, or the first failure."""
-    results = await engine.collective_rpc("specrl_commit_update", timeout=RPC_TIMEOUT_S, args=(update_id,))
+    results = await rpc(engine, "specrl_commit_update", update_id)
     failed = [r for r in results if not r.get("ok")]
     if not failed:
-        await engine.collective_rpc("specrl_finalize_commit", timeout=RPC_TIMEOUT_S, args=(update_id,))
+        await rpc(engine, "specrl_finalize_commit", update_id)
         return results[0]
     res = dict(failed[0])
     if len(failed) < len(results):
-        undone = await engine.collective_rpc("specrl_rollback_commit", timeout=RPC_TIMEOUT_S, args=(update_id,))
+        undone = await rpc(engine, "specrl_rollback_commit", update_id)
         res["ranks_rolled_back"] = [i for i, r in enumerate(undone) if r.get("rolled_back")]
         bad = [r["error"] for r in undone if not r.get("ok")]
         if bad:
             res["rolled_back"] = False
             res["error"] += "; " + "; ".join(bad)
+    return res
+
+
+async def commit_paused(engine: Any, state: Any, update_id: str, mode: str) -> dict:
+    """Prepare on every rank; if all hold the whole update, pause as asked, apply everywhere, resume."""
+    prepared = await rpc_all(engine, "specrl_prepare_commit", update_id)
+    if not prepared.get("ok"):  # some rank lacks a valid, whole update: nobody applies
+        return prepared
+    t0 = time.perf_counter()
+    if mode != "none":
+        await vllm_compat.unless_engine_dies(engine, engine.pause_generation(mode=mode, clear_cache=False), "pause")
+    t_paused = time.perf_counter()
+    try:
+        res = await commit_on_every_rank(engine, update_id)
+        if res.get("ok"):
+            await state.committed(res, mode)
+        else:
+            await state.commit_failed(res)
+    finally:
+        if mode != "none" and not getattr(engine, "errored", False):
+            await vllm_compat.unless_engine_dies(engine, engine.resume_generation(), "resume")
+    if res.get("ok"):
+        res["pause_window_s"] = round(time.perf_counter() - t0, 4)
+        res["drain_s"] = round(t_paused - t0, 4)
+        logger.info("vllm-specrl: %s v%s committed (%d tensors, %.3f s paused)",
+                    res["target"], res["version"], res["tensors_staged"], res["pause_window_s"])
     return res
 
 
@@ -85,7 +118,7 @@ def touch(state: Any, update_id: str) -> None:
 
 
 def answer(res: dict) -> JSONResponse:
-    return JSONResponse(res, status_code=200 if res.get("ok") else 400)
+    return JSONResponse(res, status_code=200 if res.get("ok") else 503 if res.get("engine_dead") else 400)
 
 
 def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
@@ -153,28 +186,13 @@ def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
         if update_id in state.uploads:
             state.uploads[update_id]["committing"] = True
         async with state.commit_lock:
-            prepared = await rpc_all(engine, "specrl_prepare_commit", update_id)
-            if not prepared.get("ok"):  # some rank lacks a valid, whole update: nobody applies
-                state.uploads.pop(update_id, None)
-                return answer(prepared)
-            t0 = time.perf_counter()
-            if mode != "none":
-                await engine.pause_generation(mode=mode, clear_cache=False)
-            t_paused = time.perf_counter()
             try:
-                res = await commit_on_every_rank(engine, update_id)
-                if res.get("ok"):
-                    await state.committed(res, mode)
-                else:
-                    await state.commit_failed(res)
-            finally:
-                if mode != "none":
-                    await engine.resume_generation()
-            if res.get("ok"):
-                res["pause_window_s"] = round(time.perf_counter() - t0, 4)
-                res["drain_s"] = round(t_paused - t0, 4)
-                logger.info("vllm-specrl: %s v%s committed (%d tensors, %.3f s paused)",
-                            res["target"], res["version"], res["tensors_staged"], res["pause_window_s"])
+                res = await commit_paused(engine, state, update_id, mode)
+            except vllm_compat.EngineDied as exc:  # nothing can serve or be restored here: say so at once
+                logger.error("vllm-specrl: %s; update %s outcome unknown", exc, update_id)
+                res = {"ok": False, "engine_dead": True, "problems": [],
+                       "error": f"{exc}: update {update_id} may be partly applied; this engine serves nothing "
+                                "more and must be restarted (the served checkpoint plus the last committed update)"}
         state.uploads.pop(update_id, None)
         return answer(res)
 
@@ -190,13 +208,14 @@ def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
         mode = (await request.json() if await request.body() else {}).get("mode", "keep")
         if mode not in PAUSE_MODES[:3]:
             return refused(f"mode must be one of {PAUSE_MODES[:3]}; got {mode!r}")
-        await state.engine_client.pause_generation(mode=mode, clear_cache=False)
+        engine = state.engine_client
+        await vllm_compat.unless_engine_dies(engine, engine.pause_generation(mode=mode, clear_cache=False), "pause")
         return JSONResponse({"ok": True, "paused": True, "mode": mode})
 
     @router.post("/resume")
     async def resume(request: Request) -> JSONResponse:
         state = get_state(request)
-        await state.engine_client.resume_generation()
+        await vllm_compat.unless_engine_dies(state.engine_client, state.engine_client.resume_generation(), "resume")
         return JSONResponse({"ok": True, "paused": False})
 
     return router
