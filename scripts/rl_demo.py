@@ -12,7 +12,8 @@ step, and pushes the new weights into the engine in place
 serves the rollouts, capture streams the policy's hidden states, and the
 online draft trainer (``vllm-specrl train-draft --capture``) keeps the draft
 following the policy, and k is chosen per engine step (``vllm_specrl.adaptive``;
-``--no-adaptive-k`` for a fixed k). A ``history`` run serves the rollouts with the
+``--no-adaptive-k`` for a fixed k; ``--no-online-draft`` serves the starting draft frozen, without
+capture or trainer, which shows what online adaptation costs here). A ``history`` run serves the rollouts with the
 rollout-history proposer instead (drafts from the group's siblings and earlier
 rollouts of the same prompt; no draft model, no trainer); ``--proposer history``
 runs it beside plain, ``--runs spec,history,plain`` beside EAGLE-3 too, and
@@ -74,15 +75,16 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
         capture = f"tcp://127.0.0.1:{free_port()}"
         spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": args.k,
                 "draft_sample_method": "probabilistic"}
-        server_args += ["--speculative-config", json.dumps(spec),
-                        "--additional-config", json.dumps({"specrl": {"capture": capture, "capture_topk": 64}})]
+        server_args += ["--speculative-config", json.dumps(spec)]
+        if args.online_draft:
+            server_args += ["--additional-config", json.dumps({"specrl": {"capture": capture, "capture_topk": 64}})]
         if args.adaptive_k:
             server_args += ["--scheduler-cls", "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"]
     policy = Policy(policy_dir, args.lr, args.seed)
     steps = []
     with VLLMServer(policy_dir, server_args, log_path=work / f"serve_{mode}.log") as srv:
         client = EngineClient(srv.url, progress=False)
-        if speculative:
+        if speculative and args.online_draft:
             trainer = subprocess.Popen(
                 [sys.executable, "-m", "vllm_specrl.cli", "train-draft", "--capture", capture,
                  "--engine", srv.url, "--draft", str(draft), "--target", str(policy_dir),
@@ -323,6 +325,9 @@ def main() -> None:
     ap.add_argument("--draft-vocab-size", type=int, default=8192)
     ap.add_argument("--draft-replay-ratio", type=float, default=4.0,
                     help="online draft trainer: samples trained per captured rollout")
+    ap.add_argument("--online-draft", action=argparse.BooleanOptionalAction, default=True,
+                    help="capture the policy's states and train the draft online; --no-online-draft serves the "
+                         "starting draft frozen (no capture, no trainer)")
     ap.add_argument("--draft-nice", type=int, default=19,
                     help="niceness of the online draft trainer process: it shares this machine's cores with the "
                          "engine and the policy update, so by default it only takes the cycles they leave")

@@ -59,3 +59,29 @@ def test_a_call_pending_when_the_engine_dies_fails_instead_of_hanging():
         return asyncio.get_running_loop().time() - t0
 
     assert asyncio.run(asyncio.wait_for(scenario(), 10)) < 0.3 + 2 * vllm_compat.ENGINE_POLL_S
+
+
+class _DataParallelCore:
+    """The shape of vLLM's DP client: one answer list per engine core from call_utility_all_async."""
+    core_engines = [b"\x00\x00", b"\x01\x00"]
+
+    async def call_utility_all_async(self, method, *args):
+        assert method == "collective_rpc"
+        return [[{"core": 0, "rpc": args[0]}], [{"core": 1, "rpc": args[0]}]]
+
+
+class _AsyncLLM:
+    def __init__(self, core):
+        self.engine_core = core
+
+    async def collective_rpc(self, method, timeout=None, args=()):
+        return [{"core": 0, "rpc": method}]  # what vLLM's collective_rpc returns: the first core's only
+
+
+def test_worker_calls_are_answered_by_every_data_parallel_core():
+    import asyncio
+
+    every = asyncio.run(vllm_compat.collective_rpc_all_engines(_AsyncLLM(_DataParallelCore()), "m", 1.0))
+    assert every == [{"core": 0, "rpc": "m"}, {"core": 1, "rpc": "m"}]
+    single = asyncio.run(vllm_compat.collective_rpc_all_engines(_AsyncLLM(object()), "m", 1.0))
+    assert single == [{"core": 0, "rpc": "m"}]

