@@ -96,6 +96,10 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
                 # The draft trainer shares these 2 cores with the engine and this loop (on a GPU
                 # cluster it has its own device): it takes cycles they leave, and a bounded number.
                 preexec_fn=lambda: os.nice(args.draft_nice))
+            # In an RL job the draft trainer starts once, before the first step; here its start-up
+            # (imports, loading the draft and the policy's head) would otherwise land in step 0's
+            # rollouts and be counted as their cost.
+            wait_for_trainer_start(trainer, work / f"draft_trainer_{mode}.out")
         pool = ThreadPoolExecutor(1)
 
         def rollouts(step: int):
@@ -193,6 +197,31 @@ def mean_k(before: dict | None, after: dict | None) -> float | None:
     b = before["chosen_k_counts"] if before else [0] * len(after["chosen_k_counts"])
     counts = [x - y for x, y in zip(after["chosen_k_counts"], b)]
     return sum(k * n for k, n in enumerate(counts)) / sum(counts) if sum(counts) else None
+
+
+def warm_up_trainer_side(target: Path, args: argparse.Namespace) -> None:
+    """One logprob pass and one GRPO step of a throwaway policy at the largest step's shape, so the
+    run that goes first does not pay this process's one-time costs (oneDNN primitives, allocator
+    growth) that the runs after it skip: step 0's logprob phase took 15-16 s in the first run and
+    7-8 s in the second before this."""
+    policy = Policy(target, args.lr, args.seed)
+    prompt = policy.tok(policy.chat("What is 2 + 3?"))["input_ids"]
+    n = args.prompts * args.group
+    samples = [{"prompt_ids": prompt, "completion_ids": prompt[-1:] * args.max_tokens,
+                "vllm_logprobs": [-1.0] * args.max_tokens, "reward": float(i % 2)} for i in range(n)]
+    policy.grpo_step(samples, policy.token_logprobs(samples), args.group, args.clip)
+
+
+def wait_for_trainer_start(trainer: subprocess.Popen, out: Path, timeout_s: float = 300.0) -> None:
+    """Until the online draft trainer says it started (its first output line), or it exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and trainer.poll() is None:
+        if out.exists() and '"event": "started"' in out.read_text():
+            return
+        time.sleep(0.5)
+    code = trainer.poll()
+    trainer.kill()
+    raise RuntimeError(f"the draft trainer did not start (exit code {code}); see {out}")
 
 
 def summarize(runs: dict) -> dict:
@@ -346,6 +375,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     report = {"demo": "grpo_speculative_rollouts", "settings": {k: str(v) for k, v in vars(args).items()},
               "runs": {}}
+    warm_up_trainer_side(target, args)
     for mode in args.runs.split(","):
         report["runs"][mode] = run(mode, args, target, work)
         args.out.write_text(json.dumps(report, indent=2))

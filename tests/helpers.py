@@ -50,3 +50,48 @@ def perturbed_checkpoint(model_dir, out, seed: int, scale: float = 0.3):
                if v.is_floating_point() and v.dim() == 2 else v for k, v in weights.items()},
               out / "model.safetensors")
     return out
+
+
+def capture_and_receive(address: str, send, wanted: int, timeout_s: float = 30.0) -> tuple[object, list[dict]]:
+    """Listen on ``address``, call ``send()`` (which makes the engine generate), and gather
+    the captured sequences until ``wanted`` requests are whole and the stream is quiet."""
+    import time
+
+    from vllm_specrl.capture.receiver import CaptureReceiver, SequenceAssembler
+
+    rx, asm = CaptureReceiver(address), SequenceAssembler()
+    try:
+        time.sleep(1.0)  # the engine's senders reconnect to the new receiver
+        result = send()
+        deadline = time.time() + timeout_s
+        while time.time() < deadline and (len(asm.requests) < wanted or rx.socket.poll(1000)):
+            for header, tensors in rx.receive(200):
+                asm.add(header, tensors)
+    finally:
+        rx.close()
+    return result, [asm.pop(rid) for rid in list(asm.requests)]
+
+
+def assert_captured_rows_match_hf(model_dir, tokens: list[list[int]], captured: list[dict],
+                                  keys: tuple[str, ...] = ("aux_hidden", "final_hidden")) -> None:
+    """Each request (prompt + output tokens) was captured exactly once from position 0, and its
+    rows equal an HF forward of the same tokens (per-row relative error < 2%). Frames of earlier
+    requests may be among ``captured``: they are matched by tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from vllm_specrl.proposer.eagle3_config import default_aux_layer_ids
+    from vllm_specrl.trainer.features import sequence_features
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ref = sequence_features(model, [t[:-1] for t in tokens], default_aux_layer_ids(cfg["num_hidden_layers"]),
+                            dtype=torch.float32)
+    for toks, want_rows in zip(tokens, ref):
+        n = len(toks) - 1
+        matches = [s for s in captured if s["start"] == 0 and s["token_ids"].tolist()[:n] == toks[:n]]
+        assert len(matches) == 1, f"{len(matches)} captured streams for one request"
+        for key in keys:
+            got, want = matches[0][key][:n].float(), want_rows[key]
+            err = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max()
+            assert err < 0.02, (key, float(err))

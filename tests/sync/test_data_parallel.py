@@ -14,24 +14,20 @@ k=3, capture on).
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-import torch
 from safetensors.torch import load_file
 
 from conftest import WARM_DRAFT_VOCAB
-from helpers import perturbed_checkpoint
+from helpers import assert_captured_rows_match_hf, capture_and_receive, perturbed_checkpoint
 from prompts import code_prompts
 from sampling import greedy_generate
-from vllm_specrl.capture.receiver import CaptureReceiver, SequenceAssembler
 from vllm_specrl.faults import FAULTS_ENV
 from vllm_specrl.proposer.checkpoint import init_draft
 from vllm_specrl.server import VLLMServer, cpu_env, free_port
 from vllm_specrl.sync.client import EngineClient, WeightSyncError
-from vllm_specrl.trainer.features import sequence_features
 
 pytestmark = pytest.mark.server
 MAX_TOKENS = 12
@@ -141,13 +137,7 @@ def test_a_commit_failing_in_one_core_rolls_back_both(server, client, new_policy
 
 
 def test_both_cores_capture_to_one_trainer_address(server, tiny_model, capture_address, prompts):
-    from transformers import AutoModelForCausalLM
-
-    from vllm_specrl.proposer.eagle3_config import default_aux_layer_ids
-
-    rx, asm = CaptureReceiver(capture_address), SequenceAssembler()
-    try:
-        time.sleep(1.0)  # the engines' senders reconnect to the new receiver
+    def send():
         before = requests_per_core(server)
         with ThreadPoolExecutor(4) as pool:
             choices = list(pool.map(lambda p: requests.post(
@@ -156,21 +146,8 @@ def test_both_cores_capture_to_one_trainer_address(server, tiny_model, capture_a
                     "return_token_ids": True}).json()["choices"][0], prompts[:4]))
         after = requests_per_core(server)
         assert all(after[core] > before.get(core, 0) for core in ("0", "1")), (before, after)
-        deadline = time.time() + 30
-        while time.time() < deadline and (len(asm.requests) < 4 or rx.socket.poll(1000)):
-            for header, tensors in rx.receive(200):
-                asm.add(header, tensors)
-    finally:
-        rx.close()
-    tokens = [c["prompt_token_ids"] + c["token_ids"] for c in choices]
-    seqs = [asm.pop(rid) for rid in list(asm.requests)]  # earlier tests' requests may be there too
-    cfg = json.loads((tiny_model / "config.json").read_text())
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-    ref = sequence_features(model, [t[:-1] for t in tokens], default_aux_layer_ids(cfg["num_hidden_layers"]),
-                            dtype=torch.float32)
-    for toks, want_rows in zip(tokens, ref):
-        n = len(toks) - 1
-        matches = [s for s in seqs if s["start"] == 0 and s["token_ids"].tolist()[:n] == toks[:n]]
-        assert len(matches) == 1, f"{len(matches)} captured streams for one request"
-        got, want = matches[0]["final_hidden"][:n].float(), want_rows["final_hidden"]
-        assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < 0.02
+        return choices
+
+    choices, captured = capture_and_receive(capture_address, send, wanted=4)
+    assert_captured_rows_match_hf(tiny_model, [c["prompt_token_ids"] + c["token_ids"] for c in choices], captured,
+                                  keys=("final_hidden",))

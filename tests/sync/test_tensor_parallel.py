@@ -10,23 +10,19 @@ core 0, rank 1 on core 1). One server for the module (tiny target, float32, EAGL
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import requests
-import torch
 from safetensors.torch import load_file
 
 from conftest import WARM_DRAFT_VOCAB
-from helpers import perturbed_checkpoint
+from helpers import assert_captured_rows_match_hf, capture_and_receive, perturbed_checkpoint
 from prompts import code_prompts
 from sampling import greedy_generate
-from vllm_specrl.capture.receiver import CaptureReceiver, SequenceAssembler
 from vllm_specrl.faults import FAULTS_ENV
 from vllm_specrl.proposer.checkpoint import init_draft
 from vllm_specrl.server import VLLMServer, cpu_env, free_port
 from vllm_specrl.sync.client import EngineClient, WeightSyncError
-from vllm_specrl.trainer.features import sequence_features
 
 pytestmark = pytest.mark.server
 MAX_TOKENS = 16
@@ -122,39 +118,16 @@ def test_a_commit_failing_on_any_rank_rolls_back_every_rank(server, client, new_
 
 
 def test_capture_streams_full_states_from_rank_0(server, tiny_model, capture_address, prompts):
-    from transformers import AutoModelForCausalLM
-
-    from vllm_specrl.proposer.eagle3_config import default_aux_layer_ids
-
-    rx, asm = CaptureReceiver(capture_address), SequenceAssembler()
-    try:
-        time.sleep(1.0)  # the engine's sender reconnects to the new receiver
+    def send():
         r = requests.post(server.url + "/v1/completions", headers=server.headers, timeout=300, json={
             "model": server.model, "prompt": prompts[:2], "max_tokens": 24, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True})
         r.raise_for_status()
-        deadline = time.time() + 30
-        while time.time() < deadline and (len(asm.requests) < 2 or rx.socket.poll(1000)):
-            for header, tensors in rx.receive(200):
-                asm.add(header, tensors)
-    finally:
-        rx.close()
-    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
-    tokens = [c["prompt_token_ids"] + c["token_ids"] for c in choices]
-    # Frames of earlier tests' requests may arrive too (ZeroMQ buffered them): match by tokens.
-    seqs = [asm.pop(rid) for rid in list(asm.requests)]
-    cfg = json.loads((tiny_model / "config.json").read_text())
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-    ref = sequence_features(model, [t[:-1] for t in tokens], default_aux_layer_ids(cfg["num_hidden_layers"]),
-                            dtype=torch.float32)
-    for toks, want_rows in zip(tokens, ref):
-        n = len(toks) - 1
-        matches = [s for s in seqs if s["start"] == 0 and s["token_ids"].tolist()[:n] == toks[:n]]
-        assert len(matches) == 1, f"{len(matches)} captured streams for one request (one per rank?)"
-        for key in ("aux_hidden", "final_hidden"):
-            got, want = matches[0][key][:n].float(), want_rows[key]
-            err = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max()
-            assert err < 0.02, (key, float(err))
+        return sorted(r.json()["choices"], key=lambda c: c["index"])
+
+    choices, captured = capture_and_receive(capture_address, send, wanted=2)
+    # One stream per request, not one per rank (hidden states are replicated under TP).
+    assert_captured_rows_match_hf(tiny_model, [c["prompt_token_ids"] + c["token_ids"] for c in choices], captured)
 
 
 def test_adaptive_k_is_timed_from_the_workers(client):
