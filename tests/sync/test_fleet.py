@@ -145,12 +145,13 @@ def test_one_trainer_learns_from_every_replica_and_publishes_to_all(replicas, fl
                 break
         else:
             pytest.fail(f"no draft published to both replicas: {fleet.versions()}")
+        # Read while the trainer runs: once it exits, the senders see it disconnected.
+        statuses = [fleet.replicas[s.url].status() for s in (a, b)]
     finally:
         trainer.send_signal(signal.SIGINT)
         trainer.wait(60)
     # Both replicas streamed to the one trainer (their senders saw it connected), which reported its
     # ingestion to both with the publishes.
-    statuses = [fleet.replicas[s.url].status() for s in (a, b)]
     assert all(st["capture"]["frames_sent"] > 0 and st["capture"]["trainer_connected"] for st in statuses)
     assert all(st["draft_trainer"] and st["draft_trainer"]["capture"]["ingested"] > 0 for st in statuses)
     records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
