@@ -199,19 +199,6 @@ def mean_k(before: dict | None, after: dict | None) -> float | None:
     return sum(k * n for k, n in enumerate(counts)) / sum(counts) if sum(counts) else None
 
 
-def warm_up_trainer_side(target: Path, args: argparse.Namespace) -> None:
-    """One logprob pass and one GRPO step of a throwaway policy at the largest step's shape, so the
-    run that goes first does not pay this process's one-time costs (oneDNN primitives, allocator
-    growth) that the runs after it skip: step 0's logprob phase took 15-16 s in the first run and
-    7-8 s in the second before this."""
-    policy = Policy(target, args.lr, args.seed)
-    prompt = policy.tok(policy.chat("What is 2 + 3?"))["input_ids"]
-    n = args.prompts * args.group
-    samples = [{"prompt_ids": prompt, "completion_ids": prompt[-1:] * args.max_tokens,
-                "vllm_logprobs": [-1.0] * args.max_tokens, "reward": float(i % 2)} for i in range(n)]
-    policy.grpo_step(samples, policy.token_logprobs(samples), args.group, args.clip)
-
-
 def wait_for_trainer_start(trainer: subprocess.Popen, out: Path, timeout_s: float = 300.0) -> None:
     """Until the online draft trainer says it started (its first output line), or it exits."""
     deadline = time.monotonic() + timeout_s
@@ -375,7 +362,6 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     report = {"demo": "grpo_speculative_rollouts", "settings": {k: str(v) for k, v in vars(args).items()},
               "runs": {}}
-    warm_up_trainer_side(target, args)
     for mode in args.runs.split(","):
         report["runs"][mode] = run(mode, args, target, work)
         args.out.write_text(json.dumps(report, indent=2))
