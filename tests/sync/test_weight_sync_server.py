@@ -9,6 +9,7 @@ from checkpoints of the same weights.
 from __future__ import annotations
 
 import json
+import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -137,6 +138,55 @@ def test_protocol_misuse_is_refused(server, client, original):
     r = post(f"/specrl/update/{uid}/commit", json={})
     assert r.status_code == 400 and "no update in progress" in r.json()["error"]  # aborted
     assert versions(client) == {"policy": 0, "draft": 0}
+
+
+FUZZED_BODIES = 200
+
+
+def fuzzed_chunks(valid: bytes, n: int, seed: int):
+    """Mutations of one valid safetensors chunk: truncated, header bytes flipped, header length
+    forged, body bytes flipped, garbage."""
+    rng = random.Random(seed)
+    header_end = 8 + int.from_bytes(valid[:8], "little")
+    for i in range(n):
+        body = bytearray(valid)
+        kind = ("truncated", "header flip", "header length", "body flip", "garbage")[i % 5]
+        if kind == "truncated":
+            body = body[: rng.randrange(len(body))]
+        elif kind == "header flip":
+            for _ in range(rng.randint(1, 8)):
+                body[rng.randrange(8, header_end)] = rng.randrange(256)
+        elif kind == "header length":
+            body[:8] = rng.choice([0, 1, header_end, len(body) * 4, 2**63 - 1]).to_bytes(8, "little")
+        elif kind == "body flip":
+            for _ in range(rng.randint(1, 8)):
+                body[rng.randrange(header_end, len(body))] = rng.randrange(256)
+        else:
+            body = bytearray(rng.randbytes(rng.randrange(1, 4096)))
+        yield kind, bytes(body)
+
+
+def test_fuzzed_update_chunks_are_refused_and_change_nothing(server, client, original, prompts, baseline):
+    """Every mangled chunk gets a 4xx answer naming the problem (never a 5xx, never a hang), the
+    update it was part of applies nothing, and serving is unchanged; a body flip that still parses
+    to finite values of the right shape is a valid chunk and may be staged, but its update, left
+    incomplete, is refused at commit."""
+    post = lambda path, **kw: requests.post(server.url + path, headers=server.headers, timeout=60, **kw)  # noqa: E731
+    name = "model.norm.weight"
+    outcomes: dict[str, int] = {}
+    for kind, body in fuzzed_chunks(save({name: original[name]}), FUZZED_BODIES, seed=11):
+        uid = post("/specrl/update/begin", json={"target": "policy", "version": 1}).json()["update_id"]
+        r = post(f"/specrl/update/{uid}/tensors", data=body)
+        assert r.status_code in (200, 400), (kind, r.status_code, r.text[:300])
+        if r.status_code == 400:
+            assert r.json()["error"], kind
+        commit = post(f"/specrl/update/{uid}/commit", json={})
+        assert commit.status_code == 400, (kind, commit.text[:300])  # never a whole update
+        post(f"/specrl/update/{uid}/abort")
+        outcomes[f"{kind}:{r.status_code}"] = outcomes.get(f"{kind}:{r.status_code}", 0) + 1
+    assert sum(n for k, n in outcomes.items() if k.endswith(":400")) > FUZZED_BODIES // 2, outcomes
+    assert versions(client) == {"policy": 0, "draft": 0}
+    assert served_texts(server, prompts) == baseline
 
 
 def test_update_policy_equals_a_fresh_engine_on_the_new_weights(server, client, new_policy, original,
