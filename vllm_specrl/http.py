@@ -235,13 +235,12 @@ def build_router() -> APIRouter:
         state = _specrl_state(request)
         body = await request.json() if await request.body() else {}
         if body.get("enabled", True):
-            call = vllm_compat.collective_rpc_all_engines(state.engine_client, "specrl_capture_start",
-                                                          WORKER_RPC_TIMEOUT_S,
-                                                          (body.get("address"), body.get("fraction")))
+            results = await vllm_compat.collective_rpc_all_engines(
+                state.engine_client, "specrl_capture_start", WORKER_RPC_TIMEOUT_S,
+                (body.get("address"), body.get("fraction")))
         else:
-            call = vllm_compat.collective_rpc_all_engines(state.engine_client, "specrl_capture_stop",
-                                                          WORKER_RPC_TIMEOUT_S)
-        results = await vllm_compat.unless_engine_dies(state.engine_client, call, "capture")
+            results = await vllm_compat.collective_rpc_all_engines(state.engine_client, "specrl_capture_stop",
+                                                                   WORKER_RPC_TIMEOUT_S)
         bad = [r for r in results if not r.get("ok")]
         return JSONResponse(bad[0] if bad else results[0], status_code=400 if bad else 200)
 

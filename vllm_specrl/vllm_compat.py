@@ -976,7 +976,8 @@ async def unless_engine_dies(engine: Any, call: Awaitable[T], what: str) -> T:
 
 
 async def collective_rpc_all_engines(engine: Any, method: str, timeout: float, args: tuple = ()) -> list:
-    """Every worker's answer, from every engine core of a data-parallel server.
+    """Every worker's answer, from every engine core of a data-parallel server; ``EngineDied``
+    (never a hang) if an engine core dies meanwhile (``unless_engine_dies``).
 
     vLLM 0.32.0 (0.33.0 reads the same): with ``--data-parallel-size N`` behind one API server
     (``DPLBAsyncMPClient``), ``AsyncLLM.collective_rpc`` sends the call to every engine core but
@@ -985,6 +986,10 @@ async def collective_rpc_all_engines(engine: Any, method: str, timeout: float, a
     ``call_utility_all_async`` returns one answer list per core; they are concatenated here
     (core order, then worker order). One core: ``collective_rpc`` as is.
     """
+    return await unless_engine_dies(engine, _collective_rpc_every_core(engine, method, timeout, args), method)
+
+
+async def _collective_rpc_every_core(engine: Any, method: str, timeout: float, args: tuple) -> list:
     core = getattr(engine, "engine_core", None)
     every = getattr(core, "call_utility_all_async", None)
     if every is not None and len(getattr(core, "core_engines", ())) > 1:

@@ -178,6 +178,7 @@ def test_an_engine_killed_during_a_commit_is_quarantined_and_the_fleet_goes_on(r
             res = pair.update_policy(original, version=KILLED_AT)
             served_during = during.result()
         assert res["committed"] == [b.url] and list(res["quarantined"]) == [c.url], res
+        assert "engine core died" in res["quarantined"][c.url], res  # the 503, not a dropped connection
         assert len(served_during) == 3
         with pytest.raises(requests.RequestException):  # C's engine is gone: it serves nothing
             requests.post(c.url + "/v1/completions", headers=c.headers, timeout=60,

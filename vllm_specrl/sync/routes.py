@@ -37,8 +37,7 @@ def refused(error: str, problems: list[str] | None = None, status: int = 400) ->
 async def rpc(engine: Any, method: str, *args: Any) -> list:
     """Every rank's answer (of every data-parallel engine core); ``EngineDied`` if an engine core
     dies meanwhile (never a hang)."""
-    return await vllm_compat.unless_engine_dies(
-        engine, vllm_compat.collective_rpc_all_engines(engine, method, RPC_TIMEOUT_S, args), method)
+    return await vllm_compat.collective_rpc_all_engines(engine, method, RPC_TIMEOUT_S, args)
 
 
 async def rpc_all(engine: Any, method: str, *args: Any) -> dict:
@@ -119,7 +118,7 @@ def touch(state: Any, update_id: str) -> None:
 
 
 def answer(res: dict) -> JSONResponse:
-    return JSONResponse(res, status_code=200 if res.get("ok") else 503 if res.get("engine_dead") else 400)
+    return JSONResponse(res, status_code=200 if res.get("ok") else 400)
 
 
 def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
@@ -190,10 +189,11 @@ def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
             try:
                 res = await commit_paused(engine, state, update_id, mode)
             except vllm_compat.EngineDied as exc:  # nothing can serve or be restored here: say so at once
+                state.uploads.pop(update_id, None)
                 logger.error("vllm-specrl: %s; update %s outcome unknown", exc, update_id)
-                res = {"ok": False, "engine_dead": True, "problems": [],
-                       "error": f"{exc}: update {update_id} may be partly applied; this engine serves nothing "
-                                "more and must be restarted (the served checkpoint plus the last committed update)"}
+                raise vllm_compat.EngineDied(  # answered 503 by the app's handler (http.py)
+                    f"{exc}: update {update_id} may be partly applied; restart from the served checkpoint "
+                    "plus the last committed update") from exc
         state.uploads.pop(update_id, None)
         return answer(res)
 
