@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-PHASE_ORDER = ("target_forward", "target_logits", "sampler", "rejection_sampler", "draft_forward",
+PHASE_ORDER = ("wall", "target_forward", "target_logits", "sampler", "rejection_sampler", "draft_forward",
                "draft_logits_and_sampling", "draft_other", "other")
 
 
@@ -67,6 +67,7 @@ def _engine(cfg: dict) -> list[dict]:
         ms["other"] = ms["step"] - sum(ms[k] for k in ("target_forward", "target_logits", "sampler",
                                                         "rejection_sampler", "propose"))
         spec = metrics.from_llm_metrics(llm.get_metrics()).minus(stats0).summary()
+        ms["wall"] = 1e3 * wall / steps   # the runner's step plus the scheduler and output handling
         rows.append({"batch_size": batch, "engine_steps": steps, "tokens": tokens, "wall_s": round(wall, 3),
                      "tokens_per_s": tokens / wall, "ms_per_step": {k: round(v, 3) for k, v in ms.items()},
                      "spec_decode": spec if cfg["speculative_config"] else None})
@@ -110,8 +111,13 @@ def main() -> None:
                     help="EAGLE-3 draft (default: the real fixture's warm-started draft, `make draft`)")
     ap.add_argument("--ks", default="1,2,3")
     ap.add_argument("--batch-sizes", default="1,4,16")
-    ap.add_argument("--sampling", default="fast,stock", help="fast (plugin) and/or stock (vLLM's)")
+    ap.add_argument("--sampling", default="fast,stock", help="fast (plugin) and/or stock (vLLM's), or none (no fixed-k engines)")
     ap.add_argument("--adaptive", action="store_true", help="also run EAGLE-3 at max k with adaptive k")
+    ap.add_argument("--held-at", default="",
+                    help="also run EAGLE-3 at max k held at these k's by vLLM's batch-size table "
+                         "(e.g. 0,1: what an adaptive engine's step costs at that k, without the controller)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every configuration this many times, in turn (single engines differ by 10-15%%)")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--waves", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
@@ -138,7 +144,7 @@ def main() -> None:
             "waves": args.waves, "prompts": default_prompts(32, seed=4321, task="arithmetic")}
     configs = [("plain", None, {}, None)]
     ks = [int(k) for k in args.ks.split(",")]
-    for sampling in args.sampling.split(","):
+    for sampling in [m for m in args.sampling.split(",") if m and m != "none"]:
         for k in ks:
             spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": k,
                     "draft_sample_method": "probabilistic"}
@@ -149,6 +155,11 @@ def main() -> None:
                 "draft_sample_method": "probabilistic"}
         configs.append((f"eagle3_adaptive_k{max(ks)}", spec, {},
                         "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"))
+    for held in [int(k) for k in args.held_at.split(",") if k]:
+        spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": max(ks),
+                "draft_sample_method": "probabilistic",
+                "num_speculative_tokens_per_batch_size": [[1, 1024, held]]}
+        configs.append((f"eagle3_k{max(ks)}_held_at_{held}", spec, {}, None))
     report = {"benchmark": "step_cost", "model": model, "draft": str(draft),
               "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
               "settings": {k: v for k, v in base.items() if k != "prompts"}
@@ -156,7 +167,9 @@ def main() -> None:
               "rows": []}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     plain: dict[int, dict] = {}
-    for name, spec, env, scheduler_cls in configs:
+    for round_index, (name, spec, env, scheduler_cls) in ((r, c) for r in range(args.rounds) for c in configs):
+        if args.rounds > 1:
+            name = f"{name}#{round_index}"
         print(f"[step-cost] {name}", flush=True)
         res = run_engine(dict(base, speculative_config=spec, scheduler_cls=scheduler_cls), env, args.timeout,
                          iomp=not args.no_iomp)
@@ -166,7 +179,7 @@ def main() -> None:
             continue
         for row in res:
             row["name"] = name
-            if name == "plain":
+            if name.split("#")[0] == "plain":
                 plain[row["batch_size"]] = row
             elif row["batch_size"] in plain:
                 ref = plain[row["batch_size"]]
