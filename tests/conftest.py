@@ -24,7 +24,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
 def fixture_root() -> Path:
     from vllm_specrl.fixtures import build_fixtures
 
-    build_fixtures(FIXTURE_ROOT, ("tiny", "tiny-qwen2"))
+    build_fixtures(FIXTURE_ROOT, ("tiny", "tiny-qwen2", "tiny-mimo"))
     return FIXTURE_ROOT
 
 
@@ -48,6 +48,14 @@ def qwen2_model(fixture_root) -> Path:
     from vllm_specrl.fixtures import fixture_target
 
     return fixture_target("tiny-qwen2", fixture_root)
+
+
+@pytest.fixture(scope="session")
+def mimo_model(fixture_root) -> Path:
+    """tiny-qwen2's body with a trained MiMo-style MTP layer (``"method": "mtp"``)."""
+    from vllm_specrl.fixtures import fixture_target
+
+    return fixture_target("tiny-mimo", fixture_root)
 
 
 WARM_DRAFT_VOCAB = 1024

@@ -21,7 +21,9 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | ``model_runner.reload_weights``,               | in-place policy / draft updates   | 0.32.0 (cpu)      |
 | ``model_loader.reload.inplace.reload_weights``,|                                   |                   |
 | ``model_runner.drafter.model``,                |                                   |                   |
-| ``vllm_config.model_config.model``             |                                   |                   |
+| ``vllm_config.model_config.model``,            |                                   |                   |
+| ``speculative_config.method == "mtp"``: the    | policy updates reach the MTP      | 0.32.0 (cpu)      |
+| drafter's ``load_weights`` (MiMoMTP filter)    | drafter too (tiny-mimo fixture)   |                   |
 | ``WeightTransferEngineFactory.register_engine``| ``specrl_shm`` backend (CPU)       | 0.32.0 (cpu)      |
 | / ``._registry``, ``WeightTransferEngine`` ABC |                                   |                   |
 | runner ``propose_draft_token_ids`` (instance  | capture tap (hidden states of     | 0.32.0 (cpu)      |
@@ -681,9 +683,39 @@ def draft_checkpoint_dir(worker: Any) -> str | None:
     return str(model) if model and getattr(drafter, "model", None) is not None else None
 
 
+def policy_mtp_drafter(worker: Any) -> Any | None:
+    """The drafter model when it is the policy's own MTP layers (``"method": "mtp"``), else None.
+
+    Such a drafter is loaded from the policy checkpoint, and the target's loader
+    drops its tensors (``MiMoForCausalLM`` maps ``model.mtp_layers.*`` to None;
+    DeepSeek-style bodies skip layers past ``num_hidden_layers``): a policy update
+    must reach it separately or it keeps drafting for the old policy.
+    """
+    spec = worker.vllm_config.speculative_config
+    if spec is None or getattr(spec, "method", None) != "mtp":
+        return None
+    return getattr(getattr(worker.model_runner, "drafter", None), "model", None)
+
+
 def apply_policy_weights(worker: Any, named_tensors: list[tuple[str, Any]]) -> None:
-    """Load a full set of target weights in place (``model_runner.reload_weights``)."""
-    worker.model_runner.reload_weights(weights_iterator=iter(named_tensors))
+    """Load a full set of policy weights in place: the target (``model_runner.reload_weights``)
+    and, where the policy ships its own MTP layers, the MTP drafter (its ``load_weights`` keeps
+    the tensors that are its own; embeddings and LM head are the target's, shared)."""
+    mtp = policy_mtp_drafter(worker)
+    seen: list[tuple[str, Any]] = []
+
+    def recorded(items):  # ``named_tensors`` may be a one-pass iterator: keep what the target read
+        for item in items:
+            if mtp is not None:
+                seen.append(item)
+            yield item
+
+    worker.model_runner.reload_weights(weights_iterator=recorded(named_tensors))
+    if mtp is not None:
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+        reload_weights(worker.vllm_config, mtp, weights_iterator=iter(seen), weights_path=None,
+                       is_checkpoint_format=True)
     refresh_tied_lm_head(worker.model_runner.get_model())
 
 
@@ -731,8 +763,11 @@ def end_interrupted_reload(worker: Any, target: str) -> None:
     """
     from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
-    model = worker.model_runner.get_model() if target == "policy" else worker.model_runner.drafter.model
-    finalize_layerwise_reload(model, worker.vllm_config.model_config)
+    models = ([worker.model_runner.get_model(), policy_mtp_drafter(worker)] if target == "policy"
+              else [worker.model_runner.drafter.model])
+    for model in models:
+        if model is not None:
+            finalize_layerwise_reload(model, worker.vllm_config.model_config)
 
 
 def register_shm_weight_transfer_backend() -> str:

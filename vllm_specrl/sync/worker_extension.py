@@ -52,6 +52,10 @@ class SpecRLWorkerExtension:
         if cache is None:
             cache = self._specrl_specs_cache = {}
         if target not in cache:
+            if target == "draft" and vllm_compat.policy_mtp_drafter(self) is not None:
+                raise WeightUpdateError("this engine drafts with the policy's own MTP layers: they are part "
+                                        "of the policy checkpoint and change with update_policy, not "
+                                        "update_draft")
             directory = (vllm_compat.policy_checkpoint_dir(self) if target == "policy"
                          else vllm_compat.draft_checkpoint_dir(self))
             if directory is None:

@@ -1,0 +1,124 @@
+"""Policy updates reach the policy's own MTP layers (``"method": "mtp"``, the tiny-mimo fixture).
+
+vLLM's MiMo loader drops ``model.mtp_layers.*`` from the body's weights, so an update
+applied to the target alone would leave the drafter proposing for the old policy: greedy
+outputs would still be right (verification is lossless) but acceptance would not be the
+new checkpoint's. The test compares one in-process engine updated in place against a fresh
+engine started on the new checkpoint: outputs and vLLM's own draft counters must be equal.
+Updates that omit or mis-shape an MTP tensor are refused naming it, and change nothing.
+"""
+
+import json
+
+import pytest
+import torch
+
+from helpers import perturbed_checkpoint, result_json, run_python
+from prompts import code_prompts
+
+K = 3
+MAX_TOKENS = 32
+MTP_WEIGHT = "model.mtp_layers.0.input_proj.weight"
+MTP_NORM = "model.mtp_layers.0.final_layernorm.weight"
+
+
+def engine_script(model, updates: list[tuple[str, str]] | None = None, prompts=None) -> str:
+    """Greedy outputs and spec-decode counters before and after each update (label, checkpoint or mangle)."""
+    return f"""
+        import json
+        from safetensors.torch import load_file
+        from vllm import LLM, SamplingParams
+        from vllm_specrl import metrics
+        llm = LLM(model={str(model)!r}, dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
+                  max_num_seqs=16, disable_log_stats=False,
+                  speculative_config={{"method": "mtp", "num_speculative_tokens": {K}}},
+                  worker_extension_cls="vllm_specrl.sync.SpecRLWorkerExtension")
+        prompts = json.loads({json.dumps(json.dumps(prompts))})
+
+        def run():
+            before = metrics.from_llm_metrics(llm.get_metrics())
+            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens={MAX_TOKENS}, ignore_eos=True),
+                                use_tqdm=False)
+            stats = metrics.from_llm_metrics(llm.get_metrics()).minus(before).summary()
+            # Which requests the counters cover is the same in every run; print them for a failing diff.
+            print("RUN", stats["num_drafts"], stats["num_accepted_tokens"], flush=True)
+            return {{"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                     "drafts": stats["num_drafts"], "accepted": stats["num_accepted_tokens"]}}
+
+        def update(tensors, version):
+            rpc = lambda name, *args: llm.collective_rpc(name, args=args)[0]
+            begun = rpc("specrl_begin_update", "policy", version)
+            if not begun["ok"]:
+                return begun
+            staged = rpc("specrl_stage_tensors", begun["update_id"], tensors)
+            ready = rpc("specrl_prepare_commit", begun["update_id"]) if staged["ok"] else staged
+            if not ready["ok"]:
+                rpc("specrl_abort_update", begun["update_id"])
+                return ready
+            done = rpc("specrl_commit_update", begun["update_id"])
+            rpc("specrl_finalize_commit", begun["update_id"])
+            llm.reset_prefix_cache()  # as the server's commit route does: cached KV is the old policy's
+            return done
+
+        result = {{"runs": [run()], "answers": []}}
+        for version, (label, source) in enumerate(json.loads({json.dumps(json.dumps(updates or []))}), 1):
+            tensors = load_file(source + "/model.safetensors") if label == "checkpoint" else \\
+                load_file({str(model)!r} + "/model.safetensors")
+            if label == "misshaped":
+                tensors[{MTP_WEIGHT!r}] = tensors[{MTP_WEIGHT!r}][:, :-1].contiguous()
+            elif label == "missing":
+                del tensors[{MTP_NORM!r}]
+            answer = update(tensors, version)
+            result["answers"].append({{"label": label, "ok": answer["ok"], "error": answer.get("error"),
+                                      "problems": answer.get("problems", [])}})
+            result["runs"].append(run())
+        print("RESULT " + json.dumps(result))
+    """
+
+
+@pytest.fixture(scope="module")
+def new_policy(mimo_model, tmp_path_factory):
+    """Every matrix moved, the MTP layer's much more (an RL step on a model that trains its MTP too):
+    a drafter left on the old MTP weights drafts measurably differently."""
+    from safetensors.torch import load_file, save_file
+
+    out = perturbed_checkpoint(mimo_model, tmp_path_factory.mktemp("mtp-policy") / "v1", seed=0, scale=0.1)
+    tensors = load_file(out / "model.safetensors")
+    gen = torch.Generator().manual_seed(1)
+    for name, tensor in tensors.items():
+        if name.startswith("model.mtp_layers.") and tensor.dim() == 2:
+            tensors[name] = tensor + 0.5 * tensor.std() * torch.randn(tensor.shape, generator=gen)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return code_prompts(40)[24:36]
+
+
+@pytest.fixture(scope="module")
+def updated(mimo_model, new_policy, prompts):
+    updates = [("misshaped", ""), ("missing", ""), ("checkpoint", str(new_policy))]
+    return result_json(run_python(engine_script(mimo_model, updates, prompts), env={"VLLM_PLUGINS": "specrl"}))
+
+
+@pytest.fixture(scope="module")
+def fresh(new_policy, prompts):
+    return result_json(run_python(engine_script(new_policy, [], prompts), env={"VLLM_PLUGINS": "specrl"}))["runs"][0]
+
+
+def test_bad_mtp_tensors_are_refused_by_name_and_change_nothing(updated):
+    misshaped, missing = updated["answers"][:2]
+    assert not misshaped["ok"] and any(p.startswith(f"{MTP_WEIGHT}: shape") for p in misshaped["problems"]), misshaped
+    assert not missing["ok"] and f"{MTP_NORM}: missing" in missing["problems"], missing
+    before, after_misshaped, after_missing = updated["runs"][:3]
+    assert after_misshaped == before and after_missing == before
+
+
+def test_update_policy_moves_the_mtp_drafter_with_the_body(updated, fresh):
+    before, after = updated["runs"][0], updated["runs"][-1]
+    assert updated["answers"][-1]["ok"], updated["answers"][-1]
+    assert after["tokens"] == fresh["tokens"] and after["tokens"] != before["tokens"]
+    # The drafter's proposals equal a fresh engine's on the new checkpoint, to the token: same counts.
+    assert (after["drafts"], after["accepted"]) == (fresh["drafts"], fresh["accepted"]), (after, fresh)
