@@ -99,7 +99,9 @@ class SpecRLHttpState:
         self.commit_lock = asyncio.Lock()
         self.guard = StaleDraftGuard()
         spec = getattr(getattr(engine_client, "vllm_config", None), "speculative_config", None)
-        self.has_draft = getattr(spec, "method", None) in ("eagle3", "eagle", "draft_model")
+        # "mtp": the policy's own MTP layers draft; they change with every policy update.
+        self.draft_is_policy = getattr(spec, "method", None) == "mtp"
+        self.has_draft = getattr(spec, "method", None) in ("eagle3", "eagle", "draft_model", "mtp")
 
     async def committed(self, result: dict, pause_mode: str) -> None:
         """Bookkeeping after a worker applied an update (called inside the pause)."""
@@ -141,7 +143,7 @@ class SpecRLHttpState:
 
     def stale_draft(self) -> dict:
         return self.guard.assess(self.versions["policy"], self.versions["draft"], self.has_draft,
-                                 metrics.from_prometheus_registry())
+                                 metrics.from_prometheus_registry(), draft_is_policy=self.draft_is_policy)
 
     @property
     def auth_required(self) -> bool:

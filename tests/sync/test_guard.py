@@ -26,3 +26,13 @@ def test_version_lag_beyond_the_limit_is_stale():
 
 def test_no_draft_is_never_stale():
     assert not StaleDraftGuard(0, 1).assess(9, 0, False, counters(100, 0))["stale"]
+
+
+def test_mtp_layers_updated_with_the_policy_never_lag_but_can_go_stale():
+    """An MTP drafter is the policy's own layers (updated by every policy commit): no version lag,
+    but a refit that left them useless still shows as zero acceptance."""
+    guard = StaleDraftGuard(max_version_lag=2, min_drafts=64)
+    guard.policy_updated(counters(1000, 900))
+    verdict = guard.assess(9, 0, True, counters(1010, 905), draft_is_policy=True)
+    assert not verdict["stale"] and verdict["version_lag"] == 0
+    assert guard.assess(9, 0, True, counters(1100, 900), draft_is_policy=True)["stale"]

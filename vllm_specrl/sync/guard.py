@@ -28,10 +28,11 @@ class StaleDraftGuard:
         self.baseline = counters
 
     def assess(self, policy_version: int, draft_version: int, has_draft: bool,
-               counters: SpecDecodeCounters) -> dict:
+               counters: SpecDecodeCounters, draft_is_policy: bool = False) -> dict:
+        """``draft_is_policy``: the draft is the policy's own MTP layers, updated with it (no lag)."""
         window = counters.minus(self.baseline) if self.baseline else counters
         reasons = []
-        lag = policy_version - draft_version
+        lag = 0 if draft_is_policy else policy_version - draft_version
         if has_draft and lag > self.max_version_lag:
             reasons.append(f"draft version {draft_version} lags policy version {policy_version} "
                            f"by {lag} (> {self.max_version_lag})")
