@@ -122,3 +122,32 @@ def test_update_policy_moves_the_mtp_drafter_with_the_body(updated, fresh):
     assert after["tokens"] == fresh["tokens"] and after["tokens"] != before["tokens"]
     # The drafter's proposals equal a fresh engine's on the new checkpoint, to the token: same counts.
     assert (after["drafts"], after["accepted"]) == (fresh["drafts"], fresh["accepted"]), (after, fresh)
+
+
+@pytest.mark.server
+def test_served_mtp_engine_refits_through_the_engine_client(mimo_model, new_policy, prompts, fresh, tmp_path):
+    """The same refit through ``vllm serve`` and ``EngineClient`` (shared memory), as an RL job does it."""
+    import requests
+    from safetensors.torch import load_file
+
+    from vllm_specrl.server import VLLMServer, cpu_env
+    from vllm_specrl.sync.client import EngineClient, WeightSyncError
+
+    spec = {"method": "mtp", "num_speculative_tokens": K}
+    args = ["--dtype", "float32", "--max-model-len", "512", "--speculative-config", json.dumps(spec)]
+    with VLLMServer(mimo_model, args, api_key="k", log_path=tmp_path / "serve.log", env=cpu_env()) as srv:
+        client = EngineClient(srv.url, api_key="k", progress=False)
+
+        def served_tokens() -> list[list[int]]:
+            r = requests.post(srv.url + "/v1/completions", headers=srv.headers, timeout=300, json={
+                "model": srv.model, "prompt": prompts, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True})
+            r.raise_for_status()
+            return [c["token_ids"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+        with pytest.raises(WeightSyncError, match="change with update_policy"):
+            client.update_draft(load_file(mimo_model / "model.safetensors"), version=1)
+        assert client.update_policy(load_file(new_policy / "model.safetensors"), version=1)["version"] == 1
+        assert served_tokens() == fresh["tokens"]
+        stale = client.status()["stale_draft"]
+        assert stale["version_lag"] == 0 and not stale["stale"], stale
