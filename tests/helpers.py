@@ -95,3 +95,37 @@ def assert_captured_rows_match_hf(model_dir, tokens: list[list[int]], captured: 
             got, want = matches[0][key][:n].float(), want_rows[key]
             err = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max()
             assert err < 0.02, (key, float(err))
+
+
+def record_drafts(model, speculative_config: dict, prompts: list[str], dump) -> dict:
+    """Run seeded T=1 requests with the worker's draft recorder on; the drafter's records and each
+    request's full token sequence (``{"records": [...], "outputs": {request_id: tokens}}``)."""
+    import torch
+
+    out = run_python(f"""
+        import json, torch
+        from vllm import LLM, SamplingParams
+        llm = LLM(model={str(model)!r}, dtype="float32", enforce_eager=True, seed=0,
+                  max_model_len=512, max_num_seqs=16, speculative_config={speculative_config!r},
+                  worker_extension_cls="vllm_specrl.sync.SpecRLWorkerExtension")
+        llm.collective_rpc("specrl_record_drafts", args=(True,))
+        prompts = json.loads({json.dumps(json.dumps(prompts))})
+        params = [SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=i)
+                  for i in range(len(prompts))]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        records = llm.collective_rpc("specrl_recorded_drafts")[0]
+        torch.save({{"records": records,
+                     "outputs": {{o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+                                  for o in outs}}}}, {str(dump)!r})
+        print("RESULT " + json.dumps({{"records": len(records)}}))
+    """, env={"VLLM_PLUGINS": "specrl"})
+    assert result_json(out)["records"] > 20
+    return torch.load(dump, weights_only=False)
+
+
+def sequence_of(outputs: dict, request_id: str) -> list[int]:
+    """vLLM may suffix the engine-side request id; the output carries the caller's."""
+    for rid, seq in outputs.items():
+        if request_id == rid or request_id.startswith(rid + "-"):
+            return seq
+    raise KeyError(request_id)

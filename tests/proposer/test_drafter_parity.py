@@ -9,13 +9,12 @@ features of the target. A planted mismatch (aux layers in another order) must
 fail the same comparison.
 """
 
-import json
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import result_json, run_python
+from helpers import record_drafts, sequence_of
 from prompts import code_prompts
 from vllm_specrl.proposer.checkpoint import load_draft
 from vllm_specrl.trainer.features import target_features
@@ -29,34 +28,7 @@ def recorded(tiny_model, warm_draft, tmp_path_factory):
     prompts = code_prompts(420)[400:412]
     spec = {"method": "eagle3", "model": str(warm_draft), "num_speculative_tokens": K,
             "draft_sample_method": "probabilistic"}
-    dump = tmp_path_factory.mktemp("parity") / "drafts.pt"
-    out = run_python(f"""
-        import json, torch
-        from vllm import LLM, SamplingParams
-        llm = LLM(model={str(tiny_model)!r}, dtype="float32", enforce_eager=True, seed=0,
-                  max_model_len=512, max_num_seqs=16, speculative_config={spec!r},
-                  worker_extension_cls="vllm_specrl.sync.SpecRLWorkerExtension")
-        print(llm.collective_rpc("specrl_record_drafts", args=(True,)))
-        prompts = json.loads({json.dumps(json.dumps(prompts))})
-        params = [SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=i)
-                  for i in range(len(prompts))]
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        records = llm.collective_rpc("specrl_recorded_drafts")[0]
-        torch.save({{"records": records,
-                     "outputs": {{o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
-                                  for o in outs}}}}, {str(dump)!r})
-        print("RESULT " + json.dumps({{"records": len(records)}}))
-    """, env={"VLLM_PLUGINS": "specrl"})
-    assert result_json(out)["records"] > 20
-    return torch.load(dump, weights_only=False)
-
-
-def sequence_of(outputs: dict, request_id: str) -> list[int]:
-    """vLLM may suffix the engine-side request id; the output carries the caller's."""
-    for rid, seq in outputs.items():
-        if request_id == rid or request_id.startswith(rid + "-"):
-            return seq
-    raise KeyError(request_id)
+    return record_drafts(tiny_model, spec, prompts, tmp_path_factory.mktemp("parity") / "drafts.pt")
 
 
 def unroll_distributions(draft, target, seq: list[int], base: int, drafts: list[int],

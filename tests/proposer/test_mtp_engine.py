@@ -8,14 +8,13 @@ HF forward of the body; a planted mismatch (the second-to-last body layer's stat
 MTP's hidden input) fails the same comparison.
 """
 
-import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import result_json, run_python
+from helpers import record_drafts, sequence_of
 from prompts import code_prompts
 from sampling import describe, greedy_generate, per_position_pvalues, sample_continuations
 from vllm_specrl.proposer.mtp_torch import MTPLayer, draft_chain
@@ -70,33 +69,7 @@ def test_t1_test_has_power_on_this_model(mimo_model, plain_t1):
 def recorded(mimo_model, tmp_path_factory):
     prompts = code_prompts(420)[400:412]
     spec = mtp_config(K, draft_sample_method="probabilistic")
-    dump = tmp_path_factory.mktemp("mtp-parity") / "drafts.pt"
-    out = run_python(f"""
-        import json, torch
-        from vllm import LLM, SamplingParams
-        llm = LLM(model={str(mimo_model)!r}, dtype="float32", enforce_eager=True, seed=0,
-                  max_model_len=512, max_num_seqs=16, speculative_config={spec!r},
-                  worker_extension_cls="vllm_specrl.sync.SpecRLWorkerExtension")
-        llm.collective_rpc("specrl_record_drafts", args=(True,))
-        prompts = json.loads({json.dumps(json.dumps(prompts))})
-        params = [SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=i)
-                  for i in range(len(prompts))]
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        records = llm.collective_rpc("specrl_recorded_drafts")[0]
-        torch.save({{"records": records,
-                     "outputs": {{o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
-                                  for o in outs}}}}, {str(dump)!r})
-        print("RESULT " + json.dumps({{"records": len(records)}}))
-    """, env={"VLLM_PLUGINS": "specrl"})
-    assert result_json(out)["records"] > 20
-    return torch.load(dump, weights_only=False)
-
-
-def _sequence_of(outputs: dict, request_id: str) -> list[int]:
-    for rid, seq in outputs.items():
-        if request_id == rid or request_id.startswith(rid + "-"):
-            return seq
-    raise KeyError(request_id)
+    return record_drafts(mimo_model, spec, prompts, tmp_path_factory.mktemp("mtp-parity") / "drafts.pt")
 
 
 class _WrongLayerBody(torch.nn.Module):
@@ -114,6 +87,19 @@ class _WrongLayerBody(torch.nn.Module):
         return self.body(**kwargs)
 
 
+def worst_tv_per_step(layer, body, records: list[dict], outputs: dict) -> list[float]:
+    """Largest total variation, per draft step, between vLLM's recorded distributions and ``draft_chain``'s."""
+    worst = [0.0] * K
+    for r in records:
+        seq = sequence_of(outputs, r["request_id"])
+        if r["base_position"] + 2 > len(seq):
+            continue
+        ours = draft_chain(layer, body, seq, r["base_position"], r["draft_token_ids"])
+        theirs = r["draft_probs"][:, : ours.shape[-1]]
+        worst = [max(w, float(x)) for w, x in zip(worst, 0.5 * (ours - theirs).abs().sum(-1))]
+    return worst
+
+
 def test_vllm_mtp_drafter_distributions_equal_the_torch_layer(mimo_model, recorded):
     from safetensors.torch import load_file
 
@@ -122,21 +108,7 @@ def test_vllm_mtp_drafter_distributions_equal_the_torch_layer(mimo_model, record
     layer.load_checkpoint_tensors(load_file(mimo_model / "model.safetensors"))
     records = [r for r in recorded["records"] if r["draft_probs"] is not None and len(r["draft_token_ids"]) == K]
     assert len(records) > 20
-    worst, planted = [0.0] * K, [0.0] * K
-    for r in records[:30]:
-        seq = _sequence_of(recorded["outputs"], r["request_id"])
-        if r["base_position"] + 2 > len(seq):
-            continue
-        ours = draft_chain(layer, body, seq, r["base_position"], r["draft_token_ids"])
-        theirs = r["draft_probs"][:, : ours.shape[-1]]
-        worst = [max(w, float(x)) for w, x in zip(worst, 0.5 * (ours - theirs).abs().sum(-1))]
-    wrong = _WrongLayerBody(body)
-    for r in records[:10]:
-        seq = _sequence_of(recorded["outputs"], r["request_id"])
-        if r["base_position"] + 2 > len(seq):
-            continue
-        bad = draft_chain(layer, wrong, seq, r["base_position"], r["draft_token_ids"])
-        theirs = r["draft_probs"][:, : bad.shape[-1]]
-        planted = [max(w, float(x)) for w, x in zip(planted, 0.5 * (bad - theirs).abs().sum(-1))]
+    worst = worst_tv_per_step(layer, body, records[:30], recorded["outputs"])
+    planted = worst_tv_per_step(layer, _WrongLayerBody(body), records[:10], recorded["outputs"])
     assert max(worst) < TOLERANCE, {"per_step_worst_tv": worst}
     assert min(planted) > 10 * TOLERANCE, {"planted_tv": planted}
