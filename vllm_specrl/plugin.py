@@ -49,6 +49,8 @@ def _install_registrations() -> list[str]:
                       vllm_compat.install_cpu_seeded_rewind_fix))
         steps.append(("cpu_fast_sampling", "CPU inverse-CDF spec-decode sampling",
                       vllm_compat.install_cpu_fast_sampling))
+        steps.append(("zero_draft_plain_sampler", "plain sampler for steps without drafts",
+                      vllm_compat.install_zero_draft_plain_sampler))
         steps.append(("runner_step_timer", "model-runner step timer (adaptive k)",
                       vllm_compat.install_runner_step_timer))
         steps.append(("custom_proposer_binding", "runner batch for custom_class proposers (history)",

@@ -55,6 +55,8 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | ``AsyncLLM.pause_generation/resume_generation``| pause around commits (public      | 0.32.0 (cpu)      |
 | ``/update_weight_version``/``reset_prefix_cache``| EngineClient methods)           |                   |
 
+| ``GPUModelRunner._sample``, ``SpecDecode``     | zero-draft steps take the plain   | 0.32.0 (cpu)      |
+| ``Metadata.max_spec_len``                      | sampler (no rejection sampler)    |                   |
 | ``CPUModelRunner.execute_model/sample_tokens``| runner step time for adaptive k   | 0.32.0 (cpu)      |
 | (class wrap), attribute on ``ModelRunnerOutput``|                                 |                   |
 | ``GPUModelRunner.propose_draft_token_ids``    | custom_class proposers (history): | 0.32.0 (cpu)      |
@@ -425,6 +427,47 @@ def uninstall_cpu_fast_sampling() -> None:
         if stock is not None:
             setattr(module, name, stock)
     rejection_sampler._specrl_fast_sampling = False
+
+
+# --- zero-draft steps: the plain sampler ------------------------------------------
+#
+# A speculative engine always builds spec-decode metadata, so a step in which no
+# request has drafts (adaptive k or vLLM's batch-size table at k = 0) still goes
+# through the rejection sampler: the bonus-token sample (which *is* the plain
+# sampler on the same rows), then target softmax, sampling constraints and
+# ``rejection_sample`` over zero draft rows: 0.6-1.0 ms a step here, 1.5-2% of a
+# k = 0 step (``bench_step_cost.py --held-at 0``). With no drafts the rejection
+# sampler's output is the plain sampler's on the same logits, so such steps call
+# ``GPUModelRunner._sample`` as a plain engine does (class wrap; the output has one
+# token per request, which ``RejectionSampler.parse_output`` reads unchanged).
+# ``VLLM_SPECRL_ZERO_DRAFT_PLAIN_SAMPLER=0`` keeps vLLM's path. Checked on 0.32.0 (cpu).
+
+ZERO_DRAFT_ENV = "VLLM_SPECRL_ZERO_DRAFT_PLAIN_SAMPLER"
+
+
+def install_zero_draft_plain_sampler() -> str:
+    """Route steps without drafts to the plain sampler (see above); counts them on the runner."""
+    import os
+
+    if os.environ.get(ZERO_DRAFT_ENV, "1") == "0":
+        return f"off ({ZERO_DRAFT_ENV}=0)"
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if getattr(GPUModelRunner, "_specrl_zero_draft_plain", False):
+        return "installed"
+    stock = GPUModelRunner._sample
+    if _signature_names(stock) != ["self", "logits", "spec_decode_metadata"]:
+        return "not installed (GPUModelRunner._sample is not the method checked on 0.32.0)"
+
+    def _sample(self, logits, spec_decode_metadata):
+        if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
+            self._specrl_zero_draft_steps = getattr(self, "_specrl_zero_draft_steps", 0) + 1
+            spec_decode_metadata = None
+        return stock(self, logits, spec_decode_metadata)
+
+    GPUModelRunner._sample = _sample
+    GPUModelRunner._specrl_zero_draft_plain = True
+    return "installed"
 
 
 # --- adaptive k (engine core) ----------------------------------------------------

@@ -1,0 +1,64 @@
+"""Steps without drafts take the plain sampler (``vllm_compat.install_zero_draft_plain_sampler``).
+
+An EAGLE-3 engine held at k = 0 by vLLM's own batch-size table drafts nothing, so with
+the plugin every decode step skips the rejection sampler. Its seeded temperature-1
+tokens and their logprobs must be exactly plain vLLM's (same seeds, float32), and the
+runner must have counted the steps it routed; vLLM's own path (the knob off) gives
+the same tokens, so the shortcut changes cost, not output.
+"""
+
+import pytest
+
+from helpers import result_json, run_python
+from prompts import code_prompts
+from vllm_specrl.vllm_compat import ZERO_DRAFT_ENV
+
+PROMPTS = code_prompts(8)
+
+
+def seeded_run(model, speculative_config: dict | None, env: dict | None = None) -> dict:
+    out = run_python(f"""
+        import json
+        from vllm import LLM, SamplingParams
+        llm = LLM(model={str(model)!r}, dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
+                  max_num_seqs=8, speculative_config={speculative_config!r})
+        params = [SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=100 + i, logprobs=1)
+                  for i in range({len(PROMPTS)})]
+        outs = llm.generate({PROMPTS!r}, params, use_tqdm=False)
+        routed = llm.collective_rpc(lambda w: getattr(w.model_runner, "_specrl_zero_draft_steps", 0))[0]
+        print("RESULT " + json.dumps({{
+            "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "logprobs": [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+                         for o in outs],
+            "routed": routed}}))
+    """, env={"VLLM_PLUGINS": "specrl", **(env or {})})
+    return result_json(out)
+
+
+@pytest.fixture(scope="module")
+def held_at_zero(tiny_model, tmp_path_factory):
+    from vllm_specrl.proposer.checkpoint import init_draft
+
+    draft = tmp_path_factory.mktemp("zero-draft") / "draft"
+    init_draft(tiny_model, draft, 1024, seed=5)
+    return {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3,
+            "draft_sample_method": "probabilistic", "num_speculative_tokens_per_batch_size": [[1, 64, 0]]}
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model):
+    return seeded_run(tiny_model, None)
+
+
+def test_zero_draft_steps_sample_exactly_as_plain_vllm(tiny_model, held_at_zero, plain):
+    spec = seeded_run(tiny_model, held_at_zero)
+    assert spec["routed"] >= 23, spec["routed"]  # every decode step of the wave had no drafts
+    assert spec["tokens"] == plain["tokens"]
+    flat = lambda rows: [x for row in rows for x in row]  # noqa: E731
+    assert flat(spec["logprobs"]) == pytest.approx(flat(plain["logprobs"]), abs=1e-5)
+
+
+def test_vllm_rejection_path_gives_the_same_tokens(tiny_model, held_at_zero, plain):
+    stock = seeded_run(tiny_model, held_at_zero, env={ZERO_DRAFT_ENV: "0"})
+    assert stock["routed"] == 0
+    assert stock["tokens"] == plain["tokens"]
