@@ -61,6 +61,29 @@ def test_a_call_pending_when_the_engine_dies_fails_instead_of_hanging():
     assert asyncio.run(asyncio.wait_for(scenario(), 10)) < 0.3 + 2 * vllm_compat.ENGINE_POLL_S
 
 
+def test_a_call_failed_by_a_dying_engine_reports_the_death(monkeypatch):
+    """A worker's death can fail the pending call ("Call to collective_rpc method failed:
+    cancelled") before vLLM marks the engine errored: that is the engine dying, reported as
+    ``EngineDied``; a call that fails while the engine stays alive keeps its own error."""
+    import asyncio
+
+    monkeypatch.setattr(vllm_compat, "DEATH_GRACE_S", 1.0)
+
+    async def failing():
+        raise RuntimeError("Call to collective_rpc method failed: cancelled")
+
+    async def scenario(dies: bool):
+        engine = _Engine()
+        if dies:
+            asyncio.get_running_loop().call_later(0.3, setattr, engine, "errored", True)
+        await vllm_compat.unless_engine_dies(engine, failing(), "specrl_commit_update")
+
+    with pytest.raises(vllm_compat.EngineDied, match="during specrl_commit_update"):
+        asyncio.run(asyncio.wait_for(scenario(dies=True), 10))
+    with pytest.raises(RuntimeError, match="cancelled"):
+        asyncio.run(asyncio.wait_for(scenario(dies=False), 10))
+
+
 class _DataParallelCore:
     """The shape of vLLM's DP client: one answer list per engine core from call_utility_all_async."""
     core_engines = [b"\x00\x00", b"\x01\x00"]

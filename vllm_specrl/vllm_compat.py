@@ -1030,6 +1030,7 @@ class EngineDied(RuntimeError):
 
 
 ENGINE_POLL_S = 0.5
+DEATH_GRACE_S = 5.0
 
 
 async def unless_engine_dies(engine: Any, call: Awaitable[T], what: str) -> T:
@@ -1042,15 +1043,33 @@ async def unless_engine_dies(engine: Any, call: Awaitable[T], what: str) -> T:
     open connection. A weight update whose engine was killed mid-commit would hang its caller
     (and a whole fleet's update) instead of failing. ``scripts/repro_rpc_hangs_on_engine_death.py``
     shows it with vLLM alone.
+
+    The same death can also answer first: when a worker process dies, the engine core fails
+    the worker's pending future ("Call to collective_rpc method failed: cancelled") and only
+    then reports itself dead. A call that fails is therefore given ``DEATH_GRACE_S`` for
+    ``errored`` to turn up, so the caller learns the engine died, not that one call failed.
     """
     task = asyncio.ensure_future(call)
     while True:
         done, _ = await asyncio.wait({task}, timeout=ENGINE_POLL_S)
         if done:
+            if task.exception() is not None and await _errored_within(engine, DEATH_GRACE_S):
+                raise EngineDied(f"the engine core died during {what}") from task.exception()
             return task.result()
         if getattr(engine, "errored", False):
             task.cancel()
             raise EngineDied(f"the engine core died during {what}")
+
+
+async def _errored_within(engine: Any, seconds: float) -> bool:
+    """Whether ``engine.errored`` becomes true within ``seconds``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while not getattr(engine, "errored", False):
+        if loop.time() >= deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
 
 
 async def collective_rpc_all_engines(engine: Any, method: str, timeout: float, args: tuple = ()) -> list:
