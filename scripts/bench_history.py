@@ -34,7 +34,7 @@ def speculative_config(method: str, k: int, draft: str | None) -> dict | None:
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     if method == "suffix":  # vLLM's SuffixDecoding (needs arctic-inference: scripts/build_arctic_suffix.sh)
         return {"method": "suffix", "num_speculative_tokens": k}
-    if method == "history":
+    if method in ("history", "history_ids"):  # history_ids: token-id drafts (sample_drafts off)
         return {"method": "custom_class", "model": HISTORY, "num_speculative_tokens": k}
     if method == "eagle3":
         return {"method": "eagle3", "model": draft, "num_speculative_tokens": k,
@@ -82,7 +82,8 @@ def main() -> None:
     ap.add_argument("--fixtures", default=os.environ.get("VLLM_SPECRL_FIXTURES", str(REPO / ".fixtures")))
     ap.add_argument("--model", help="target model directory (default: the real fixture)")
     ap.add_argument("--draft", help="EAGLE-3 draft for the eagle3 method (default: the demo draft)")
-    ap.add_argument("--methods", default="plain,ngram,history")
+    ap.add_argument("--methods", default="plain,ngram,history",
+                    help="plain, ngram, suffix, history (sampled drafts), history_ids (token-id drafts), eagle3")
     ap.add_argument("--task", default="explain", choices=["explain", "arithmetic"])
     ap.add_argument("--prompts", type=int, default=8, help="distinct prompts per epoch (P)")
     ap.add_argument("--group", type=int, default=4, help="completions per prompt (G)")
@@ -120,11 +121,12 @@ def main() -> None:
     report = {"benchmark": "history_proposer", "settings": {**vars(args), "model": model, "_engine": None},
               "prompts": prompts, "runs": {}}
     for method in args.methods.split(","):
+        knobs = dict(history_knobs or {}, **({"sample_drafts": False} if method == "history_ids" else {}))
         cfg = {"model": model, "dtype": args.dtype, "seed": args.seed, "prompts": prompts, "group": args.group,
                "epochs": args.epochs, "max_tokens": args.max_tokens, "temperature": args.temperature,
                "max_num_seqs": args.max_num_seqs or args.prompts * args.group, "save_rollouts": method == "plain",
                "speculative_config": speculative_config(method, args.k, draft),
-               "additional_config": {"specrl": {"history": history_knobs}} if history_knobs else None}
+               "additional_config": {"specrl": {"history": knobs}} if knobs else None}
         t0 = time.perf_counter()
         result = run_engine_subprocess(__file__, cfg, env, timeout_s=3600)
         print(f"{method}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)

@@ -95,13 +95,16 @@ def test_adaptive_k_t1_is_lossless(tiny_model, plain_t1, warm_draft):
 
 
 def test_history_proposer_t1_is_lossless(tiny_model, plain_t1):
-    """Drafts from siblings and earlier samples of the same prompt (token ids, no draft distribution)."""
+    """Drafts from siblings and earlier samples of the same prompt, each token sampled from the
+    continuations' shares q, which vLLM's rejection sampler is given. Drafting the heaviest token
+    while reporting q (the token not drawn from q: planted once) was rejected at p = 6e-13."""
     history = {"method": "custom_class", "model": "vllm_specrl.proposer.history.HistoryProposer",
                "num_speculative_tokens": 3}
     spec, stats = sample_continuations(tiny_model, PROMPT, N, L, 1.0, seed=8, speculative_config=history,
                                        with_stats=True)
     p = per_position_pvalues(plain_t1, spec)
     assert min(p) > ALPHA, describe(p)
-    # The premise: drafts were verified and accepted (the tiny fixture at T=1 is high-entropy: about 2000
-    # drafts and 550 accepted tokens here, so the chi-square sees both branches of the rejection sampler).
-    assert stats["num_drafts"] > 1000 and stats["num_accepted_tokens"] > 0.02 * N * L, stats
+    # The premise: sampled drafts were verified against their shares. The tiny fixture at T=1 is
+    # high-entropy: about 3600 drafts and 1470 accepted tokens (8% of the tokens) here; with the shares
+    # kept from vLLM (planted: the same drafts verified as token ids) 827 (4.6%), so that fails here.
+    assert stats["num_drafts"] > 1000 and stats["num_accepted_tokens"] > 0.06 * N * L, stats

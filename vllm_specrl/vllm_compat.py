@@ -63,7 +63,8 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | (class wrap), ``drafter``, ``input_batch.     | request ids, prompt lengths, the  |                   |
 | req_ids/num_prompt_tokens``, ``SchedulerOutput| step's k                          |                   |
 | .num_spec_tokens_to_schedule``; the           |                                   |                   |
-| ``custom_class`` propose/load_model contract  |                                   |                   |
+| ``custom_class`` propose/load_model contract; | custom drafts' probabilities to    |                   |
+| runner ``_draft_probs``/``_draft_prob_req_ids``| the rejection sampler             |                   |
 | ``AsyncLLM.errored``                          | an RPC pending when the engine    | 0.32.0 (cpu)      |
 |                                               | core dies fails (see below)       |                   |
 | ``AsyncLLM.engine_core.core_engines``,         | worker RPCs answered by every     | 0.32.0 (cpu)      |
@@ -994,6 +995,15 @@ def specrl_additional_config(vllm_config: Any) -> dict[str, Any]:
 # num_spec_tokens_to_schedule``: adaptive k). A class wrap of
 # ``GPUModelRunner.propose_draft_token_ids`` hands them to any drafter with a
 # ``bind_step(input_batch, k_limit)`` method just before the stock call.
+#
+# vLLM takes draft probabilities only from its own model-based drafters (the EAGLE
+# branch reads ``drafter.take_last_draft_probs()`` into ``runner._draft_probs`` /
+# ``_draft_prob_req_ids``, rows in ``input_batch.req_ids`` order); for ``custom_class``
+# it leaves them None, so every custom draft is verified as a token-id draft. The same
+# wrap hands a custom drafter's ``take_last_draft_probs()`` (``[rows, k, vocab]``) to
+# the runner the same way, so the next step's rejection sampler accepts with
+# ``min(1, p / q)`` and resamples from ``max(p - q, 0)`` (the history proposer's
+# sampled drafts).
 
 
 def install_custom_proposer_binding() -> str:
@@ -1010,10 +1020,17 @@ def install_custom_proposer_binding() -> str:
     # the capture tap and the draft recorder bind this method's arguments by name.
     @functools.wraps(stock)
     def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
-        bind = getattr(getattr(self, "drafter", None), "bind_step", None)
+        drafter = getattr(self, "drafter", None)
+        bind = getattr(drafter, "bind_step", None)
         if bind is not None:
             bind(self.input_batch, getattr(scheduler_output, "num_spec_tokens_to_schedule", None))
-        return stock(self, scheduler_output, *args, **kwargs)
+        drafts = stock(self, scheduler_output, *args, **kwargs)
+        if bind is not None and hasattr(drafter, "take_last_draft_probs"):
+            probs = drafter.take_last_draft_probs()
+            if probs is not None:
+                self._draft_probs = probs
+                self._draft_prob_req_ids = self.input_batch.req_ids.copy()
+        return drafts
 
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
     GPUModelRunner._specrl_custom_binding = True

@@ -63,7 +63,14 @@ def grpo_epochs(model, speculative_config: dict, commit_after: bool = False, his
 
 @pytest.fixture(scope="module")
 def history_run(tiny_model):
-    return grpo_epochs(tiny_model, HISTORY, commit_after=True, history_knobs={"max_age": 0})
+    """Token-id drafts (the heaviest continuation): what the replay reproduces exactly."""
+    return grpo_epochs(tiny_model, HISTORY, commit_after=True, history_knobs={"max_age": 0, "sample_drafts": False})
+
+
+@pytest.fixture(scope="module")
+def sampled_run(tiny_model):
+    """The default: drafts sampled from the continuations' shares, the shares handed to vLLM."""
+    return grpo_epochs(tiny_model, HISTORY, history_knobs={"max_age": 0})
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +112,18 @@ def test_siblings_and_earlier_epochs_beat_ngram(history_run, ngram_run):
     # Earlier epochs help: the last epoch accepts more per token than the first (siblings only).
     first, last = accepted_per_token(history_run, [0]), accepted_per_token(history_run, [EPOCHS - 1])
     assert last > 1.5 * first and last > first + 0.05, (first, last)
+
+
+def test_sampled_drafts_are_accepted_more_than_token_id_drafts(history_run, sampled_run):
+    """Same workload, same seeds: where siblings went different ways, a draft sampled from their shares
+    q is accepted with sum min(p, q) (vLLM's counters), a token-id draft of the heaviest with p(top)."""
+    sampled, token_ids = accepted_per_token(sampled_run), accepted_per_token(history_run)
+    assert sampled_run["proposer"]["sampled_drafts"] > 0.9 * sampled_run["proposer"]["drafts"]
+    assert history_run["proposer"]["sampled_drafts"] == 0
+    print(json.dumps({"accepted_per_token": {"sampled": sampled, "token_ids": token_ids},
+                      "acceptance_length": [[e["counters"]["acceptance_length"] for e in run["epochs"]]
+                                            for run in (sampled_run, history_run)]}))
+    assert sampled > 1.1 * token_ids, (sampled, token_ids)
 
 
 def test_a_policy_commit_ages_the_history(history_run):

@@ -22,9 +22,9 @@ def index(**kw):
 
 
 def draft_for(ix, key, live, me, k=3):
-    """Draft for live sequence ``me`` (its prompt tail + completion) of group ``key``."""
+    """Draft tokens for live sequence ``me`` (its prompt tail + completion) of group ``key``."""
     full = np.concatenate([PROMPT, live[me][TAIL:]])
-    return ix.draft(ix.corpus(key, live), full[-ix.cfg.max_match:], k)
+    return ix.draft(ix.corpus(key, live), full[-ix.cfg.max_match:], k).tokens
 
 
 def with_tail(*completion):
@@ -60,7 +60,7 @@ def test_earlier_rollouts_of_the_same_prompt_only():
     other, _ = ix.group(other_prompt)
     assert other != key
     full = np.concatenate([other_prompt, arr(1, 2)])
-    assert ix.draft(ix.corpus(other, [np.concatenate([other_prompt[-TAIL:], arr(1, 2)])]), full, 3) == []
+    assert ix.draft(ix.corpus(other, [np.concatenate([other_prompt[-TAIL:], arr(1, 2)])]), full, 3).tokens == []
 
 
 def test_draft_length_follows_agreement():
@@ -155,3 +155,31 @@ def test_replay_counts_what_a_rejection_sampler_would():
     # Epoch 1: the first token comes from prefill, then 8 tokens in steps of 4 (3 accepted + 1).
     assert second["steps"] == 2 and second["num_drafts"] == 2
     assert second["per_position_acceptance"] == [1.0, 1.0, 1.0]
+
+
+def test_sampled_drafts_follow_the_shares_they_report():
+    """Three siblings went 4-5, 4-6 and 9-7 after the shared context 1 2 3. A sampled draft's first
+    token is 4 with probability 2/3 and reports {4: 2/3, 9: 1/3}; its second is drawn among the
+    siblings that agree with the first (after 4: 5 or 6, half each; after 9: 7). A draft of the
+    heaviest token (no rng) is always 4 and reports nothing. vLLM accepts a sampled draft with
+    min(1, p / q): lossless only if the token really is drawn from the q reported, so both the draws'
+    frequencies and the reported q are checked against the counts written here."""
+    ix = index(min_confidence=0.01)
+    key, _ = ix.group(PROMPT)
+    live = [with_tail(1, 2, 3, 4, 5), with_tail(1, 2, 3, 4, 6), with_tail(1, 2, 3, 9, 7), with_tail(1, 2, 3)]
+    rng = np.random.default_rng(0)
+    full = np.concatenate([PROMPT, live[3][TAIL:]])
+    corpus = ix.corpus(key, live)
+    draws = [ix.draft(corpus, full[-ix.cfg.max_match:], 2, rng) for _ in range(3000)]
+    firsts = np.array([d.tokens[0] for d in draws])
+    assert abs((firsts == 4).mean() - 2 / 3) < 0.03, (firsts == 4).mean()
+    for d in draws:
+        ids, q = d.dists[0]
+        assert dict(zip(ids.tolist(), np.round(q, 6).tolist())) == {4: round(2 / 3, 6), 9: round(1 / 3, 6)}
+        ids, q = d.dists[1]
+        want = {5: 0.5, 6: 0.5} if d.tokens[0] == 4 else {7: 1.0}
+        assert dict(zip(ids.tolist(), q.tolist())) == want and d.tokens[1] in want
+    seconds = np.array([d.tokens[1] for d in draws if d.tokens[0] == 4])
+    assert abs((seconds == 5).mean() - 0.5) < 0.04
+    heaviest = ix.draft(corpus, full[-ix.cfg.max_match:], 2)
+    assert heaviest.tokens[0] == 4 and heaviest.dists is None

@@ -7,8 +7,12 @@
 Drafts come from the request's prompt group: siblings in flight (a GRPO group),
 earlier rollouts of the same prompt kept across requests (earlier epochs), and the
 request's own prompt and output (``history_index``). Drafting is a look-up, no model
-forward; drafts are token ids only, so vLLM verifies them against the target's
-probability alone and the output distribution is the target's.
+forward. For requests sampled at T > 0 each draft token is sampled from the
+continuations' shares, and those shares go to vLLM's rejection sampler as the draft
+distribution (``take_last_draft_probs``, handed over by ``vllm_compat``'s binding):
+it accepts with ``min(1, p / q)`` and resamples the rest from ``max(p - q, 0)``, so
+the output distribution is the target's. Greedy requests get the heaviest tokens
+(token-id drafts).
 
 vLLM hands a ``custom_class`` proposer the batch's token rows; the request ids, prompt
 lengths and the step's k (adaptive k) come from the runner through
@@ -23,7 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from vllm_specrl.proposer.history_index import HistoryConfig, HistoryIndex
+from vllm_specrl.proposer.history_index import Draft, HistoryConfig, HistoryIndex
+
+GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a request at a temperature below it is greedy
 
 
 @dataclass
@@ -49,6 +55,10 @@ class HistoryProposer:
         self.input_batch: Any = None
         self.k_limit: int | None = None
         self.steps = 0
+        self.vocab_size = int(vllm_config.model_config.get_vocab_size())
+        seed = getattr(vllm_config.model_config, "seed", None)
+        self.rng = np.random.default_rng(0 if seed is None else int(seed))
+        self.last_draft_probs: Any = None
 
     # --- vLLM's proposer interface --------------------------------------------------
 
@@ -72,9 +82,12 @@ class HistoryProposer:
         prompt_lens = batch.num_prompt_tokens[:num_rows]
         self._sync_live(req_ids, prompt_lens, num_tokens_no_spec, token_ids_cpu)
         k = self.k if self.k_limit is None else min(self.k, self.k_limit)
-        drafts: list[list[int]] = [[] for _ in range(num_rows)]
+        drafts: list[Draft] = [Draft([]) for _ in range(num_rows)]
+        self.last_draft_probs = None
         if k <= 0:
-            return drafts
+            return [[] for _ in range(num_rows)]
+        sample = self.index.cfg.sample_drafts
+        temperatures = getattr(batch, "temperature_cpu", None)
         rows_by_group: dict[str, list[int]] = {}
         for row, rid in enumerate(req_ids):
             rows_by_group.setdefault(self.live[rid].key, []).append(row)
@@ -82,11 +95,36 @@ class HistoryProposer:
             lengths = [int(num_tokens_no_spec[row]) for row in rows]
             limits = [min(k, self.max_model_len - n - 1) if sampled_token_ids[row] and n < self.max_model_len else 0
                       for row, n in zip(rows, lengths)]
+            rngs = [self.rng if sample and temperatures is not None and temperatures[row] >= GREEDY_EPS else None
+                    for row in rows]
             out = self.index.draft_group(key, token_ids_cpu[rows[0], :int(prompt_lens[rows[0]])],
-                                         [token_ids_cpu[row, :n] for row, n in zip(rows, lengths)], limits)
+                                         [token_ids_cpu[row, :n] for row, n in zip(rows, lengths)], limits, rngs)
             for row, draft in zip(rows, out):
                 drafts[row] = draft
-        return drafts
+        if any(d.dists for d in drafts):
+            self.last_draft_probs = self._dense_probs(drafts, k)
+        return [d.tokens for d in drafts]
+
+    def _dense_probs(self, drafts: list[Draft], k: int) -> Any:
+        """``[rows, k, vocab]`` draft distributions as vLLM's rejection sampler reads them: a sampled
+        draft's shares per position, one-hot for a token-id draft (what vLLM assumes without any)."""
+        import torch
+
+        probs = torch.zeros(len(drafts), k, self.vocab_size, dtype=torch.float32)
+        for row, draft in enumerate(drafts):
+            if draft.dists:
+                for j, (ids, q) in enumerate(draft.dists):
+                    probs[row, j, torch.from_numpy(ids)] = torch.from_numpy(q.astype(np.float32))
+            else:
+                for j, token in enumerate(draft.tokens):
+                    probs[row, j, token] = 1.0
+        return probs
+
+    def take_last_draft_probs(self) -> Any:
+        """The last ``propose``'s draft distributions (None: token-id drafts only), handed to vLLM's
+        rejection sampler by ``vllm_compat.install_custom_proposer_binding``."""
+        probs, self.last_draft_probs = self.last_draft_probs, None
+        return probs
 
     # --- live requests ----------------------------------------------------------------
 

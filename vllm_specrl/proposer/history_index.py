@@ -15,13 +15,20 @@ prompt's last tokens so a match can run across the prompt/answer boundary):
 * the longest suffix of the sequence (``min_match`` .. ``max_match`` tokens) that
   occurs in the corpus gives a set of occurrences, each weighted by its source's
   policy age (``age_decay ** versions_behind``; older than ``max_age`` versions: gone);
-* the draft walks the continuations of those occurrences one token at a time, taking
-  the heaviest next token and keeping only the occurrences that agree with it. Each
-  token's chance of acceptance is estimated from its weighted share (one pseudo-count
-  against it) and the match length m (times m / (m + 1): long matches are accepted
-  far more often; calibrated by replaying rollouts, ``history_replay``); drafting stops
-  when the chained estimate falls below ``min_confidence``, so the draft length per
-  request comes from the data.
+* the draft walks the continuations of those occurrences one token at a time, keeping
+  only the occurrences that agree with the token drafted. For a request sampled at
+  T > 0 (``sample_drafts``), the token is *sampled* from the continuations' weighted
+  shares q, and q goes to vLLM as the draft distribution: the rejection sampler then
+  accepts with ``sum min(p, q)`` instead of the target's probability of one fixed
+  token. Where siblings that share the context went different ways, q is a small
+  sample of the target's own distribution there, so this is where the gain is (a
+  deterministic draft of the heaviest token is accepted with ``p(top)`` only). Greedy
+  requests draft the heaviest token. A token's chance of acceptance is estimated with
+  one pseudo-count against the continuations (the heaviest token's share; sampled: the
+  plug-in ``sum min(p, q)`` with p the smoothed shares, ``W / (W + 1)``) times m / (m + 1)
+  for a match of m tokens (long matches are accepted far more often; calibrated by
+  replaying rollouts, ``history_replay``); drafting stops when the chained estimate
+  falls below ``min_confidence``, so the draft length per request comes from the data.
 
 Memory is bounded: groups are kept in LRU order and the oldest are dropped beyond
 ``max_bytes`` (token arrays are int32) or ``max_prompts``; each group keeps its
@@ -33,6 +40,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
+from typing import NamedTuple
 
 import numpy as np
 
@@ -57,6 +65,9 @@ class HistoryConfig:
     age_decay: float = 0.5         # weight of a completion per policy version it is behind
     max_age: int = 3               # completions more versions behind than this are dropped
     prompt_tail: int = 16          # prompt tokens kept in front of each completion
+    sample_drafts: bool = True     # T > 0: sample each draft token from the continuations' shares and
+                                   # hand vLLM those shares as the draft distribution (False: the heaviest
+                                   # token, a token-id draft)
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> "HistoryConfig":
@@ -71,6 +82,17 @@ class HistoryConfig:
         if not 0.0 < cfg.min_confidence <= 1.0 or not 0.0 <= cfg.age_decay <= 1.0:
             raise ValueError("history: min_confidence must be in (0, 1] and age_decay in [0, 1]")
         return cfg
+
+
+class Draft(NamedTuple):
+    """A draft's tokens and, when sampled, the distribution each was drawn from: per position the
+    candidate token ids and their probabilities (None: a token-id draft, one-hot)."""
+
+    tokens: list[int]
+    dists: list[tuple[np.ndarray, np.ndarray]] | None = None
+
+
+NO_DRAFT = Draft([])
 
 
 def prompt_key(prompt_token_ids: np.ndarray) -> str:
@@ -125,7 +147,7 @@ class HistoryIndex:
         self.policy_version = 0
         self.nbytes = 0
         self.counts = {"completions_added": 0, "completions_aged_out": 0, "groups_evicted": 0,
-                       "completions_evicted": 0, "drafts": 0, "draft_tokens": 0}
+                       "completions_evicted": 0, "drafts": 0, "draft_tokens": 0, "sampled_drafts": 0}
 
     # --- history ------------------------------------------------------------------
 
@@ -214,24 +236,28 @@ class HistoryIndex:
         return tokens, weights
 
     def draft_group(self, key: str, prompt: np.ndarray, sequences: list[np.ndarray],
-                    max_tokens: list[int]) -> list[list[int]]:
+                    max_tokens: list[int], rngs: list[np.random.Generator | None] | None = None) -> list[Draft]:
         """Drafts for the live sequences of one prompt (each its full token ids, prompt first; each
-        drafts from its own text, its siblings' and the kept rollouts); ``max_tokens[i]`` 0: none.
-        The one drafting path of both the proposer and the replay."""
+        drafts from its own text, its siblings' and the kept rollouts); ``max_tokens[i]`` 0: none;
+        ``rngs[i]``: sample sequence i's draft (None: the heaviest tokens). The one drafting path of
+        both the proposer and the replay."""
         if key not in self.groups:  # evicted under the memory cap while in flight
             self.group(prompt)
         tail_start = max(len(prompt) - self.cfg.prompt_tail, 0)
         corpus = self.corpus(key, [np.asarray(seq[tail_start:], dtype=np.int32) for seq in sequences])
-        return [self.draft(corpus, seq[-self.cfg.max_match:], m) if m > 0 else []
-                for seq, m in zip(sequences, max_tokens)]
+        rngs = rngs or [None] * len(sequences)
+        return [self.draft(corpus, seq[-self.cfg.max_match:], m, rng) if m > 0 else NO_DRAFT
+                for seq, m, rng in zip(sequences, max_tokens, rngs)]
 
-    def draft(self, corpus: tuple[np.ndarray, np.ndarray], context: np.ndarray, max_tokens: int) -> list[int]:
-        """The draft for a sequence ending in ``context`` (its last tokens), at most ``max_tokens`` long."""
+    def draft(self, corpus: tuple[np.ndarray, np.ndarray], context: np.ndarray, max_tokens: int,
+              rng: np.random.Generator | None = None) -> Draft:
+        """The draft for a sequence ending in ``context`` (its last tokens), at most ``max_tokens``
+        long; with ``rng``, each token sampled from the continuations' shares (``Draft.dists``)."""
         tokens, weights = corpus
         cfg = self.cfg
         n = len(tokens)
         if max_tokens <= 0 or len(context) < cfg.min_match or n < 2:
-            return []
+            return NO_DRAFT
         # Occurrences p of the suffix with a continuation token at p + 1 (which also leaves out
         # the drafting sequence's own end: it matches its own suffix in full and continues nowhere).
         cand = np.flatnonzero((tokens[:-1] == context[-1]) & (tokens[1:] != SEPARATOR))
@@ -244,8 +270,9 @@ class HistoryIndex:
                 break
             cand, matched = longer, j + 1
         if matched < cfg.min_match or not len(cand):
-            return []
+            return NO_DRAFT
         out: list[int] = []
+        dists: list[tuple[np.ndarray, np.ndarray]] = []
         confidence = 1.0
         for d in range(max_tokens):
             pos = cand + 1 + d
@@ -258,22 +285,34 @@ class HistoryIndex:
             w = weights[cand_live]
             uniq, inverse = np.unique(nxt, return_inverse=True)
             mass = np.bincount(inverse, weights=w)
-            best = int(np.argmax(mass))
-            # Estimated chance this token is accepted given the ones before were: the continuation's
-            # weighted share with one pseudo-count against it, times m / (m + 1) for a match of m
-            # tokens (the draft so far extends the match). Calibrated on SmolLM2 rollouts replayed
-            # (history_replay): estimates 0.1-0.2 / 0.2-0.3 / 0.3-0.4 / 0.4-0.5 were accepted
-            # 0.13 / 0.19 / 0.31 / 0.49 of the time; the raw share alone hardly predicts acceptance.
+            total = mass.sum()
+            # Estimated chance this token is accepted given the ones before were: the continuations'
+            # share with one pseudo-count against them, times m / (m + 1) for a match of m tokens (the
+            # draft so far extends the match). Token-id drafts: the heaviest token's share. Calibrated
+            # on SmolLM2 rollouts replayed (history_replay): estimates 0.1-0.2 / 0.2-0.3 / 0.3-0.4 /
+            # 0.4-0.5 were accepted 0.13 / 0.19 / 0.31 / 0.49 of the time; the raw share alone hardly
+            # predicts acceptance. Sampled drafts: sum min(p, q) with p the smoothed shares.
             m = matched + d
-            confidence *= m / (m + 1.0) * mass[best] / (mass.sum() + 1.0)
+            if rng is None:
+                pick = int(np.argmax(mass))
+                share = mass[pick] / (total + 1.0)
+            else:
+                q = mass / total
+                pick = int(min(np.searchsorted(np.cumsum(q), rng.random() * q.sum(), side="right"), len(q) - 1))
+                share = total / (total + 1.0)
+            confidence *= m / (m + 1.0) * share
             if confidence < cfg.min_confidence:
                 break
-            out.append(int(uniq[best]))
-            cand = cand_live[inverse == best]
+            out.append(int(uniq[pick]))
+            if rng is not None:
+                dists.append((uniq.astype(np.int64), q))
+            cand = cand_live[inverse == pick]
         if out:
             self.counts["drafts"] += 1
             self.counts["draft_tokens"] += len(out)
-        return out
+            if rng is not None:
+                self.counts["sampled_drafts"] += 1
+        return Draft(out, dists if rng is not None else None)
 
     def status(self) -> dict:
         """For /specrl/status: size against the caps, ages, what was drafted."""

@@ -57,7 +57,7 @@ def replay_epoch(index: HistoryIndex, batch: list[tuple[list[int], list[int], st
                                     [np.asarray(r["prompt"] + r["completion"][:r["done"]], dtype=np.int32)
                                      for r in rows],
                                     [k if r["done"] < len(r["completion"]) else 0 for r in rows])
-            drafts.update({id(r): d for r, d in zip(rows, out)})
+            drafts.update({id(r): d.tokens for r, d in zip(rows, out)})
         for r in live:
             if r["done"] >= len(r["completion"]):
                 continue
