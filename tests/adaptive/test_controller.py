@@ -124,6 +124,25 @@ def test_a_new_batch_size_starts_from_its_calibrated_neighbour(accept, first, th
         assert throughput(then, accept, got) >= 0.97 * throughput(then, accept, want), (shared, alone, want)
 
 
+@pytest.mark.parametrize("accept", [0.3, 0.45])
+def test_a_k_that_cannot_pay_stops_being_calibrated(accept):
+    """At 16 sequences (k = 1..3 cost 1.4-2.2 k = 0 steps) one burst shows k = 2 and 3 cannot pay;
+    successive elimination stops measuring them, so calibrating the bucket explores about half
+    the steps (in an RL step's bulk that is the difference between the first rollouts at plain's
+    speed or far below it), and still serves the optimum (within 3%). At one sequence every k pays:
+    nothing is dropped, the run is step for step the one without elimination."""
+    def explored(z, batch, acc, seed):
+        ctl = AdaptiveKController(3, 32, AdaptiveKConfig(elimination_z=z))
+        simulate(ctl, batch=batch, accept=acc, cost=cpu_cost, steps=300, seed=seed, jitter=0.15)
+        return ctl.explored_steps, ctl.k_for(batch)
+
+    for seed in range(5):
+        (kept, k_kept), (measured, k_measured) = explored(2.0, 16, accept, seed), explored(0.0, 16, accept, seed)
+        assert kept < 0.7 * measured, (seed, kept, measured)
+        assert throughput(16, accept, k_kept) >= 0.97 * throughput(16, accept, best_k(16, accept)), (seed, k_kept)
+        assert explored(2.0, 1, 0.8, seed) == explored(0.0, 1, 0.8, seed)  # the same steps: nothing dropped
+
+
 def test_a_drop_in_acceptance_moves_k_down():
     ctl = AdaptiveKController(3, 4)
     simulate(ctl, batch=1, accept=0.9, cost=cpu_cost, steps=400)
