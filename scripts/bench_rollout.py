@@ -80,6 +80,7 @@ def _engine_offline(cfg: dict) -> list[dict]:
     llm = LLM(model=cfg["model"], dtype=cfg["dtype"], enforce_eager=True, seed=cfg["seed"],
               max_model_len=cfg["max_model_len"], max_num_seqs=max(cfg["batch_sizes"]),
               speculative_config=spec, disable_log_stats=False,
+              additional_config={"specrl": {"adaptive_k": cfg["adaptive_config"]}} if cfg.get("adaptive_config") else {},
               **({"scheduler_cls": cfg["scheduler_cls"]} if cfg.get("scheduler_cls") else {}))
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
@@ -141,6 +142,8 @@ def _engine_server(cfg: dict) -> list[dict]:
              "--max-num-seqs", str(max(cfg["batch_sizes"])), "--seed", str(cfg["seed"])]
     if cfg.get("scheduler_cls"):
         extra += ["--scheduler-cls", cfg["scheduler_cls"]]
+    if cfg.get("adaptive_config"):
+        extra += ["--additional-config", json.dumps({"specrl": {"adaptive_k": cfg["adaptive_config"]}})]
     if spec:
         extra += ["--speculative-config", json.dumps(spec)]
     log = Path(cfg["log_dir"]) / f"server_{cfg['name']}.log"
@@ -292,6 +295,8 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=96,
                     help="tokens decoded at every batch size before measuring (adaptive k calibrates)")
     ap.add_argument("--adaptive-max-k", type=int, default=3, help="k limit of eagle3-warm-adaptive")
+    ap.add_argument("--adaptive-config", type=json.loads, default=None,
+                    help='adaptive-k knobs as JSON (AdaptiveKConfig), e.g. \'{"elimination_z": 0}\'')
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-set", default="code", choices=["code", "chat", "arithmetic"])
     ap.add_argument("--samples", type=int, default=4, help="G samples per prompt")
@@ -344,7 +349,7 @@ def main() -> None:
             "temperatures": [float(t) for t in args.temperatures.split(",")],
             "batch_sizes": [int(b) for b in args.batch_sizes.split(",")], "dtype": args.dtype,
             "max_model_len": args.max_model_len, "seed": args.seed, "log_dir": str(args.out.parent),
-            "warmup_steps": args.warmup_steps}
+            "warmup_steps": args.warmup_steps, "adaptive_config": args.adaptive_config}
     report = {"benchmark": "rollout_throughput", "model": model,
               "fixture": None if args.model else args.fixture, "drafts": drafts,
               "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
