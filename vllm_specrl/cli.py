@@ -105,7 +105,8 @@ def _cmd_train_online(args: argparse.Namespace) -> int:
                        batch_size=args.batch_size, publish_every=args.publish_every,
                        checkpoint_every=args.checkpoint_every, max_steps=args.max_steps,
                        max_seconds=args.max_seconds, idle_s=args.idle_s, seed=args.seed,
-                       replay_ratio=args.replay_ratio, capture_allow_remote=args.capture_allow_remote)
+                       replay_ratio=args.replay_ratio, capture_allow_remote=args.capture_allow_remote,
+                       drafter="mtp" if args.mtp else "eagle3")
     trainer = OnlineDraftTrainer(args.draft, args.target, cfg, _train_config(args), args.checkpoint_dir, args.log)
     print(json.dumps({"event": "started", "resumed_from_step": trainer.resumed_from_step,
                       "checkpoint_dir": str(trainer.checkpoint_dir)}), flush=True)
@@ -130,6 +131,10 @@ def _cmd_train_online(args: argparse.Namespace) -> int:
 def _cmd_train_draft(args: argparse.Namespace) -> int:
     if args.capture:
         return _cmd_train_online(args)
+    if args.mtp and not args.capture:
+        print("error: --mtp trains online (with --capture): an MTP layer's warm start is the policy's own",
+              file=sys.stderr)
+        return 2
     if not args.offline:
         print("error: pass --offline (warm start from the target's rollouts) or --capture ADDR "
               "(online, from hidden states streamed by vllm serve)", file=sys.stderr)
@@ -205,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--replay-ratio", type=float, default=None,
                     help="online: train on at most this many samples per captured sequence, then idle "
                          "until new ones arrive (default: train continuously on the replay buffer)")
+    tr.add_argument("--mtp", action="store_true",
+                    help="online: train the policy's own MTP layer (an engine serving \"method\": \"mtp\"); "
+                         "--draft is then the checkpoint holding the MTP layer to start from (the policy's)")
     tr.add_argument("--target", type=Path, required=True)
     tr.add_argument("--draft", type=Path, required=True,
                     help="draft directory (offline: output; online: the draft the engine serves)")

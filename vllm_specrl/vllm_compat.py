@@ -33,7 +33,9 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | ``positions``, ``discard_request_mask.np``,    |                                   |                   |
 | runner ``sample_tokens`` (instance wrap),      | sampled tokens' logprobs from the |                   |
 | ``execute_model_state.logits`` (rows: per      | step's own target logits          |                   |
-| request num_spec + 1, batch order)             |                                   |                   |
+| request num_spec + 1, batch order),           |                                   |                   |
+| runner ``speculative_config.method`` ("mtp":   | capture from MTP engines          | 0.32.0 (cpu)      |
+| hidden states = the MTP drafter's input)       |                                   |                   |
 | ``model.lm_head.quant_method``,                | re-pack a tied LM head after an   | 0.32.0 (cpu)      |
 | ``.process_weights_after_loading``, ``cpu_linear``| in-place reload on CPU         |                   |
 | runner ``propose_draft_token_ids`` (instance  | draft recorder: the drafter's own | 0.32.0 (cpu)      |
@@ -721,10 +723,26 @@ def policy_checkpoint_dir(worker: Any) -> str:
 
 
 def draft_checkpoint_dir(worker: Any) -> str | None:
+    """Where the served draft's weights came from: its own directory, or for MTP the policy's."""
+    if policy_mtp_drafter(worker) is not None:
+        return policy_checkpoint_dir(worker)
     spec = worker.vllm_config.speculative_config
     model = getattr(spec, "model", None) if spec is not None else None
     drafter = getattr(worker.model_runner, "drafter", None)
     return str(model) if model and getattr(drafter, "model", None) is not None else None
+
+
+def is_mtp_tensor(worker: Any, name: str) -> bool:
+    """Whether a policy checkpoint tensor belongs to its MTP layers, as the families vLLM serves
+    name them: MiMo's ``model.mtp_layers.*``, DeepSeek-style ``model.layers.{i}.*`` with
+    ``i >= num_hidden_layers``."""
+    if name.startswith("model.mtp_layers."):
+        return True
+    parts = name.split(".")
+    if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        hf = worker.vllm_config.model_config.hf_config
+        return int(parts[2]) >= int(getattr(hf, "num_hidden_layers", 1 << 30))
+    return False
 
 
 def policy_mtp_drafter(worker: Any) -> Any | None:
@@ -785,7 +803,11 @@ def refresh_tied_lm_head(model: Any) -> bool:
 
 
 def apply_draft_weights(worker: Any, named_tensors: list[tuple[str, Any]]) -> None:
-    """Load a full set of draft weights in place into ``model_runner.drafter.model``."""
+    """Load a full set of draft weights in place into ``model_runner.drafter.model``.
+
+    For an MTP drafter the set is its MTP layers only (checked by the caller); its embeddings and
+    LM head are the target's, which a layerwise reload that does not receive them puts back as they
+    were (``finalize_layerwise_reload``)."""
     from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
     reload_weights(worker.vllm_config, worker.model_runner.drafter.model,
@@ -842,7 +864,8 @@ def capture_step_view(runner: Any, scheduler_output: Any, sampled_token_ids: Any
     """This step's rows in plain terms: per request, its row span, spec count, sampled tokens."""
     import torch
 
-    if aux_hidden_states is None:
+    mtp = getattr(getattr(runner, "speculative_config", None), "method", None) == "mtp"
+    if aux_hidden_states is None and not mtp:
         return None
     n_reqs = runner.input_batch.num_reqs
     total = scheduler_output.total_num_scheduled_tokens
@@ -867,7 +890,10 @@ def capture_step_view(runner: Any, scheduler_output: Any, sampled_token_ids: Any
     if logits is not None and logits.shape[0] != logit_row:
         logits = None  # a layout this was not checked against: send no logprobs rather than wrong ones
     return {"input_ids": runner.input_ids.gpu[:total], "positions": runner.positions[:total],
-            "final_hidden": hidden_states[:total], "aux_hidden": [h[:total] for h in aux_hidden_states],
+            "final_hidden": hidden_states[:total], "aux_hidden": [h[:total] for h in aux_hidden_states or ()],
+            # An MTP engine's hidden states are what it hands its MTP drafter (MiMo: the last layer's
+            # output before the final norm, which ``compute_logits`` applies); it has no aux layers.
+            "drafter": "mtp" if mtp else "eagle3",
             "logits": logits, "requests": requests}
 
 

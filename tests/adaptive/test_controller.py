@@ -137,7 +137,7 @@ def test_a_k_that_cannot_pay_stops_being_calibrated(accept):
         return ctl.explored_steps, ctl.k_for(batch)
 
     for seed in range(5):
-        (kept, k_kept), (measured, k_measured) = explored(2.0, 16, accept, seed), explored(0.0, 16, accept, seed)
+        (kept, k_kept), (measured, _) = explored(2.0, 16, accept, seed), explored(0.0, 16, accept, seed)
         assert kept < 0.7 * measured, (seed, kept, measured)
         assert throughput(16, accept, k_kept) >= 0.97 * throughput(16, accept, best_k(16, accept)), (seed, k_kept)
         assert explored(2.0, 1, 0.8, seed) == explored(0.0, 1, 0.8, seed)  # the same steps: nothing dropped

@@ -37,6 +37,17 @@ def test_malformed_frames_are_refused(mutate, needle):
         decode_frame(mutate(parts))
 
 
+def test_an_mtp_engines_frames_need_no_aux_layers_and_an_eagle3_frame_does():
+    header, tensors = frame()
+    del tensors["aux_hidden"]
+    got_header, got = decode_frame(encode_frame(dict(header, drafter="mtp"), tensors))
+    assert got_header["drafter"] == "mtp" and set(got) == {"final_hidden"}
+    with pytest.raises(FrameError, match="'aux_hidden'"):
+        decode_frame(encode_frame(header, tensors))  # no drafter named: an eagle3 frame
+    with pytest.raises(FrameError, match="drafter must be one of"):
+        decode_frame(encode_frame(dict(header, drafter="medusa"), tensors))
+
+
 def test_receiver_counts_and_drops_foreign_frames():
     import zmq
 

@@ -10,6 +10,7 @@ Header::
      "positions": [p0, p1, ...],          # absolute positions of the rows
      "token_ids": [t0, t1, ...],          # input token at each position
      "next_token_ids": [n0, n1, ...],     # token committed at position + 1 (-1: not known yet)
+     "drafter": "eagle3" | "mtp",         # what the engine drafts with (absent: eagle3)
      "tensors": [{"name": "aux_hidden", "dtype": "bfloat16", "shape": [n, 3H]},
                  {"name": "final_hidden", "dtype": "bfloat16", "shape": [n, H]},
                  {"name": "logprobs", "dtype": "float32", "shape": [n]},            # optional
@@ -19,7 +20,10 @@ Header::
 ``aux_hidden`` is the concatenation of the EAGLE-3 layers' residual streams
 (vLLM's ``aux_hidden_states``, pre-norm); ``final_hidden`` is the target's
 post-norm last hidden state, from which the trainer computes the target's
-distribution with the LM head. ``logprobs[j]`` is the target's logprob of
+distribution with the LM head. An engine that drafts with the policy's own MTP
+layers (``"drafter": "mtp"``) sends no ``aux_hidden``, and its ``final_hidden``
+is the state it hands the MTP drafter (for MiMo the last layer's output before
+the final norm). ``logprobs[j]`` is the target's logprob of
 ``next_token_ids[j]`` where that token was sampled (T=1 and before sampling
 parameters, vLLM's ``raw_logprobs``; NaN where the next token is a prompt
 token), and ``topk_*`` the target's top K there (``capture_topk`` in the
@@ -56,7 +60,8 @@ def encode_frame(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> li
     return [json.dumps(head).encode()] + parts
 
 
-REQUIRED_TENSORS = ("aux_hidden", "final_hidden")
+# What each kind of drafter's engine sends (the header's "drafter"; absent means eagle3).
+REQUIRED_TENSORS = {"eagle3": ("aux_hidden", "final_hidden"), "mtp": ("final_hidden",)}
 MAX_DIM = 1 << 31
 
 
@@ -123,7 +128,10 @@ def _decode(parts: list[bytes]) -> tuple[dict[str, Any], dict[str, torch.Tensor]
             raise FrameError(f"tensor {spec.get('name')!r} has shape {shape} for {n} positions")
         raw = torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
         tensors[spec["name"]] = raw.view(dtype).reshape(shape)
-    for name in REQUIRED_TENSORS:
+    drafter = header.get("drafter", "eagle3")
+    if drafter not in REQUIRED_TENSORS:
+        raise FrameError(f"drafter must be one of {sorted(REQUIRED_TENSORS)}")
+    for name in REQUIRED_TENSORS[drafter]:
         if name not in tensors or tensors[name].dim() != 2:
             raise FrameError(f"frame lacks a [rows, hidden] {name!r} tensor")
     if "logprobs" in tensors and tensors["logprobs"].dim() != 1:

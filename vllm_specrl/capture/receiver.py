@@ -69,12 +69,15 @@ class RequestRows:
     hidden_version: dict[int, Any] = field(default_factory=dict)
     target_version: dict[int, Any] = field(default_factory=dict)
     num_prompt_tokens: int | None = None
+    drafter: str = "eagle3"  # what the engine drafts with: "mtp" frames carry no aux_hidden
 
     def add(self, header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         version = header.get("policy_version")
         self.policy_versions.add(version)
         if header.get("num_prompt_tokens") is not None:
             self.num_prompt_tokens = int(header["num_prompt_tokens"])
+        self.drafter = header.get("drafter", "eagle3")
+        aux = tensors.get("aux_hidden")
         logprobs = tensors.get("logprobs")
         top_values, top_ids = tensors.get("topk_logprobs"), tensors.get("topk_ids")
         for j, pos in enumerate(header["positions"]):
@@ -90,7 +93,7 @@ class RequestRows:
                     self.topk[pos] = (top_values[j], top_ids[j])
             self.hidden_version[pos] = version
             self.rows[pos] = (header["token_ids"][j], header["next_token_ids"][j],
-                              tensors["aux_hidden"][j], tensors["final_hidden"][j], logprob)
+                              None if aux is None else aux[j], tensors["final_hidden"][j], logprob)
 
     def trainable_run(self, version: Any = None) -> tuple[int, int]:
         """``(start, length)`` of the rows a draft can learn from: the last contiguous run of
@@ -119,7 +122,8 @@ class RequestRows:
     def sequence(self, version: Any = None) -> dict[str, Any]:
         """The rows of ``trainable_run(version)`` as training features.
 
-        token_ids, next_token_ids, aux_hidden, final_hidden, logprobs (of each row's successor,
+        token_ids, next_token_ids, aux_hidden (absent for an MTP engine's rows, see ``drafter``),
+        final_hidden, logprobs (of each row's successor,
         NaN where it was not sampled), ``start`` (the first row's position), ``first_draft``
         (prompt length - 1 - start, at least 0: the first row vLLM drafts from) and, when every
         sampled row carries them, ``topk_logprobs``/``topk_ids``. Attention in the draft is
@@ -133,11 +137,12 @@ class RequestRows:
         out: dict[str, Any] = {
             "token_ids": torch.tensor([r[0] for r in rows], dtype=torch.long),
             "next_token_ids": torch.tensor(nxt, dtype=torch.long),
-            "aux_hidden": torch.stack([r[2] for r in rows]) if rows else torch.empty(0),
             "final_hidden": torch.stack([r[3] for r in rows]) if rows else torch.empty(0),
             "logprobs": torch.tensor([r[4] for r in rows], dtype=torch.float32),
             "start": start,
             "first_draft": max((self.num_prompt_tokens or 1) - 1 - start, 0)}
+        if all(r[2] is not None for r in rows):
+            out["aux_hidden"] = torch.stack([r[2] for r in rows]) if rows else torch.empty(0)
         sampled = [p for p in span if p - start >= out["first_draft"]]
         if self.topk and sampled and all(p in self.topk for p in sampled):
             k = self.topk[sampled[0]][0].shape[0]

@@ -62,15 +62,16 @@ def step_frames(view: dict[str, Any], fraction: float = 1.0, dtype: torch.dtype 
             nxt = ids[start + 1:end] + [sampled[0] if sampled else -1]
         if n <= 0:
             continue
-        if aux_all is None:
+        if aux_all is None and view["aux_hidden"]:
             aux_all = torch.cat(view["aux_hidden"], dim=-1)
         rows = slice(start, start + n)
         header = {"request_id": req["request_id"], "positions": positions[rows],
-                  "token_ids": ids[rows], "next_token_ids": nxt}
+                  "token_ids": ids[rows], "next_token_ids": nxt, "drafter": view.get("drafter", "eagle3")}
         if "num_prompt_tokens" in req:
             header["num_prompt_tokens"] = req["num_prompt_tokens"]
-        tensors = {"aux_hidden": aux_all[rows].to("cpu", dtype, copy=True),
-                   "final_hidden": view["final_hidden"][rows].to("cpu", dtype, copy=True)}
+        tensors = {"final_hidden": view["final_hidden"][rows].to("cpu", dtype, copy=True)}
+        if aux_all is not None:
+            tensors["aux_hidden"] = aux_all[rows].to("cpu", dtype, copy=True)
         if logits is not None and sampled:
             # Rows whose next token was sampled: every committed verify row; of a prefill chunk
             # only the last (the rest are followed by prompt tokens: NaN).

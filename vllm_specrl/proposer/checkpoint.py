@@ -52,6 +52,14 @@ def target_lm_head(target_dir: Path) -> torch.Tensor:
     return head if head is not None else target_embedding(target_dir)
 
 
+def target_final_norm(target_dir: Path) -> torch.Tensor:
+    """The target's final RMSNorm weight (what its logits apply to the last hidden state)."""
+    norm = _target_tensor(target_dir, ("model.norm.weight", "norm.weight"))
+    if norm is None:
+        raise DraftConfigError(f"no final norm weight in {target_dir}")
+    return norm
+
+
 def init_draft(target_dir: Path | str, out_dir: Path | str | None = None,
                draft_vocab_size: int | None = None, aux_layer_ids: tuple[int, ...] | None = None,
                token_counts: torch.Tensor | None = None, seed: int = 0) -> Eagle3Draft:

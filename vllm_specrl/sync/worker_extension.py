@@ -52,17 +52,21 @@ class SpecRLWorkerExtension:
         if cache is None:
             cache = self._specrl_specs_cache = {}
         if target not in cache:
-            if target == "draft" and vllm_compat.policy_mtp_drafter(self) is not None:
-                raise WeightUpdateError("this engine drafts with the policy's own MTP layers: they are part "
-                                        "of the policy checkpoint and change with update_policy, not "
-                                        "update_draft")
             directory = (vllm_compat.policy_checkpoint_dir(self) if target == "policy"
                          else vllm_compat.draft_checkpoint_dir(self))
             if directory is None:
                 raise WeightUpdateError("this engine serves no draft model to update "
-                                        "(start it with an eagle3 --speculative-config)")
-            cache[target] = checkpoint_specs(directory)
+                                        "(start it with an eagle3 or mtp --speculative-config)")
+            specs = checkpoint_specs(directory)
+            if target == "draft" and self._specrl_drafts_with_mtp():
+                # The policy's own MTP layers: a draft update carries exactly those (an online
+                # trainer's); a policy update carries them with the body.
+                specs = {name: spec for name, spec in specs.items() if vllm_compat.is_mtp_tensor(self, name)}
+            cache[target] = specs
         return cache[target]
+
+    def _specrl_drafts_with_mtp(self) -> bool:
+        return vllm_compat.policy_mtp_drafter(self) is not None
 
     def specrl_status(self) -> dict[str, Any]:
         """What the plugin and the model look like from inside this worker process."""
@@ -156,7 +160,9 @@ class SpecRLWorkerExtension:
 
                 directory = Path(vllm_compat.policy_checkpoint_dir(self) if target == "policy"
                                  else vllm_compat.draft_checkpoint_dir(self))
-                tensors = {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+                tensors = {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()
+                           if target == "policy" or not self._specrl_drafts_with_mtp()
+                           or vllm_compat.is_mtp_tensor(self, k)}
             self._specrl_apply(target, sorted(tensors.items()))
             return None
         except Exception as exc:  # noqa: BLE001 - reported; the engine must say it is inconsistent
@@ -241,7 +247,12 @@ class SpecRLWorkerExtension:
             return {"ok": False, "error": str(exc)}
         fraction = float(fraction if fraction is not None else cfg.get("capture_fraction", 1.0))
         stager = self._specrl_stager()
-        tap = CaptureTap(sender, fraction, lambda: stager.versions["policy"],
+        import torch
+
+        dtype = cfg.get("capture_dtype", "bfloat16")
+        if dtype not in ("bfloat16", "float32"):
+            return {"ok": False, "error": f"capture_dtype must be 'bfloat16' or 'float32', not {dtype!r}"}
+        tap = CaptureTap(sender, fraction, lambda: stager.versions["policy"], dtype=getattr(torch, dtype),
                          topk=int(cfg.get("capture_topk", DEFAULT_CAPTURE_TOPK)))
         how = vllm_compat.install_capture_tap(self.model_runner, tap)
         self._specrl_capture = tap

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from vllm_specrl.proposer.checkpoint import load_draft, save_draft, target_lm_head
+from vllm_specrl.proposer.checkpoint import load_draft, save_draft, target_embedding, target_lm_head
 from vllm_specrl.proposer.eagle3_torch import Eagle3Draft
 from vllm_specrl.trainer.loss import LossConfig, TargetRows, eagle3_loss, valid_mask
 
@@ -122,6 +122,8 @@ def collate(sequences: list[dict[str, torch.Tensor]]) -> Batch:
 
 
 class DraftTrainer:
+    drafter = "eagle3"  # the capture frames it learns from (``MTPTrainer`` takes "mtp" ones)
+
     def __init__(self, draft: Eagle3Draft, target_head: torch.Tensor | None, config: TrainConfig | None = None):
         self.config = config or TrainConfig()
         torch.manual_seed(self.config.seed)
@@ -149,6 +151,19 @@ class DraftTrainer:
             trainer.optimizer.load_state_dict(saved["optimizer"])
             trainer.step_count = trainer.schedule_origin = int(saved["step"])
         return trainer
+
+    def refresh_target(self, target_dir: Path | str) -> None:
+        """Take the LM head and embedding of the policy now serving (after a policy update)."""
+        self.set_target_head(target_lm_head(Path(target_dir)))
+        with torch.no_grad():
+            self.unwrapped.embed_tokens.weight.copy_(target_embedding(Path(target_dir)))
+
+    def train_on(self, sequences: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        return self.step(collate(sequences))
+
+    def publishable_state(self) -> dict[str, torch.Tensor]:
+        """The draft as ``update_draft`` takes it (its serving checkpoint's tensors)."""
+        return {k: v.detach().cpu() for k, v in self.unwrapped.checkpoint_state_dict().items()}
 
     @property
     def unwrapped(self) -> Eagle3Draft:

@@ -35,9 +35,10 @@ import torch
 from tqdm import tqdm
 
 from vllm_specrl.capture.receiver import CaptureReceiver, SequenceAssembler
-from vllm_specrl.proposer.checkpoint import load_draft, target_embedding, target_lm_head
+from vllm_specrl.proposer.checkpoint import load_draft, target_lm_head
 from vllm_specrl.sync.client import WeightSyncError
-from vllm_specrl.trainer.core import TRAINER_STATE, DraftTrainer, TrainConfig, collate
+from vllm_specrl.trainer.core import TRAINER_STATE, DraftTrainer, TrainConfig
+from vllm_specrl.trainer.mtp import MTPTrainer
 
 
 @dataclass
@@ -60,6 +61,9 @@ class OnlineConfig:
     # trainer shares with the engine and the RL loop (a CPU box), a cap keeps it from taking cycles
     # that rollouts and the policy update need.
     replay_ratio: float | None = None
+    # "eagle3": train the EAGLE-3 draft at --draft; "mtp": train the policy's own MTP layer (from
+    # --draft when given, else from --target's checkpoint) on an engine serving "method": "mtp".
+    drafter: str = "eagle3"
 
 
 class OnlineDraftTrainer:
@@ -71,7 +75,12 @@ class OnlineDraftTrainer:
         self.checkpoint_dir = Path(checkpoint_dir or Path(draft_dir).with_name(Path(draft_dir).name + "-online"))
         resume = (self.checkpoint_dir / TRAINER_STATE).exists()
         source = self.checkpoint_dir if resume else Path(draft_dir)
-        if resume:
+        if cfg.drafter == "mtp":
+            self.trainer = (MTPTrainer.from_checkpoint(source, self.target_dir, train_cfg) if resume
+                            else MTPTrainer(self.target_dir, train_cfg, start_from=source))
+        elif cfg.drafter != "eagle3":
+            raise ValueError(f"drafter must be 'eagle3' or 'mtp', not {cfg.drafter!r}")
+        elif resume:
             self.trainer = DraftTrainer.from_checkpoint(source, self.target_dir, train_cfg)
         else:
             self.trainer = DraftTrainer(load_draft(source, self.target_dir), target_lm_head(self.target_dir),
@@ -130,7 +139,9 @@ class OnlineDraftTrainer:
         kept = len(seq["token_ids"])
         # Only sequences with completion rows teach the draft anything vLLM will ask of it.
         drafted = kept - seq["first_draft"] - 1
-        if kept == 0:
+        if request.drafter != self.trainer.drafter:
+            reason = "other_drafter"  # an engine that drafts with something this trainer does not train
+        elif kept == 0:
             reason = "no_rows" if total_rows == 0 else "other_policy_version"
         elif drafted < 2:
             reason = "too_few_completion_rows"
@@ -164,11 +175,9 @@ class OnlineDraftTrainer:
         if first:
             return
         self.buffer.clear()
-        if self.topk_targets:
+        if self.topk_targets and self.trainer.drafter == "eagle3":
             return
-        self.trainer.set_target_head(target_lm_head(self.target_dir))
-        with torch.no_grad():
-            self.trainer.unwrapped.embed_tokens.weight.copy_(target_embedding(self.target_dir))
+        self.trainer.refresh_target(self.target_dir)
 
     # -- training ----------------------------------------------------------------------------
     def replay_exhausted(self) -> bool:
@@ -178,7 +187,7 @@ class OnlineDraftTrainer:
     def train_step(self) -> dict[str, Any]:
         picked = self.rng.sample(list(self.buffer), min(self.cfg.batch_size, len(self.buffer)))
         self.trained_samples += len(picked)
-        return self.trainer.step(collate(picked))
+        return self.trainer.train_on(picked)
 
     def publish(self) -> tuple[dict[str, Any] | None, dict | None]:
         """Push the draft into the engine; returns the commit record and the engine's
@@ -197,7 +206,7 @@ class OnlineDraftTrainer:
             spec_decode = first["spec_decode"]
             served = [status["versions"]["draft"] for ok, status in statuses.values() if ok]
             self.draft_version = max([self.draft_version, *served]) + 1
-            state = {k: v.detach().cpu() for k, v in self.trainer.unwrapped.checkpoint_state_dict().items()}
+            state = self.trainer.publishable_state()
             report = {"capture": self.capture_counts(), "steps": self.trainer.step_count}
             result = self.client.update_draft(state, version=self.draft_version, trainer_report=report)
             if result["quarantined"]:

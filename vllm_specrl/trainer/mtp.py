@@ -1,0 +1,177 @@
+"""Keep the policy's own MTP layer aligned with the policy, from what vLLM streams out.
+
+An engine serving ``"method": "mtp"`` hands its MTP drafter the body's last hidden
+state of every row; the capture tap sends those rows (``"drafter": "mtp"`` frames,
+``final_hidden`` = the state the drafter reads, for MiMo before the final norm).
+Row ``i`` of a captured sequence then gives one teacher-forced MTP example, exactly
+the input vLLM's drafter sees when it drafts from base ``i``:
+
+    input  = (final_hidden[i], embed(next_token_ids[i]))         at position start + i
+    target = the policy's distribution of next_token_ids[i + 1]  (row i + 1's logits:
+             lm_head(norm(final_hidden[i + 1])))
+
+The loss is the soft cross-entropy against that distribution (the MTP layer learns
+what the policy would sample, as the fixture's MTP layer was trained), on completion
+rows only (vLLM drafts from the last prompt row on). The estimate of vLLM's counters
+(``estimate_served``) uses the engine's own logprob of each emitted token and the
+draft-start walk of ``trainer.acceptance``, for the first draft position (a k = 1
+engine's whole counter; the chained positions of k > 1 feed the layer its own output
+and are not estimated here).
+
+Published with ``update_draft``: an MTP engine takes exactly its MTP tensors there
+(``model.mtp_layers.*``), validated against the served checkpoint's; a policy update
+that carries MTP tensors replaces them with the policy trainer's copy, after which
+this trainer's next publish brings its own back.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from vllm_specrl.proposer.checkpoint import target_embedding, target_final_norm, target_lm_head
+from vllm_specrl.proposer.mtp_torch import MTP_PREFIX, MTPLayer
+from vllm_specrl.trainer.acceptance import StepAcceptance, pool, served_acceptance
+from vllm_specrl.trainer.core import TRAINER_META, TRAINER_STATE, TrainConfig, scheduled_lr
+
+MTP_WEIGHTS = "mtp.safetensors"
+
+
+def _mtp_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for shard in sorted(Path(directory).glob("*.safetensors")):
+        tensors.update({k: v for k, v in load_file(shard).items() if k.startswith(MTP_PREFIX)})
+    if not tensors:
+        raise FileNotFoundError(f"no {MTP_PREFIX}* tensors in {directory}")
+    return tensors
+
+
+class MTPTrainer:
+    """One MiMo-style MTP layer (index 0) trained against the policy's own next-token distributions.
+
+    Same surface as ``DraftTrainer`` where the online loop uses it (``train_on``,
+    ``refresh_target``, ``publishable_state``, ``save``, ``step_count``)."""
+
+    drafter = "mtp"
+
+    def __init__(self, target_dir: Path | str, config: TrainConfig | None = None,
+                 start_from: Path | str | None = None):
+        from transformers import AutoConfig
+
+        self.config = config or TrainConfig()
+        torch.manual_seed(self.config.seed)
+        hf = AutoConfig.from_pretrained(target_dir)
+        self.eps = float(hf.rms_norm_eps)
+        self.layer = MTPLayer(hf).float()
+        self.layer.load_checkpoint_tensors(_mtp_tensors(Path(start_from or target_dir)))
+        self.refresh_target(target_dir)
+        self.optimizer = torch.optim.AdamW(self.layer.parameters(), lr=self.config.lr,
+                                           weight_decay=self.config.weight_decay)
+        self.step_count = 0
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint_dir: Path | str, target_dir: Path | str,
+                        config: TrainConfig | None = None) -> MTPTrainer:
+        trainer = cls(target_dir, config, start_from=checkpoint_dir)
+        state = Path(checkpoint_dir) / TRAINER_STATE
+        if state.exists():
+            saved = torch.load(state, map_location="cpu", weights_only=True)
+            trainer.optimizer.load_state_dict(saved["optimizer"])
+            trainer.step_count = int(saved["step"])
+        return trainer
+
+    def refresh_target(self, target_dir: Path | str) -> None:
+        """Embeddings, final norm and LM head of the policy now serving (shared with the MTP layer)."""
+        target_dir = Path(target_dir)
+        self.embed = target_embedding(target_dir).float()
+        self.head = target_lm_head(target_dir).float()
+        self.norm = target_final_norm(target_dir).float()
+
+    # -- examples ----------------------------------------------------------------------------
+    def _policy_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The policy's next-token logprobs from the states the MTP drafter reads (pre-norm)."""
+        h = hidden.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm
+        return (h @ self.head.T).log_softmax(-1)
+
+    def _forward(self, seq: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(MTP logprobs of drafting rows [R, V], the policy's logprobs there [R, V], row indices [R])."""
+        hidden, nxt = seq["final_hidden"].float(), seq["next_token_ids"]
+        n = len(nxt)
+        rows = torch.arange(int(seq.get("first_draft", 0)), n - 1)
+        rows = rows[(nxt[rows] >= 0) & (nxt[rows + 1] >= 0)]
+        positions = (int(seq.get("start", 0)) + torch.arange(n))[None]
+        out = self.layer(hidden[None], self.embed[nxt.clamp(min=0)][None], positions)[0]
+        mtp = (out[rows] @ self.head.T).log_softmax(-1)
+        with torch.no_grad():
+            policy = self._policy_logprobs(hidden[rows + 1])
+        return mtp, policy, rows
+
+    def train_on(self, sequences: list[dict[str, Any]]) -> dict[str, float]:
+        """One optimizer step of soft cross-entropy over the sequences' drafting rows."""
+        self.layer.train()
+        losses, accept, count = [], 0.0, 0
+        for seq in sequences:
+            mtp, policy, rows = self._forward(seq)
+            if len(rows) == 0:
+                continue
+            losses.append(-(policy.exp() * mtp).sum(-1).sum())
+            accept += float(torch.minimum(policy.exp(), mtp.detach().exp()).sum())
+            count += len(rows)
+        if not count:
+            return {"loss": float("nan"), "accept_pos0": float("nan"), "rows": 0, "step": self.step_count}
+        loss = torch.stack(losses).sum() / count
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        lr = scheduled_lr(self.config, self.step_count)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.config.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.layer.parameters(), self.config.grad_clip)
+        self.optimizer.step()
+        self.step_count += 1
+        return {"loss": float(loss), "accept_pos0": accept / count, "rows": count, "step": self.step_count, "lr": lr}
+
+    @torch.no_grad()
+    def estimate_served(self, sequences: list[dict[str, Any]], probabilistic: bool = True) -> dict[str, Any]:
+        """vLLM's expected first-position counters for these rollouts of the policy (k = 1).
+
+        ``probabilistic``: the engine drafts by sampling (``draft_sample_method``), so the emitted
+        token x was an accepted draft with weight min(1, q(x) / p(x)); greedy drafting accepts
+        exactly when x is the MTP layer's argmax. p(x) is the engine's own logprob of x."""
+        self.layer.eval()
+        parts = []
+        for seq in sequences:
+            mtp, _, rows = self._forward(seq)
+            n = len(seq["next_token_ids"])
+            emitted = seq["next_token_ids"][rows + 1]
+            weight = torch.zeros(1, n)
+            if probabilistic:
+                p = seq["logprobs"][rows + 1].float()
+                weight[0, rows] = (mtp.gather(-1, emitted[:, None])[:, 0] - p).exp().clamp(max=1.0)
+            else:
+                weight[0, rows] = (mtp.argmax(-1) == emitted).float()
+            valid = torch.zeros(1, n, dtype=torch.bool)
+            valid[0, rows] = True
+            first = torch.tensor([int(seq.get("first_draft", 0))])
+            parts.append(served_acceptance(StepAcceptance([valid], [weight]), first))
+        return pool(parts)
+
+    # -- publishing and checkpoints -------------------------------------------------------------
+    def publishable_state(self) -> dict[str, torch.Tensor]:
+        """The MTP layer under the checkpoint's names, as ``update_draft`` takes it."""
+        return self.layer.checkpoint_tensors(0)
+
+    def save(self, out_dir: Path | str, extra: dict | None = None) -> Path:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.publishable_state().items()}, str(out / MTP_WEIGHTS))
+        torch.save({"optimizer": self.optimizer.state_dict(), "step": self.step_count}, out / TRAINER_STATE)
+        meta = {"step": self.step_count, "drafter": "mtp", "config": asdict(self.config), **(extra or {})}
+        (out / TRAINER_META).write_text(json.dumps(meta, indent=2) + "\n")
+        return out
