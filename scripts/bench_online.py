@@ -11,6 +11,12 @@ last metrics. Reports the rounds and trainer steps needed to get back to 90%
 of the pre-update acceptance. Output: JSON and a PNG.
 
     python scripts/bench_online.py --fixture tiny --rounds 24 --update-at 12
+
+``--drafter mtp`` (with ``--fixture tiny-mimo``) does the same for a policy that ships
+its own MTP layer: the engine serves ``"method": "mtp"``, the trainer runs
+``train-draft --mtp``, and the policy update moves the body but carries the MTP
+layer unchanged (an RL trainer that does not train it), so the served layer is
+stale after the update until the online trainer's next publish.
 """
 
 from __future__ import annotations
@@ -31,14 +37,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 
-def shifted_policy(src: Path, dst: Path, scale: float, seed: int) -> dict[str, torch.Tensor]:
-    """A policy moved away from ``src`` (every matrix perturbed), saved as a checkpoint in ``dst``."""
+def shifted_policy(src: Path, dst: Path, scale: float, seed: int, keep_prefix: str | None = None
+                   ) -> dict[str, torch.Tensor]:
+    """A policy moved away from ``src`` (every matrix perturbed, except those named ``keep_prefix*``),
+    saved as a checkpoint in ``dst``."""
     shutil.rmtree(dst, ignore_errors=True)
     shutil.copytree(src, dst)
     gen = torch.Generator().manual_seed(seed)
     w = load_file(src / "model.safetensors")
     w = {k: (v.float() + scale * v.float().std() * torch.randn(v.shape, generator=gen)).to(v.dtype)
-         if v.dim() == 2 else v for k, v in w.items()}
+         if v.dim() == 2 and not (keep_prefix and k.startswith(keep_prefix)) else v for k, v in w.items()}
     save_file(w, dst / "model.safetensors")
     return w
 
@@ -54,7 +62,11 @@ def last_trainer_record(log: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fixtures", type=Path, default=None)
-    ap.add_argument("--fixture", default="tiny", choices=["real", "tiny"])
+    ap.add_argument("--fixture", default="tiny", choices=["real", "tiny", "tiny-mimo"])
+    ap.add_argument("--drafter", default="eagle3", choices=["eagle3", "mtp"],
+                    help="mtp: the policy's own MTP layer (needs a fixture that has one: tiny-mimo)")
+    ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    ap.add_argument("--lr", default="3e-3", help="the online trainer's learning rate")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--draft-vocab-size", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=24)
@@ -77,11 +89,17 @@ def main() -> None:
     work.mkdir(parents=True)
     target = work / "policy"  # the trainer's --target, rewritten at the policy update
     shutil.copytree(src, target)
-    draft = work / "draft"
-    init_draft(src, draft, args.draft_vocab_size, seed=0)
     capture = f"tcp://127.0.0.1:{free_port()}"
-    spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3,
-            "draft_sample_method": "probabilistic"}
+    if args.drafter == "mtp":
+        draft = target  # the MTP layer lives in the policy checkpoint
+        spec = {"method": "mtp", "num_speculative_tokens": args.k, "draft_sample_method": "probabilistic"}
+        trainer_args = ["--mtp"]
+    else:
+        draft = work / "draft"
+        init_draft(src, draft, args.draft_vocab_size, seed=0)
+        spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": args.k,
+                "draft_sample_method": "probabilistic"}
+        trainer_args = []
     server_args = ["--dtype", args.dtype, "--max-model-len", "1024", "--speculative-config", json.dumps(spec),
                    "--additional-config", json.dumps({"specrl": {"capture": capture}})]
     log = work / "online.jsonl"
@@ -90,8 +108,8 @@ def main() -> None:
         trainer = subprocess.Popen(
             [sys.executable, "-m", "vllm_specrl.cli", "train-draft", "--capture", capture, "--engine", srv.url,
              "--draft", str(draft), "--target", str(target), "--publish-every", "4",
-             "--checkpoint-every", "20", "--batch-size", "4", "--lr", "3e-3", "--idle-s", "0.5",
-             "--log", str(log)],
+             "--checkpoint-every", "20", "--batch-size", "4", "--lr", args.lr, "--idle-s", "0.5",
+             "--checkpoint-dir", str(work / "trainer"), "--log", str(log), *trainer_args],
             stdout=open(work / "trainer.out", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
             env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
         client = EngineClient(srv.url, progress=False)
@@ -105,7 +123,8 @@ def main() -> None:
         try:
             for r in range(args.rounds):
                 if r == args.update_at:
-                    weights = shifted_policy(src, target, args.shift, seed=1)
+                    weights = shifted_policy(src, target, args.shift, seed=1,
+                                             keep_prefix="model.mtp_layers." if args.drafter == "mtp" else None)
                     client.update_policy(weights, version=1)
                 before = client.status()["spec_decode"]
                 batch = [prompts[(r * args.requests + i) % len(prompts)] for i in range(args.requests)]
@@ -114,8 +133,11 @@ def main() -> None:
                 st = client.status()
                 drafts = st["spec_decode"]["num_drafts"] - before["num_drafts"]
                 accepted = st["spec_decode"]["num_accepted_tokens"] - before["num_accepted_tokens"]
+                first = [(d["per_position_acceptance"] or [0.0])[0] * d["num_drafts"] for d in (before, st["spec_decode"])]
                 rec = last_trainer_record(log)
                 curve.append({"round": r, "acceptance_length": 1 + accepted / max(drafts, 1),
+                              "accept_pos0": (first[1] - first[0]) / max(drafts, 1),
+                              "trainer_accept_pos0": rec.get("accept_pos0"),
                               "policy_version": st["versions"]["policy"], "draft_version": st["versions"]["draft"],
                               "trainer_step": rec.get("step"), "trainer_loss": rec.get("loss"),
                               "trainer_expected_acceptance_length": rec.get("expected_acceptance_length"),
@@ -154,13 +176,21 @@ def main() -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.plot([c["round"] for c in curve], [c["acceptance_length"] for c in curve], marker="o",
-            label="vLLM acceptance length (T=1, k=3)")
-    ax.plot([c["round"] for c in curve], [c["trainer_expected_acceptance_length"] or float("nan") for c in curve],
-            linestyle="--", label="trainer expected acceptance length (train batch)")
+            label=f"vLLM acceptance length (T=1, k={args.k})")
+    if args.drafter == "mtp":  # the MTP trainer estimates the first position (see vllm_specrl.trainer.mtp)
+        ax.plot([c["round"] for c in curve], [1 + c["accept_pos0"] for c in curve], marker=".",
+                label="vLLM: 1 + first-position acceptance")
+        ax.plot([c["round"] for c in curve], [1 + (c["trainer_accept_pos0"] or float("nan")) for c in curve],
+                linestyle="--", label="trainer: 1 + first-position acceptance (train batch)")
+    else:
+        ax.plot([c["round"] for c in curve],
+                [c["trainer_expected_acceptance_length"] or float("nan") for c in curve],
+                linestyle="--", label="trainer expected acceptance length (train batch)")
     ax.axvline(args.update_at - 0.5, color="red", linewidth=1, label="policy update")
     ax.set_xlabel("rollout round")
     ax.set_ylabel("tokens per verify step")
-    ax.set_title(f"online draft adaptation ({args.fixture} fixture, fresh draft)")
+    ax.set_title(f"online draft adaptation ({args.fixture} fixture, "
+                 f"{'its own MTP layer' if args.drafter == 'mtp' else 'fresh EAGLE-3 draft'})")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -19,6 +19,12 @@ frameworks drive rollout servers). Output: a JSON file and a PNG next to it.
 
     python scripts/bench_rollout.py --fixture real            # the full sweep
     python scripts/bench_rollout.py --methods plain,ngram --ks 3 --batch-sizes 4
+
+``mtp`` serves the policy's own MTP layer (``"method": "mtp"``) on ``--mtp-model``
+(default: the ``real-mimo`` fixture, SmolLM2 re-labelled as MiMo with a trained MTP
+layer: ``vllm-specrl fixtures --only real-mimo``); its body computes SmolLM2's
+function, so the ratios are against the same ``plain`` engine, and ``plain-mimo`` (no
+speculation on the MTP target) shows what the re-labelled body itself costs.
 """
 
 from __future__ import annotations
@@ -32,7 +38,11 @@ import sys
 import time
 from pathlib import Path
 
-METHODS = ("plain", "ngram", "eagle3-random", "eagle3-warm", "eagle3-warm-adaptive")
+METHODS = ("plain", "ngram", "eagle3-random", "eagle3-warm", "eagle3-warm-adaptive", "mtp", "plain-mimo")
+# Methods served on the MTP target (--mtp-model: SmolLM2 re-labelled as MiMo with its own MTP layer;
+# the body computes exactly SmolLM2's function, so "plain" stays the reference and "plain-mimo" shows it).
+MTP_TARGET_METHODS = ("mtp", "plain-mimo")
+SINGLE_ENGINE_METHODS = ("plain", "plain-mimo", "eagle3-warm-adaptive")
 ADAPTIVE_SCHEDULER = "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"
 
 
@@ -52,8 +62,10 @@ def make_prompts(n: int, prompt_set: str = "code", exclude: set[str] | None = No
 
 
 def speculative_config(method: str, k: int, drafts: dict[str, str]) -> dict | None:
-    if method == "plain":
+    if method in ("plain", "plain-mimo"):
         return None
+    if method == "mtp":
+        return {"method": "mtp", "num_speculative_tokens": k, "draft_sample_method": "probabilistic"}
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3,
                 "prompt_lookup_min": 1}
@@ -245,7 +257,7 @@ def plot(report: dict, path: Path) -> None:
     fig, axes = plt.subplots(len(temps), 2, figsize=(11, 3.6 * len(temps)), squeeze=False)
     styles = ["-", "--", ":", "-."]
     colors = {"ngram": "tab:orange", "eagle3-random": "tab:gray", "eagle3-warm": "tab:blue",
-              "eagle3-warm-adaptive": "tab:green"}
+              "eagle3-warm-adaptive": "tab:green", "mtp": "tab:red", "plain-mimo": "tab:brown"}
     batches = sorted({c["batch_size"] for c in cells})
     for row, temp in enumerate(temps):
         for method in sorted({c["method"] for c in cells}):
@@ -280,6 +292,8 @@ def main() -> None:
     ap.add_argument("--fixtures", type=Path, default=None)
     ap.add_argument("--fixture", default="real", choices=["real", "tiny"])
     ap.add_argument("--model", default=None, help="target model dir (overrides --fixture)")
+    ap.add_argument("--mtp-model", type=Path, default=None,
+                    help="target with its own MTP layer for mtp / plain-mimo (default: the real-mimo fixture)")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
     ap.add_argument("--ks", default="1,2,3,4,5", help="num_speculative_tokens values")
     ap.add_argument("--speculative-config", action="append", default=[],
@@ -328,15 +342,20 @@ def main() -> None:
         ap.error(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
     drafts = prepare_drafts(args, model, methods)
     ks = [int(k) for k in args.ks.split(",")]
-    engines = [("plain", 0, None)] if "plain" in methods else []
+    engines = [(m, 0, None) for m in ("plain", "plain-mimo") if m in methods]
     engines += [(m, k, speculative_config(m, k, drafts)) for m in methods
-                if m not in ("plain", "eagle3-warm-adaptive") for k in ks]
+                if m not in SINGLE_ENGINE_METHODS for k in ks]
     if "eagle3-warm-adaptive" in methods:
         engines.append(("eagle3-warm-adaptive", args.adaptive_max_k,
                         speculative_config("eagle3-warm-adaptive", args.adaptive_max_k, drafts)))
     engines += [(f"custom{i}", json.loads(s).get("num_speculative_tokens", 0), json.loads(s))
                 for i, s in enumerate(args.speculative_config)]
     trained_on: set[str] = set()
+    if set(methods) & set(MTP_TARGET_METHODS):
+        from vllm_specrl.fixtures import read_manifest
+
+        mtp_model = args.mtp_model or fixture_target("real-mimo", args.fixtures)
+        trained_on |= set(read_manifest(mtp_model, verify_hashes=False).metrics.get("train_prompts", []))
     for draft_dir in drafts.values():
         meta = Path(draft_dir) / "trainer_meta.json"
         if meta.is_file():
@@ -355,11 +374,14 @@ def main() -> None:
               "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
               "settings": {k: v for k, v in base.items() if k not in ("prompts", "log_dir")},
               "cells": []}
+    if set(methods) & set(MTP_TARGET_METHODS):
+        report["mtp_model"] = str(mtp_model)
     t_start = time.time()
     for method, k, spec in engines:
         name = method if method == "plain" else f"{method}_k{k}"
         print(f"[bench] {name}: {json.dumps(spec) if spec else 'no speculation'}", flush=True)
         res = run_engine_in_subprocess(dict(base, name=name, speculative_config=spec,
+                                            model=report["mtp_model"] if method in MTP_TARGET_METHODS else model,
                                             scheduler_cls=ADAPTIVE_SCHEDULER if method.endswith("-adaptive")
                                             else None), args.engine_timeout)
         if isinstance(res, str):

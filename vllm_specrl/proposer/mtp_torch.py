@@ -30,11 +30,20 @@ class MTPLayer(nn.Module):
 
     def __init__(self, config: Any):
         super().__init__()
+        import copy
+
         from transformers.models.qwen2.modeling_qwen2 import (
             Qwen2DecoderLayer,
             Qwen2RMSNorm,
             Qwen2RotaryEmbedding,
         )
+
+        # The block runs without an attention mask, which is causal only under SDPA (``is_causal``
+        # when a query has several rows). A config from ``AutoConfig`` names no implementation, and
+        # eager attention without a mask lets every row read the rows after it: a layer trained that
+        # way learns from the future and drafts worse than it trained. So: SDPA, always.
+        config = copy.copy(config)
+        config._attn_implementation = "sdpa"
 
         h, eps = config.hidden_size, config.rms_norm_eps
         self.token_layernorm = Qwen2RMSNorm(h, eps=eps)

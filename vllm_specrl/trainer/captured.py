@@ -91,13 +91,16 @@ def features_from_capture(sequence: dict[str, Any], completion_last: int, head: 
 
 
 def captured_rollouts(target_dir: Path, texts: list[str], samples: int, max_tokens: int,
-                      temperature: float, seed: int, dtype: str, aux_layer_ids: tuple[int, ...],
-                      max_model_len: int = 2048) -> tuple[list[list[int]], list[int], list[int], list[dict], dict]:
+                      temperature: float, seed: int, dtype: str, aux_layer_ids: tuple[int, ...] = (),
+                      max_model_len: int = 2048, drafter: str = "eagle3"
+                      ) -> tuple[list[list[int]], list[int], list[int], list[dict], dict]:
     """T=``temperature`` rollouts of ``texts`` (``samples`` each) with their features captured.
 
     Returns (sequences, prompt lengths, prompt index, features, counts): features[i] belongs
     to sequences[i]; rollouts whose capture was incomplete are dropped from all four lists
-    and counted in ``counts``.
+    and counted in ``counts``. ``drafter="mtp"``: the target ships its own MTP layer, which is
+    the vehicle (held at k = 0 the same way), and the features are the assembled captured
+    sequences as ``trainer.mtp.MTPTrainer`` takes them (the MTP input state of every row).
     """
     from vllm import LLM, SamplingParams
 
@@ -110,18 +113,22 @@ def captured_rollouts(target_dir: Path, texts: list[str], samples: int, max_toke
     drain = _Drain(receiver)
     drain.start()
     with tempfile.TemporaryDirectory(prefix="specrl-vehicle-draft-") as vehicle:
-        init_draft(target_dir, vehicle, aux_layer_ids=aux_layer_ids, seed=seed)
         max_num_seqs = 256
+        # k = 0 at every batch size: the drafter only syncs its KV (and hands the tap its inputs)
+        held = {"num_speculative_tokens": 1, "num_speculative_tokens_per_batch_size": [[1, max_num_seqs, 0]]}
+        if drafter == "mtp":
+            spec = {"method": "mtp", **held}
+        else:
+            init_draft(target_dir, vehicle, aux_layer_ids=aux_layer_ids, seed=seed)
+            spec = {"method": "eagle3", "model": vehicle, **held}
         llm = LLM(model=str(target_dir), dtype=dtype, enforce_eager=True, seed=seed,
                   max_model_len=max_model_len, max_num_seqs=max_num_seqs, enable_prefix_caching=False,
-                  speculative_config={"method": "eagle3", "model": vehicle, "num_speculative_tokens": 1,
-                                      # k = 0 at every batch size: the drafter only syncs its KV
-                                      "num_speculative_tokens_per_batch_size": [[1, max_num_seqs, 0]]},
-                  worker_extension_cls="vllm_specrl.sync.SpecRLWorkerExtension",
+                  speculative_config=spec, worker_extension_cls="vllm_specrl.sync.SpecRLWorkerExtension",
                   # Every row: a deep queue, and a sender that waits for this process's receiver
                   # rather than dropping (the engine step never waits either way).
                   additional_config={"specrl": {"capture_topk": 0, "capture_queue_frames": 1 << 16,
-                                                "capture_send_timeout_s": 60.0}})
+                                                "capture_send_timeout_s": 60.0,
+                                                "capture_dtype": "float32" if drafter == "mtp" else "bfloat16"}})
         try:
             started = llm.collective_rpc("specrl_capture_start", args=(address,))[0]
             if not started.get("ok"):
@@ -158,6 +165,6 @@ def captured_rollouts(target_dir: Path, texts: list[str], samples: int, max_toke
         sequences.append(full)
         prompt_lengths.append(n_prompt)
         prompt_index.append(i)
-        features.append(features_from_capture(seq, full[-1], head))
+        features.append(seq if drafter == "mtp" else features_from_capture(seq, full[-1], head))
     counts["kept"] = len(sequences)
     return sequences, prompt_lengths, prompt_index, features, counts

@@ -135,7 +135,7 @@ class MTPTrainer:
             torch.nn.utils.clip_grad_norm_(self.layer.parameters(), self.config.grad_clip)
         self.optimizer.step()
         self.step_count += 1
-        return {"loss": float(loss), "accept_pos0": accept / count, "rows": count, "step": self.step_count, "lr": lr}
+        return {"loss": loss.item(), "accept_pos0": accept / count, "rows": count, "step": self.step_count, "lr": lr}
 
     @torch.no_grad()
     def estimate_served(self, sequences: list[dict[str, Any]], probabilistic: bool = True) -> dict[str, Any]:
