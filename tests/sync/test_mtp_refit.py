@@ -30,6 +30,7 @@ def engine_script(model, updates: list[tuple[str, str]] | None = None, prompts=N
         from safetensors.torch import load_file
         from vllm import LLM, SamplingParams
         from vllm_specrl import metrics
+        from vllm_specrl.sync.local import commit_update
         llm = LLM(model={str(model)!r}, dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
                   max_num_seqs=16, disable_log_stats=False,
                   speculative_config={{"method": "mtp", "num_speculative_tokens": {K}}},
@@ -46,21 +47,6 @@ def engine_script(model, updates: list[tuple[str, str]] | None = None, prompts=N
             return {{"tokens": [list(o.outputs[0].token_ids) for o in outs],
                      "drafts": stats["num_drafts"], "accepted": stats["num_accepted_tokens"]}}
 
-        def update(tensors, version):
-            rpc = lambda name, *args: llm.collective_rpc(name, args=args)[0]
-            begun = rpc("specrl_begin_update", "policy", version)
-            if not begun["ok"]:
-                return begun
-            staged = rpc("specrl_stage_tensors", begun["update_id"], tensors)
-            ready = rpc("specrl_prepare_commit", begun["update_id"]) if staged["ok"] else staged
-            if not ready["ok"]:
-                rpc("specrl_abort_update", begun["update_id"])
-                return ready
-            done = rpc("specrl_commit_update", begun["update_id"])
-            rpc("specrl_finalize_commit", begun["update_id"])
-            llm.reset_prefix_cache()  # as the server's commit route does: cached KV is the old policy's
-            return done
-
         result = {{"runs": [run()], "answers": []}}
         for version, (label, source) in enumerate(json.loads({json.dumps(json.dumps(updates or []))}), 1):
             tensors = load_file(source + "/model.safetensors") if label == "checkpoint" else \\
@@ -69,7 +55,7 @@ def engine_script(model, updates: list[tuple[str, str]] | None = None, prompts=N
                 tensors[{MTP_WEIGHT!r}] = tensors[{MTP_WEIGHT!r}][:, :-1].contiguous()
             elif label == "missing":
                 del tensors[{MTP_NORM!r}]
-            answer = update(tensors, version)
+            answer = commit_update(llm, "policy", tensors, version)
             result["answers"].append({{"label": label, "ok": answer["ok"], "error": answer.get("error"),
                                       "problems": answer.get("problems", [])}})
             result["runs"].append(run())

@@ -52,6 +52,7 @@ def aligned(mimo_model, tmp_path_factory):
         from vllm import LLM, SamplingParams
         from vllm_specrl import metrics
         from vllm_specrl.server import free_port
+        from vllm_specrl.sync.local import commit_update
         from vllm_specrl.trainer.core import TrainConfig
         from vllm_specrl.trainer.online import OnlineConfig, OnlineDraftTrainer
 
@@ -96,19 +97,6 @@ def aligned(mimo_model, tmp_path_factory):
                                 SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
             return [list(o.outputs[0].token_ids) for o in outs]
 
-        def update_draft(tensors, version):
-            begun = rpc("specrl_begin_update", "draft", version)
-            if not begun["ok"]:
-                return begun
-            staged = rpc("specrl_stage_tensors", begun["update_id"], tensors)
-            ready = rpc("specrl_prepare_commit", begun["update_id"]) if staged["ok"] else staged
-            if not ready["ok"]:
-                rpc("specrl_abort_update", begun["update_id"])
-                return ready
-            done = rpc("specrl_commit_update", begun["update_id"])
-            rpc("specrl_finalize_commit", begun["update_id"])
-            return done
-
         held_out = json.loads({json.dumps(json.dumps(held_out))})
         result = {{"stale": served(held_out, 1, 8), "greedy_before": greedy()}}
         served(json.loads({json.dumps(json.dumps(train_prompts))}), 2, 4)   # the rollouts trained on
@@ -119,8 +107,8 @@ def aligned(mimo_model, tmp_path_factory):
         body = dict(state, **{{"model.norm.weight": state[name].new_ones(state[name].shape[-1:])}})
         proj = "model.mtp_layers.0.input_proj.weight"
         bad = dict(state, **{{proj: state[proj][:, :-1].contiguous()}})
-        result["refused"] = [update_draft(body, 1), update_draft(bad, 1)]
-        result["published"] = update_draft(state, 1)
+        result["refused"] = [commit_update(llm, "draft", body, 1), commit_update(llm, "draft", bad, 1)]
+        result["published"] = commit_update(llm, "draft", state, 1)
         result["aligned"] = served(held_out, 1, 8)
         result["greedy_after"] = greedy()
         print("RESULT " + json.dumps(result))

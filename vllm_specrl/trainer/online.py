@@ -61,8 +61,8 @@ class OnlineConfig:
     # trainer shares with the engine and the RL loop (a CPU box), a cap keeps it from taking cycles
     # that rollouts and the policy update need.
     replay_ratio: float | None = None
-    # "eagle3": train the EAGLE-3 draft at --draft; "mtp": train the policy's own MTP layer (from
-    # --draft when given, else from --target's checkpoint) on an engine serving "method": "mtp".
+    # "eagle3": train the EAGLE-3 draft at --draft; "mtp": train the policy's own MTP layer, starting
+    # from the one in --draft (the policy checkpoint), on an engine serving "method": "mtp".
     drafter: str = "eagle3"
 
 
@@ -176,7 +176,7 @@ class OnlineDraftTrainer:
             return
         self.buffer.clear()
         if self.topk_targets and self.trainer.drafter == "eagle3":
-            return
+            return  # (the MTP trainer's targets always come from the head and norm: it re-reads them)
         self.trainer.refresh_target(self.target_dir)
 
     # -- training ----------------------------------------------------------------------------
