@@ -144,7 +144,8 @@ def test_one_trainer_learns_from_every_replica_and_publishes_to_all(replicas, fl
             if min(drafts) >= 1:
                 break
         else:
-            pytest.fail(f"no draft published to both replicas: {fleet.versions()}")
+            pytest.fail(f"no draft published to both replicas: {fleet.versions()}\n"
+                        + (work / "trainer.out").read_text()[-3000:])
         # Read while the trainer runs: once it exits, the senders see it disconnected.
         statuses = [fleet.replicas[s.url].status() for s in (a, b)]
     finally:
@@ -152,11 +153,13 @@ def test_one_trainer_learns_from_every_replica_and_publishes_to_all(replicas, fl
         trainer.wait(60)
     # Both replicas streamed to the one trainer (their senders saw it connected), which reported its
     # ingestion to both with the publishes.
-    assert all(st["capture"]["frames_sent"] > 0 and st["capture"]["trainer_connected"] for st in statuses)
-    assert all(st["draft_trainer"] and st["draft_trainer"]["capture"]["ingested"] > 0 for st in statuses)
+    why = (statuses, (work / "trainer.out").read_text()[-3000:])
+    assert all(st["capture"]["frames_sent"] > 0 and st["capture"]["trainer_connected"] for st in statuses), why
+    assert all(st["draft_trainer"] and st["draft_trainer"]["capture"]["ingested"] > 0 for st in statuses), why
     records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     published = [r["publish"] for r in records if r.get("publish") and "error" not in r["publish"]]
-    assert published and sorted(published[-1]["committed"]) == sorted([a.url, b.url]), published[-1:]
+    assert published and sorted(published[-1]["committed"]) == sorted([a.url, b.url]), \
+        (records[-3:], (work / "trainer.out").read_text()[-3000:])
 
 
 KILLED_AT = 100  # replica C's engine is SIGKILLed part way through applying this policy version

@@ -131,7 +131,7 @@ def test_protocol_misuse_is_refused(server, client, original):
     assert r.status_code == 400 and "no update in progress" in r.json()["error"]
     uid = post("/specrl/update/begin", json={"target": "policy", "version": 1}).json()["update_id"]
     second = post("/specrl/update/begin", json={"target": "draft", "version": 1})
-    assert second.status_code == 400 and f"update {uid}" in second.json()["error"]
+    assert second.status_code == 409 and f"update {uid}" in second.json()["error"]  # busy (no wait_s)
     body = save(dict(list(original.items())[:3]))
     r = post(f"/specrl/update/{uid}/tensors", data=body[: len(body) // 2])
     assert r.status_code == 400 and "not a complete safetensors chunk" in r.json()["error"]
@@ -271,8 +271,9 @@ client.update_draft(load_file(draft + "/model.safetensors"), version=int(version
 
 def test_a_publisher_killed_mid_update_blocks_nothing(server, client, warm_draft, prompts):
     """A trainer SIGKILLed after its first chunk leaves an open update (no abort ever comes): the
-    engine keeps serving the old draft, the next begin is refused naming it while it is fresh, and
-    once it has been idle for the timeout the next begin aborts it and goes ahead."""
+    engine keeps serving the old draft, a begin that will not wait is refused (409) naming it, and
+    a begin that waits gets through once the dead update has been idle for the timeout (the
+    waiting begin aborts it)."""
     import subprocess
     import sys
     import time
@@ -290,20 +291,42 @@ def test_a_publisher_killed_mid_update_blocks_nothing(server, client, warm_draft
         proc.wait(30)
     killed_at = time.time()
     draft = load_file(warm_draft / "model.safetensors")
-    with pytest.raises(WeightSyncError, match=f"update {dead_id}.*in progress.*aborted by the next begin"):
-        client.update_draft(draft, version=before["draft"] + 1)
+    impatient = EngineClient(server.url, api_key=KEY, progress=False, begin_wait_s=0)
+    with pytest.raises(WeightSyncError, match=f"HTTP 409: update {dead_id}.*in progress.*aborted by the next begin"):
+        impatient.update_draft(draft, version=before["draft"] + 1)
     status = client.status()
     assert list(status["updates_in_progress"]) == [dead_id]
     assert status["workers"][0]["sync"]["in_progress"]["update_id"] == dead_id
     assert served_texts(server, prompts) == texts and versions(client) == before  # serving goes on
-    time.sleep(max(0.0, IDLE_TIMEOUT_S + 1 - (time.time() - killed_at)))
-    res = client.update_draft(draft, version=before["draft"] + 1)
-    assert res["version"] == before["draft"] + 1
+    assert time.time() - killed_at < IDLE_TIMEOUT_S - 1, "too slow to see the open update before its timeout"
+    res = client.update_draft(draft, version=before["draft"] + 1)  # waits until the dead one is abandoned
+    assert res["version"] == before["draft"] + 1 and time.time() - killed_at > IDLE_TIMEOUT_S
     status = client.status()
     assert status["abandoned_updates_total"] == 1 and status["abandoned_updates"][0]["update_id"] == dead_id
     assert status["abandoned_updates"][0]["aborted"] and status["updates_in_progress"] == {}
     assert status["versions"] == {"policy": before["policy"], "draft": before["draft"] + 1}
     assert served_texts(server, prompts) == texts  # the same draft again: lossless either way
+
+
+def test_two_writers_take_turns(server, client, warm_draft, original):
+    """The RL loop's policy update begun while the online trainer's draft update is open waits for
+    it and then commits: neither writer sees an error, both versions land."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    before = versions(client)
+    draft = load_file(warm_draft / "model.safetensors")
+    trainer = EngineClient(server.url, api_key=KEY, progress=False)
+    staged = trainer.stage("draft", draft, before["draft"] + 1)  # open, not yet committed
+    with ThreadPoolExecutor(1) as pool:
+        policy = pool.submit(client.update_policy, original, before["policy"] + 1)
+        time.sleep(1.0)
+        assert not policy.done(), "the policy update did not wait for the open draft update"
+        assert list(client.status()["updates_in_progress"]) == [staged["update_id"]]
+        trainer.commit(staged)
+        res = policy.result(timeout=120)
+    assert res["version"] == before["policy"] + 1
+    assert versions(client) == {"policy": before["policy"] + 1, "draft": before["draft"] + 1}
 
 
 def test_updates_under_load_fail_no_request(server, client, original, new_policy):
@@ -322,15 +345,18 @@ def test_updates_under_load_fail_no_request(server, client, original, new_policy
             except requests.RequestException as exc:  # pragma: no cover - reported below
                 errors.append(repr(exc))
 
+    first = versions(client)["policy"]
     with ThreadPoolExecutor(6) as pool:
-        for i in range(6):
-            pool.submit(worker, i)
-        for version, (weights, mode) in enumerate([(new, "wait"), (original, "keep"), (new, "none")], 4):
-            res = client.update_policy(weights, version=version, pause=mode)
-            assert res["version"] == version
-        stop.set()
+        try:
+            for i in range(6):
+                pool.submit(worker, i)
+            for version, (weights, mode) in enumerate([(new, "wait"), (original, "keep"), (new, "none")], first + 1):
+                res = client.update_policy(weights, version=version, pause=mode)
+                assert res["version"] == version
+        finally:
+            stop.set()
     assert not errors, errors[:3]
     assert results and all(code == 200 for code, _, _ in results), results
-    assert all(3 <= int(s) <= int(e) <= 6 for _, s, e in results), results
-    assert {e for _, _, e in results} - {"3"}, "no request completed after the first commit"
-    assert versions(client)["policy"] == 6
+    assert all(first <= int(s) <= int(e) <= first + 3 for _, s, e in results), results
+    assert {e for _, _, e in results} - {str(first)}, "no request completed after the first commit"
+    assert versions(client)["policy"] == first + 3

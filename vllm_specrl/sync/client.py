@@ -10,7 +10,9 @@ The transport is chosen per call: shared memory (a safetensors file on
 safetensors bodies over HTTP, in chunks of ``chunk_bytes``. Either way the
 engine validates every tensor before applying any, so a refused update
 raises ``WeightSyncError`` (with the engine's list of offending tensors) and
-the engine keeps serving the previous version.
+the engine keeps serving the previous version. An update begun while another
+writer's update is open (the RL loop's policy while the online trainer publishes
+a draft) waits for it, up to ``begin_wait_s``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from vllm_specrl.sync import shm
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
 DEFAULT_CHUNK_BYTES = 64 << 20
+DEFAULT_BEGIN_WAIT_S = 120.0
 
 
 class WeightSyncError(RuntimeError):
@@ -63,7 +66,7 @@ class EngineClient:
 
     def __init__(self, url: str, api_key: str | None = None, transport: str = "auto",
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout: float = 600.0,
-                 progress: bool = True):
+                 progress: bool = True, begin_wait_s: float = DEFAULT_BEGIN_WAIT_S):
         if transport not in ("auto", "shm", "http"):
             raise ValueError(f"transport must be auto, shm or http; got {transport!r}")
         self.url = url.rstrip("/")
@@ -74,6 +77,7 @@ class EngineClient:
         self.chunk_bytes = chunk_bytes
         self.timeout = timeout
         self.progress = progress
+        self.begin_wait_s = begin_wait_s
 
     # -- plumbing ---------------------------------------------------------------------------
     def _post(self, path: str, **kwargs: Any) -> dict:
@@ -140,7 +144,7 @@ class EngineClient:
         total = sum(nbytes(t) for _, t in named)
         transport = self.resolved_transport()
         t0 = time.perf_counter()
-        begin = {"target": target, "version": version}
+        begin = {"target": target, "version": version, "wait_s": self.begin_wait_s}
         if trainer_report is not None:
             begin["trainer_report"] = trainer_report
         uid = self._post("/specrl/update/begin", json=begin)["update_id"]

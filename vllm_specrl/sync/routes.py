@@ -9,10 +9,15 @@ applies between two engine steps, in-flight requests recomputed as with
 ``keep``), applies the weights in place, resets the prefix cache (old-weight KV
 never serves a token after a commit), sets vLLM's weight version (so
 ``/inference/v1/generate`` reports per-token ``weight_versions``) and resumes.
+
+One update is open at a time. Two writers are normal in RL (the policy trainer
+and the online draft trainer), so a ``begin`` that finds another update open
+waits for it, up to the ``wait_s`` it names, before it is refused (409).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Callable
@@ -28,6 +33,8 @@ from vllm_specrl.sync.shm import SHM_DIR
 
 PAUSE_MODES = ("wait", "keep", "abort", "none")
 RPC_TIMEOUT_S = 600.0
+MAX_BEGIN_WAIT_S = 600.0
+BEGIN_POLL_S = 0.05
 
 
 def refused(error: str, problems: list[str] | None = None, status: int = 400) -> JSONResponse:
@@ -94,22 +101,41 @@ async def commit_paused(engine: Any, state: Any, update_id: str, mode: str) -> d
     return res
 
 
-async def abort_abandoned(state: Any) -> None:
-    """Abort, on every rank, updates whose client went silent for longer than the idle timeout:
-    a client that died mid-upload must not block every later update. An update being committed
-    is never touched (its commit holds the lock and marks it)."""
+def abandoned_uploads(state: Any) -> list[tuple[str, dict, float]]:
+    """``(update_id, info, idle seconds)`` of open updates whose client went silent for longer
+    than the idle timeout. An update being committed is never one (its commit marks it)."""
     now = time.time()
-    for update_id, info in list(state.uploads.items()):
-        idle = now - info.get("last", info["t0"])
-        if info.get("committing") or idle <= state.update_idle_timeout_s:
-            continue
+    idle = [(uid, info, now - info.get("last", info["t0"])) for uid, info in list(state.uploads.items())]
+    return [(uid, info, s) for uid, info, s in idle
+            if not info.get("committing") and s > state.update_idle_timeout_s]
+
+
+async def abort_abandoned(state: Any) -> None:
+    """Abort, on every rank, abandoned updates: a client that died mid-upload must not block every
+    later update."""
+    for update_id, info, idle in abandoned_uploads(state):
         state.uploads.pop(update_id, None)
         res = await rpc_all(state.engine_client, "specrl_abort_update", update_id)
         state.abandoned_updates.append({"update_id": update_id, "target": info["target"],
                                         "version": info["version"], "idle_s": round(idle, 1),
-                                        "aborted_at": now, "aborted": bool(res.get("ok"))})
+                                        "aborted_at": time.time(), "aborted": bool(res.get("ok"))})
         logger.warning("vllm-specrl: update %s (%s v%s) abandoned after %.0f s idle; aborted",
                        update_id, info["target"], info["version"], idle)
+
+
+async def begin_when_free(state: Any, target: Any, version: Any, update_id: str, wait_s: float) -> dict:
+    """Begin on every rank; while another update is open, wait (up to ``wait_s``) for it to be
+    committed, aborted or abandoned, then try again. Waiting polls this process's own record of
+    open uploads, so the engine is asked again only when that record says it is free."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        await abort_abandoned(state)
+        res = await rpc_all(state.engine_client, "specrl_begin_update", target, version, update_id)
+        if res.get("ok") or not res.get("busy") or time.monotonic() >= deadline:
+            return res
+        await asyncio.sleep(BEGIN_POLL_S)
+        while state.uploads and time.monotonic() < deadline and not abandoned_uploads(state):
+            await asyncio.sleep(BEGIN_POLL_S)
 
 
 def touch(state: Any, update_id: str) -> None:
@@ -129,18 +155,21 @@ def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
         state = get_state(request)
         body = await request.json()
         target, version = body.get("target"), body.get("version")
-        await abort_abandoned(state)
-        res = await rpc_all(state.engine_client, "specrl_begin_update", target, version,
-                            body.get("update_id") or uuid.uuid4().hex[:12])
+        try:
+            wait_s = min(max(float(body.get("wait_s", 0.0)), 0.0), MAX_BEGIN_WAIT_S)
+        except (TypeError, ValueError):
+            return refused(f"wait_s must be a number of seconds; got {body.get('wait_s')!r}")
+        res = await begin_when_free(state, target, version, body.get("update_id") or uuid.uuid4().hex[:12],
+                                    wait_s)
         if res.get("ok"):
             now = time.time()
             state.uploads[res["update_id"]] = {"target": target, "version": version, "t0": now, "last": now}
-        elif "in progress" in str(res.get("error", "")):
-            res["error"] += (f" (an update with no upload for {state.update_idle_timeout_s:g} s is aborted "
-                             "by the next begin)")
+        elif res.get("busy"):
+            res["error"] += (f" (waited {wait_s:g} s; an update with no upload for "
+                             f"{state.update_idle_timeout_s:g} s is aborted by the next begin)")
         if isinstance(body.get("trainer_report"), dict):
             state.trainer_reported(body["trainer_report"])
-        return answer(res)
+        return JSONResponse(res, status_code=200 if res.get("ok") else 409 if res.get("busy") else 400)
 
     @router.post("/update/{update_id}/tensors")
     async def upload_tensors(update_id: str, request: Request) -> JSONResponse:

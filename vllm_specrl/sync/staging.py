@@ -21,6 +21,10 @@ from vllm_specrl.sync.validate import ParamSpec, WeightUpdateError, missing_name
 TARGETS = ("policy", "draft")
 
 
+class UpdateBusy(WeightUpdateError):
+    """Another update is open: a refusal that a later ``begin`` may not get (see the begin route)."""
+
+
 @dataclass
 class UpdateSession:
     update_id: str
@@ -58,7 +62,7 @@ class UpdateStager:
         if target not in TARGETS:
             raise WeightUpdateError(f"unknown update target {target!r}; use one of {TARGETS}")
         if self.session is not None:
-            raise WeightUpdateError(
+            raise UpdateBusy(
                 f"update {self.session.update_id} ({self.session.target} v{self.session.version}) "
                 "is in progress; commit or abort it first")
         if not isinstance(version, int) or version <= self.versions[target]:

@@ -25,7 +25,7 @@ from typing import Any
 
 from vllm_specrl import faults, plugin, vllm_compat
 from vllm_specrl._version import __version__
-from vllm_specrl.sync.staging import UpdateStager
+from vllm_specrl.sync.staging import UpdateBusy, UpdateStager
 from vllm_specrl.sync.validate import WeightUpdateError, checkpoint_specs
 
 
@@ -35,7 +35,8 @@ DEFAULT_CAPTURE_TOPK = 64
 
 
 def _refusal(exc: Exception) -> dict[str, Any]:
-    return {"ok": False, "error": str(exc), "problems": getattr(exc, "problems", [])}
+    return {"ok": False, "error": str(exc), "problems": getattr(exc, "problems", []),
+            "busy": isinstance(exc, UpdateBusy)}
 
 
 class SpecRLWorkerExtension:
