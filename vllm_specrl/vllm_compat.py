@@ -761,8 +761,10 @@ def policy_mtp_drafter(worker: Any) -> Any | None:
 
 def apply_policy_weights(worker: Any, named_tensors: list[tuple[str, Any]]) -> None:
     """Load a full set of policy weights in place: the target (``model_runner.reload_weights``)
-    and, where the policy ships its own MTP layers, the MTP drafter (its ``load_weights`` keeps
-    the tensors that are its own; embeddings and LM head are the target's, shared)."""
+    and, where the policy ships its own MTP layers and the set carries them, the MTP drafter (its
+    ``load_weights`` keeps the tensors that are its own; embeddings and LM head are the target's,
+    shared modules, so a set without MTP tensors (``keep_mtp``) leaves the drafter's layers as
+    they are and still moves its embeddings and head with the body)."""
     mtp = policy_mtp_drafter(worker)
     seen: list[tuple[str, Any]] = []
 
@@ -773,7 +775,7 @@ def apply_policy_weights(worker: Any, named_tensors: list[tuple[str, Any]]) -> N
             yield item
 
     worker.model_runner.reload_weights(weights_iterator=recorded(named_tensors))
-    if mtp is not None:
+    if mtp is not None and any(is_mtp_tensor(worker, name) for name, _ in seen):
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
         reload_weights(worker.vllm_config, mtp, weights_iterator=iter(seen), weights_path=None,

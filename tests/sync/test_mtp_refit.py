@@ -49,13 +49,18 @@ def engine_script(model, updates: list[tuple[str, str]] | None = None, prompts=N
 
         result = {{"runs": [run()], "answers": []}}
         for version, (label, source) in enumerate(json.loads({json.dumps(json.dumps(updates or []))}), 1):
-            tensors = load_file(source + "/model.safetensors") if label == "checkpoint" else \\
-                load_file({str(model)!r} + "/model.safetensors")
+            tensors = load_file((source or {str(model)!r}) + "/model.safetensors")
+            target, keep_mtp = "policy", label in ("body-keep", "keep-with-mtp")
             if label == "misshaped":
                 tensors[{MTP_WEIGHT!r}] = tensors[{MTP_WEIGHT!r}][:, :-1].contiguous()
             elif label == "missing":
                 del tensors[{MTP_NORM!r}]
-            answer = commit_update(llm, "policy", tensors, version)
+            elif label == "body-keep":
+                tensors = {{k: v for k, v in tensors.items() if not k.startswith("model.mtp_layers.")}}
+            elif label == "mtp-draft":
+                target = "draft"
+                tensors = {{k: v for k, v in tensors.items() if k.startswith("model.mtp_layers.")}}
+            answer = commit_update(llm, target, tensors, version, keep_mtp=keep_mtp)
             result["answers"].append({{"label": label, "ok": answer["ok"], "error": answer.get("error"),
                                       "problems": answer.get("problems", [])}})
             result["runs"].append(run())
@@ -91,6 +96,14 @@ def updated(mimo_model, new_policy, prompts):
 
 
 @pytest.fixture(scope="module")
+def kept(mimo_model, new_policy, prompts):
+    """The RL shape with an online MTP trainer: the policy trainer sends the body alone
+    (``keep_mtp``) and the MTP layer arrives separately as a draft update."""
+    updates = [("keep-with-mtp", str(new_policy)), ("mtp-draft", str(new_policy)), ("body-keep", str(new_policy))]
+    return result_json(run_python(engine_script(mimo_model, updates, prompts), env={"VLLM_PLUGINS": "specrl"}))
+
+
+@pytest.fixture(scope="module")
 def fresh(new_policy, prompts):
     return result_json(run_python(engine_script(new_policy, [], prompts), env={"VLLM_PLUGINS": "specrl"}))["runs"][0]
 
@@ -109,6 +122,24 @@ def test_update_policy_moves_the_mtp_drafter_with_the_body(updated, fresh):
     assert after["tokens"] == fresh["tokens"] and after["tokens"] != before["tokens"]
     # The drafter's proposals equal a fresh engine's on the new checkpoint, to the token: same counts.
     assert (after["drafts"], after["accepted"]) == (fresh["drafts"], fresh["accepted"]), (after, fresh)
+
+
+def test_a_body_only_update_keeps_the_served_mtp_layer(kept, fresh):
+    """``keep_mtp``: the online trainer's MTP layer (here the new checkpoint's, published as a draft
+    update onto the old body) stays through a body-only policy update; MTP tensors sent with one
+    are refused by name. The end state is exactly a fresh engine on the new checkpoint."""
+    refused, layer, body = kept["answers"]
+    assert not refused["ok"] and any(p.startswith("model.mtp_layers.") and "unknown parameter name" in p
+                                     for p in refused["problems"]), refused
+    assert body["ok"] and layer["ok"], kept["answers"]
+    before, after_refused, after_layer, after_body = kept["runs"]
+    assert after_refused == before
+    # The new layer drafts for the old body: other drafts, the same (lossless) tokens.
+    assert after_layer["tokens"] == before["tokens"]
+    assert (after_layer["drafts"], after_layer["accepted"]) != (before["drafts"], before["accepted"])
+    # The body moves and the published layer stays: vLLM's counters equal the fresh engine's.
+    assert after_body["tokens"] == fresh["tokens"]
+    assert (after_body["drafts"], after_body["accepted"]) == (fresh["drafts"], fresh["accepted"]), (after_body, fresh)
 
 
 @pytest.mark.server

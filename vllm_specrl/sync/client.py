@@ -111,9 +111,11 @@ class EngineClient:
         return self._post("/specrl/resume")
 
     def update_policy(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict, version: int,
-                      pause: str = "keep") -> dict:
-        """Replace the served policy in place; returns the engine's commit record."""
-        return self._update("policy", named_tensors, version, pause)
+                      pause: str = "keep", keep_mtp: bool = False) -> dict:
+        """Replace the served policy in place; returns the engine's commit record. On an engine that
+        drafts with the policy's own MTP layers the update carries them too, unless ``keep_mtp``:
+        then it is the body alone and the served MTP layers stay (an online trainer publishes them)."""
+        return self._update("policy", named_tensors, version, pause, keep_mtp=keep_mtp)
 
     def update_draft(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | dict, version: int,
                      pause: str = "none", trainer_report: dict | None = None) -> dict:
@@ -123,9 +125,9 @@ class EngineClient:
         return self._update("draft", named_tensors, version, pause, trainer_report)
 
     def _update(self, target: str, named_tensors: Any, version: int, pause: str,
-                trainer_report: dict | None = None) -> dict:
+                trainer_report: dict | None = None, keep_mtp: bool = False) -> dict:
         t0 = time.perf_counter()
-        staged = self.stage(target, named_tensors, version, trainer_report)
+        staged = self.stage(target, named_tensors, version, trainer_report, keep_mtp)
         try:
             result = self.commit(staged, pause)
         except BaseException:
@@ -135,7 +137,8 @@ class EngineClient:
         return result
 
     # -- the phases, for callers that coordinate several engines (``FleetClient``) ----------------
-    def stage(self, target: str, named_tensors: Any, version: int, trainer_report: dict | None = None) -> dict:
+    def stage(self, target: str, named_tensors: Any, version: int, trainer_report: dict | None = None,
+              keep_mtp: bool = False) -> dict:
         """Begin an update and upload every tensor (validated by the engine, nothing applied).
         Returns the handle ``prepare``/``commit``/``abort`` take; on any failure the update is aborted."""
         if isinstance(named_tensors, dict):
@@ -147,6 +150,8 @@ class EngineClient:
         begin = {"target": target, "version": version, "wait_s": self.begin_wait_s}
         if trainer_report is not None:
             begin["trainer_report"] = trainer_report
+        if keep_mtp:
+            begin["keep_mtp"] = True
         uid = self._post("/specrl/update/begin", json=begin)["update_id"]
         staged = {"update_id": uid, "target": target, "version": version, "transport": transport, "bytes": total}
         try:

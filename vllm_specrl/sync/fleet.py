@@ -61,22 +61,22 @@ class FleetClient:
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
 
-    def update_policy(self, named_tensors: Any, version: int, pause: str = "keep") -> dict:
-        return self._update("policy", named_tensors, version, pause)
+    def update_policy(self, named_tensors: Any, version: int, pause: str = "keep", keep_mtp: bool = False) -> dict:
+        return self._update("policy", named_tensors, version, pause, keep_mtp=keep_mtp)
 
     def update_draft(self, named_tensors: Any, version: int, pause: str = "none",
                      trainer_report: dict | None = None) -> dict:
         return self._update("draft", named_tensors, version, pause, trainer_report)
 
     def _update(self, target: str, named_tensors: Any, version: int, pause: str,
-                trainer_report: dict | None = None) -> dict:
+                trainer_report: dict | None = None, keep_mtp: bool = False) -> dict:
         if isinstance(named_tensors, dict):
             named_tensors = named_tensors.items()
         named = [(k, v.detach()) for k, v in named_tensors]  # read once, sent to every replica
         clients = self.active
         if not clients:
             raise FleetUpdateError("every replica is quarantined", dict(self.quarantined))
-        staged = self._each(lambda url, c: c.stage(target, named, version, trainer_report), clients)
+        staged = self._each(lambda url, c: c.stage(target, named, version, trainer_report, keep_mtp), clients)
         ready = {url: res for url, (ok, res) in staged.items() if ok}
         refused = {url: res for url, (ok, res) in staged.items() if not ok}
         if not refused:

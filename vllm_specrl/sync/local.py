@@ -13,13 +13,14 @@ def _on_every_rank(llm: Any, method: str, *args: Any) -> dict:
     return refused[0] if refused else answers[0]
 
 
-def commit_update(llm: Any, target: str, tensors: dict, version: int) -> dict:
-    """Stage ``tensors`` as ``target`` ("policy" or "draft") ``version``, validate, commit.
+def commit_update(llm: Any, target: str, tensors: dict, version: int, keep_mtp: bool = False) -> dict:
+    """Stage ``tensors`` as ``target`` ("policy" or "draft") ``version``, validate, commit
+    (``keep_mtp``: see ``EngineClient.update_policy``).
 
     Returns the worker's answer: ``ok`` False with the refusal (named problems) and nothing applied
     when validation fails. A policy commit also drops the prefix cache (its KV is the old policy's),
     as the server's commit route does."""
-    begun = _on_every_rank(llm, "specrl_begin_update", target, version)
+    begun = _on_every_rank(llm, "specrl_begin_update", target, version, None, keep_mtp)
     if not begun["ok"]:
         return begun
     uid = begun["update_id"]

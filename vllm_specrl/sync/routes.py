@@ -123,14 +123,14 @@ async def abort_abandoned(state: Any) -> None:
                        update_id, info["target"], info["version"], idle)
 
 
-async def begin_when_free(state: Any, target: Any, version: Any, update_id: str, wait_s: float) -> dict:
-    """Begin on every rank; while another update is open, wait (up to ``wait_s``) for it to be
+async def begin_when_free(state: Any, begin_args: tuple, wait_s: float) -> dict:
+    """Begin on every rank (``specrl_begin_update(*begin_args)``); while another update is open, wait (up to ``wait_s``) for it to be
     committed, aborted or abandoned, then try again. Waiting polls this process's own record of
     open uploads, so the engine is asked again only when that record says it is free."""
     deadline = time.monotonic() + wait_s
     while True:
         await abort_abandoned(state)
-        res = await rpc_all(state.engine_client, "specrl_begin_update", target, version, update_id)
+        res = await rpc_all(state.engine_client, "specrl_begin_update", *begin_args)
         if res.get("ok") or not res.get("busy") or time.monotonic() >= deadline:
             return res
         await asyncio.sleep(BEGIN_POLL_S)
@@ -159,8 +159,8 @@ def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
             wait_s = min(max(float(body.get("wait_s", 0.0)), 0.0), MAX_BEGIN_WAIT_S)
         except (TypeError, ValueError):
             return refused(f"wait_s must be a number of seconds; got {body.get('wait_s')!r}")
-        res = await begin_when_free(state, target, version, body.get("update_id") or uuid.uuid4().hex[:12],
-                                    wait_s)
+        res = await begin_when_free(state, (target, version, body.get("update_id") or uuid.uuid4().hex[:12],
+                                            bool(body.get("keep_mtp", False))), wait_s)
         if res.get("ok"):
             now = time.time()
             state.uploads[res["update_id"]] = {"target": target, "version": version, "t0": now, "last": now}

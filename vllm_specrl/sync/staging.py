@@ -35,12 +35,13 @@ class UpdateSession:
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
     bytes_received: int = 0
     failed: str | None = None
+    keep_mtp: bool = False  # a policy update without the MTP layers: the served ones stay
 
     def summary(self) -> dict:
         return {"update_id": self.update_id, "target": self.target, "version": self.version,
                 "tensors_staged": len(self.staged), "tensors_expected": len(missing_names(set(), self.specs)),
                 "bytes_received": self.bytes_received, "age_s": round(time.time() - self.started, 3),
-                "failed": self.failed}
+                "failed": self.failed, "keep_mtp": self.keep_mtp}
 
 
 class UpdateStager:
@@ -58,7 +59,7 @@ class UpdateStager:
         self.last_failure: dict | None = None
 
     def begin(self, target: str, version: int, specs: dict[str, ParamSpec],
-              update_id: str | None = None) -> UpdateSession:
+              update_id: str | None = None, keep_mtp: bool = False) -> UpdateSession:
         if target not in TARGETS:
             raise WeightUpdateError(f"unknown update target {target!r}; use one of {TARGETS}")
         if self.session is not None:
@@ -68,7 +69,8 @@ class UpdateStager:
         if not isinstance(version, int) or version <= self.versions[target]:
             raise WeightUpdateError(
                 f"{target} version must be an integer above the current {self.versions[target]}; got {version!r}")
-        self.session = UpdateSession(update_id or uuid.uuid4().hex[:12], target, version, specs)
+        self.session = UpdateSession(update_id or uuid.uuid4().hex[:12], target, version, specs,
+                                     keep_mtp=keep_mtp)
         return self.session
 
     def current(self, update_id: str) -> UpdateSession:

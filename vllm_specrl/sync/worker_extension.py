@@ -95,10 +95,18 @@ class SpecRLWorkerExtension:
                 "in_progress": stager.session.summary() if stager.session else None,
                 "last_commits": stager.history[-3:], "last_failure": stager.last_failure}
 
-    def specrl_begin_update(self, target: str, version: int, update_id: str | None = None) -> dict:
+    def specrl_begin_update(self, target: str, version: int, update_id: str | None = None,
+                            keep_mtp: bool = False) -> dict:
+        """``keep_mtp``: a policy update of the body alone on an engine that drafts with the policy's
+        own MTP layers, which stay as they serve (an online trainer owns them, see ``update_draft``)."""
         try:
-            session = self._specrl_stager().begin(target, version, self._specrl_specs(target)
-                                                  if target in ("policy", "draft") else {}, update_id)
+            specs = self._specrl_specs(target) if target in ("policy", "draft") else {}
+            if keep_mtp:
+                if target != "policy" or not self._specrl_drafts_with_mtp():
+                    raise WeightUpdateError("keep_mtp is for policy updates of an engine that drafts with "
+                                            "the policy's own MTP layers (\"method\": \"mtp\")")
+                specs = {name: spec for name, spec in specs.items() if not vllm_compat.is_mtp_tensor(self, name)}
+            session = self._specrl_stager().begin(target, version, specs, update_id, keep_mtp=bool(keep_mtp))
         except (WeightUpdateError, FileNotFoundError) as exc:
             return _refusal(exc)
         return {"ok": True, **session.summary()}
