@@ -1,5 +1,6 @@
 # Quickstart: `make demo` runs the main job on defaults, `make test` runs the suite.
 # `make demo DEMO_ARGS="--runs spec,history,plain --dataset-size 8"`: EAGLE-3 and the history proposer.
+# `make demo PROPOSER=mtp`: the policy's own MTP layer (builds the real-mimo fixture first, ~15 min once).
 # Both set up what they need (venv, fixtures) themselves.
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -32,8 +33,13 @@ draft: setup
 
 demo: setup
 	@$(VENV)/bin/vllm-specrl fixtures --out $(FIXTURES) --only real
+ifeq ($(PROPOSER),mtp)
+	@$(VENV)/bin/vllm-specrl fixtures --out $(FIXTURES) --only real-mimo
+	@$(PY) scripts/rl_demo.py --fixtures $(FIXTURES) --proposer mtp $(DEMO_ARGS)
+else
 	@test -f $(DEMO_DRAFT)/trainer_meta.json || $(TRAIN_DRAFT) --draft $(DEMO_DRAFT) $(DEMO_DRAFT_ARGS)
-	@$(PY) scripts/rl_demo.py --fixtures $(FIXTURES) --draft $(DEMO_DRAFT) $(DEMO_ARGS)
+	@$(PY) scripts/rl_demo.py --fixtures $(FIXTURES) --draft $(DEMO_DRAFT) $(if $(PROPOSER),--proposer $(PROPOSER)) $(DEMO_ARGS)
+endif
 
 demo-rollouts: setup
 	@$(VENV)/bin/vllm-specrl fixtures --out $(FIXTURES) --only real

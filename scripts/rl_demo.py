@@ -17,7 +17,13 @@ capture or trainer, which shows what online adaptation costs here). A ``history`
 rollout-history proposer instead (drafts from the group's siblings and earlier
 rollouts of the same prompt; no draft model, no trainer); ``--proposer history``
 runs it beside plain, ``--runs spec,history,plain`` beside EAGLE-3 too, and
-``--dataset-size N`` makes prompts come back every N / prompts steps, as epochs do. Per step it records generation (split into
+``--dataset-size N`` makes prompts come back every N / prompts steps, as epochs do. An ``mtp``
+run (``--proposer mtp``) drafts with the policy's own MTP layer (``"method": "mtp"``) on a
+policy that has one (default: the real-mimo fixture, SmolLM2's body with a MiMo MTP layer;
+every run of the invocation then serves that checkpoint, plain included): the policy update
+carries the body alone (``keep_mtp``) and ``train-draft --mtp`` keeps the layer aligned from
+the captured states, reading the policy's embedding and final norm from a small directory
+this loop rewrites before each update. Per step it records generation (split into
 bulk and tail: until half of the prompts' requests finished, and the rest),
 logprob recomputation, training and sync times, acceptance length, the mean k
 chosen, versions and mean reward; at the end it prints a table and writes JSON
@@ -26,6 +32,7 @@ and a PNG.
     python scripts/rl_demo.py --fixtures .fixtures            # both runs, defaults
     python scripts/rl_demo.py --runs spec,plain,spec-async --task arithmetic --max-tokens 16
     python scripts/rl_demo.py --runs spec,history,plain --dataset-size 8   # EAGLE-3 and history
+    python scripts/rl_demo.py --proposer mtp                            # the policy's own MTP layer
 """
 
 from __future__ import annotations
@@ -61,11 +68,21 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
     trainer = None
     speculative = mode.startswith("spec")
     history = mode.startswith("history")
+    mtp = mode.startswith("mtp")
+    policy_head = work / f"policy_head_{mode}"  # what train-draft --mtp reads of the policy
     asynchronous = mode.endswith("-async")
     if history:
         spec = {"method": "custom_class", "model": "vllm_specrl.proposer.history.HistoryProposer",
                 "num_speculative_tokens": args.k}
         server_args += ["--speculative-config", json.dumps(spec)]
+        if args.adaptive_k:
+            server_args += ["--scheduler-cls", "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"]
+    if mtp:
+        capture = f"tcp://127.0.0.1:{free_port()}"
+        spec = {"method": "mtp", "num_speculative_tokens": args.k, "draft_sample_method": "probabilistic"}
+        server_args += ["--speculative-config", json.dumps(spec)]
+        if args.online_draft:
+            server_args += ["--additional-config", json.dumps({"specrl": {"capture": capture}})]
         if args.adaptive_k:
             server_args += ["--scheduler-cls", "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"]
     if speculative:
@@ -81,6 +98,8 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
         if args.adaptive_k:
             server_args += ["--scheduler-cls", "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"]
     policy = Policy(policy_dir, args.lr, args.seed)
+    if mtp and args.online_draft:
+        write_policy_head(policy, policy_dir, policy_head)
     steps = []
     with VLLMServer(policy_dir, server_args, log_path=work / f"serve_{mode}.log") as srv:
         client = EngineClient(srv.url, progress=False)
@@ -88,7 +107,7 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
             trainer = subprocess.Popen(
                 [sys.executable, "-m", "vllm_specrl.cli", "train-draft", "--capture", capture,
                  "--engine", srv.url, "--draft", str(draft), "--target", str(policy_dir),
-                 "--checkpoint-dir", str(work / f"draft-online-{mode}"), "--publish-every", "4",
+                 "--checkpoint-dir", str(work / f"draft-online-{mode}"), "--publish-every", str(args.draft_publish_every),
                  "--checkpoint-every", "50", "--batch-size", "4", "--lr", "1e-3", "--idle-s", "0.5",
                  "--replay-ratio", str(args.draft_replay_ratio), "--log", str(work / f"online_draft_{mode}.jsonl")],
                 stdout=open(work / f"draft_trainer_{mode}.out", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
@@ -99,6 +118,19 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
             # In an RL job the draft trainer starts once, before the first step; here its start-up
             # (imports, loading the draft and the policy's head) would otherwise land in step 0's
             # rollouts and be counted as their cost.
+            wait_for_trainer_start(trainer, work / f"draft_trainer_{mode}.out")
+        if mtp and args.online_draft:
+            # The policy's own MTP layer, trained online against the policy's next-token distribution
+            # (embedding and final norm re-read from ``policy_head`` when the policy version moves).
+            trainer = subprocess.Popen(
+                [sys.executable, "-m", "vllm_specrl.cli", "train-draft", "--mtp", "--capture", capture,
+                 "--engine", srv.url, "--draft", str(policy_dir), "--target", str(policy_head),
+                 "--checkpoint-dir", str(work / f"draft-online-{mode}"), "--publish-every", str(args.draft_publish_every),
+                 "--checkpoint-every", "50", "--batch-size", "4", "--lr", "1e-3", "--idle-s", "0.5",
+                 "--replay-ratio", str(args.draft_replay_ratio), "--log", str(work / f"online_draft_{mode}.jsonl")],
+                stdout=open(work / f"draft_trainer_{mode}.out", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"),
+                preexec_fn=lambda: os.nice(args.draft_nice))
             wait_for_trainer_start(trainer, work / f"draft_trainer_{mode}.out")
         pool = ThreadPoolExecutor(1)
 
@@ -138,8 +170,12 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
                 loss = policy.grpo_step(samples, logps, args.group, args.clip)
                 t_train = time.perf_counter() - t0
                 t0 = time.perf_counter()
+                if mtp and args.online_draft:
+                    write_policy_head(policy, policy_dir, policy_head)  # before the commit the trainer sees
+                # An MTP run sends the body alone: the served MTP layer is the online trainer's (or,
+                # with --no-online-draft, the checkpoint's, frozen).
                 client.update_policy(policy.model.named_parameters(), version=step + 1,
-                                     pause="keep" if asynchronous else "wait")
+                                     pause="keep" if asynchronous else "wait", keep_mtp=mtp)
                 policy.version = step + 1
                 # Nothing to write for the draft trainer: capture_topk sends it the policy's own
                 # next-token distributions with every captured row.
@@ -188,6 +224,19 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
 
 
 STAGES = ("exposed_generation_s", "logprob_s", "training_s", "sync_s")
+PROPOSERS = ("spec", "history", "mtp")
+
+
+def write_policy_head(policy: Policy, policy_dir: Path, out: Path) -> None:
+    """The tensors ``train-draft --mtp`` reads of the current policy (embedding, final norm, an
+    untied LM head) with its config: a few hundred MB less to write per step than the checkpoint."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(policy_dir / "config.json", out / "config.json")
+    params = dict(policy.model.named_parameters())
+    keep = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+    save_file({k: params[k].detach().contiguous() for k in keep if k in params}, out / "model.safetensors")
 
 
 def mean_k(before: dict | None, after: dict | None) -> float | None:
@@ -239,7 +288,7 @@ def summarize(runs: dict) -> dict:
         # Against the same schedule without speculation, else against plain sync (async + spec stacked).
         proposer = mode.split("-")[0]
         base = mode.replace(proposer, "plain") if mode.replace(proposer, "plain") in runs else "plain"
-        if proposer in ("spec", "history") and base in runs:
+        if proposer in PROPOSERS and base in runs:
             a, b = summary[mode], summary[base]
             se = (a["reward_se"] ** 2 + b["reward_se"] ** 2) ** 0.5
             z = (a["mean_reward"] - b["mean_reward"]) / se if se > 0 else 0.0
@@ -271,10 +320,10 @@ def plot(report: dict, path: Path) -> None:
     for mode, run_ in runs.items():
         xs = [s["step"] for s in run_["steps"]]
         axes[0].plot(xs, [s["mean_reward"] for s in run_["steps"]], marker="o", label=mode)
-        if mode.startswith(("spec", "history")):
+        if mode.startswith(PROPOSERS):
             axes[1].plot(xs, [s["acceptance_length"] or float("nan") for s in run_["steps"]], marker="o", label=mode)
     axes[0].set_title("mean reward per step")
-    axes[1].set_title("acceptance length (spec: EAGLE-3 trained online; history)")
+    axes[1].set_title("acceptance length (spec: EAGLE-3, mtp: own MTP layer, trained online; history)")
     modes = list(runs)
     bottoms = [0.0] * len(modes)
     for stage in STAGES:
@@ -320,10 +369,11 @@ def main() -> None:
     ap.add_argument("--fixtures", type=Path, default=None)
     ap.add_argument("--target", type=Path, default=None, help="policy checkpoint (default: the real fixture)")
     ap.add_argument("--runs", default="spec,plain",
-                    help="comma list of spec (EAGLE-3), history (rollout-history proposer), plain, and their "
-                         "-async forms (policy lag 1)")
-    ap.add_argument("--proposer", choices=["eagle3", "history"], default=None,
-                    help="shorthand: --proposer history runs history,plain; eagle3 runs spec,plain")
+                    help="comma list of spec (EAGLE-3), history (rollout-history proposer), mtp (the policy's own "
+                         "MTP layer; needs a target that has one), plain, and their -async forms (policy lag 1)")
+    ap.add_argument("--proposer", choices=["eagle3", "history", "mtp"], default=None,
+                    help="shorthand: --proposer history runs history,plain; eagle3 runs spec,plain; mtp runs mtp,plain "
+                         "on the real-mimo fixture")
     ap.add_argument("--dataset-size", type=int, default=None,
                     help="draw prompts from a fixed set of this many tasks, in epochs (default: new ones each step)")
     ap.add_argument("--steps", type=int, default=4)
@@ -344,6 +394,8 @@ def main() -> None:
     ap.add_argument("--online-draft", action=argparse.BooleanOptionalAction, default=True,
                     help="capture the policy's states and train the draft online; --no-online-draft serves the "
                          "starting draft frozen (no capture, no trainer)")
+    ap.add_argument("--draft-publish-every", type=int, default=4,
+                    help="online draft trainer: publish the draft to the engine every N training steps")
     ap.add_argument("--draft-nice", type=int, default=19,
                     help="niceness of the online draft trainer process: it shares this machine's cores with the "
                          "engine and the policy update, so by default it only takes the cycles they leave")
@@ -353,11 +405,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("results/rl_demo.json"))
     args = ap.parse_args()
     if args.proposer:
-        args.runs = "history,plain" if args.proposer == "history" else "spec,plain"
+        args.runs = {"history": "history,plain", "mtp": "mtp,plain"}.get(args.proposer, "spec,plain")
 
     from vllm_specrl.fixtures import fixture_target
 
-    target = args.target or Path(fixture_target("real", args.fixtures))
+    wants_mtp = any(m.startswith("mtp") for m in args.runs.split(","))
+    target = args.target or Path(fixture_target("real-mimo" if wants_mtp else "real", args.fixtures))
     work = args.out.parent / (args.out.stem + "_work")
     work.mkdir(parents=True, exist_ok=True)
     report = {"demo": "grpo_speculative_rollouts", "settings": {k: str(v) for k, v in vars(args).items()},

@@ -130,3 +130,19 @@ def test_a_failed_apply_closes_the_update_and_keeps_the_version():
     assert record["failed"] == "RuntimeError('loader')" and record["serving_version"] == 1
     assert stager.last_failure is record
     stager.begin("policy", 2, SPECS)  # the same version may be tried again
+
+
+def test_optional_tensors_are_checked_when_sent_and_never_required():
+    """Weights an engine does not serve (a MiMo checkpoint's MTP layer on a plain engine)."""
+    specs = dict(SPECS, **{"mtp.weight": ParamSpec((2, 2), torch.float32, optional=True)})
+    stager = UpdateStager()
+    uid = stager.begin("policy", 1, specs).update_id
+    stager.stage(uid, good())
+    stager.finish(stager.ready(uid), 0.0)  # complete without it
+    uid = stager.begin("policy", 2, specs).update_id
+    with pytest.raises(WeightUpdateError, match=r"mtp.weight: shape \[3\] != expected \[2, 2\]"):
+        stager.stage(uid, {"mtp.weight": torch.zeros(3)})
+    stager.abort(uid)
+    uid = stager.begin("policy", 2, specs).update_id
+    stager.stage(uid, dict(good(), **{"mtp.weight": torch.zeros(2, 2)}))
+    assert "mtp.weight" in stager.ready(uid).staged

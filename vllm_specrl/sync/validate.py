@@ -36,6 +36,7 @@ class WeightUpdateError(ValueError):
 class ParamSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
+    optional: bool = False  # checked when sent, never required (weights this engine does not serve)
 
 
 def checkpoint_specs(model_dir: Path | str) -> dict[str, ParamSpec]:
@@ -134,4 +135,4 @@ def index_map_problems(name: str, tensor: torch.Tensor, specs: dict[str, ParamSp
 
 def missing_names(received: set[str], specs: dict[str, ParamSpec]) -> list[str]:
     """Names an update must still bring (updates are whole: every tensor, once)."""
-    return sorted(n for n in specs if n not in received and n != TIED_HEAD)
+    return sorted(n for n, spec in specs.items() if n not in received and n != TIED_HEAD and not spec.optional)

@@ -17,6 +17,7 @@ the reason survives every RPC hop intact.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import time
@@ -63,6 +64,11 @@ class SpecRLWorkerExtension:
                 # The policy's own MTP layers: a draft update carries exactly those (an online
                 # trainer's); a policy update carries them with the body.
                 specs = {name: spec for name, spec in specs.items() if vllm_compat.is_mtp_tensor(self, name)}
+            elif target == "policy" and not self._specrl_drafts_with_mtp():
+                # A checkpoint's MTP layers that this engine does not draft with (plain serving of a
+                # MiMo checkpoint): the loader drops them, so an update may send them or not.
+                specs = {name: dataclasses.replace(spec, optional=vllm_compat.is_mtp_tensor(self, name))
+                         for name, spec in specs.items()}
             cache[target] = specs
         return cache[target]
 
