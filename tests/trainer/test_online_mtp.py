@@ -9,7 +9,7 @@ own counters (``vllm:spec_decode_*``) on held-out prompts:
 
 - served acceptance rises well above the stale layer's;
 - the trainer's estimate of those counters, made from the same rollouts, agrees with them
-  (for the stale layer and the trained one);
+  at every draft position of a k = 3 engine (for the stale layer and the trained one);
 - the target is untouched by a draft update (greedy tokens equal before and after);
 - a draft update that carries a body tensor, or a mis-shaped MTP tensor, is refused by name.
 """
@@ -22,6 +22,7 @@ from helpers import result_json, run_python
 from prompts import code_prompts
 
 STEPS = 60
+K = 3
 
 
 def stale_mtp(mimo_model, out, scale: float = 1.0):
@@ -60,7 +61,7 @@ def aligned(mimo_model, tmp_path_factory):
         address = f"tcp://127.0.0.1:{{free_port()}}"
         llm = LLM(model=policy, dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
                   max_num_seqs=16, disable_log_stats=False, enable_prefix_caching=False,
-                  speculative_config={{"method": "mtp", "num_speculative_tokens": 1,
+                  speculative_config={{"method": "mtp", "num_speculative_tokens": {K},
                                       "draft_sample_method": "probabilistic"}},
                   worker_extension_cls="vllm_specrl.sync.SpecRLWorkerExtension",
                   additional_config={{"specrl": {{"capture_topk": 0, "capture_queue_frames": 65536,
@@ -87,9 +88,10 @@ def aligned(mimo_model, tmp_path_factory):
             llm.generate(prompts, SamplingParams(n=n, temperature=1.0, max_tokens=48, seed=seed), use_tqdm=False)
             stats = metrics.from_llm_metrics(llm.get_metrics()).minus(before).summary()
             drain()
-            est = trainer.trainer.estimate_served(list(trainer.buffer))
+            est = trainer.trainer.estimate_served(list(trainer.buffer), k={K})
             return {{"served": stats["per_position_acceptance"][0], "drafts": stats["num_drafts"],
                     "estimate": est["per_position"][0], "estimate_drafts": est["drafts"],
+                    "served_per_position": stats["per_position_acceptance"], "estimate_per_position": est["per_position"],
                     "sequences": len(trainer.buffer)}}
 
         def greedy():
@@ -129,7 +131,10 @@ def test_the_trainers_estimate_agrees_with_the_served_counters(aligned):
     for run in ("stale", "aligned"):
         r = aligned[run]
         assert r["sequences"] == 128, r
-        assert abs(r["estimate"] - r["served"]) < 0.03, (run, r)
+        assert len(r["served_per_position"]) == len(r["estimate_per_position"]) == K, r
+        # Measured: within 0.013 at position 0, 0.027 at the chained positions (fewer accepted there).
+        for j, (served, estimate) in enumerate(zip(r["served_per_position"], r["estimate_per_position"])):
+            assert abs(estimate - served) < (0.03 if j == 0 else 0.04), (run, j, r)
         assert abs(r["estimate_drafts"] - r["drafts"]) < 0.05 * r["drafts"], (run, r)
 
 

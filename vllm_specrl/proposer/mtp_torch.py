@@ -54,13 +54,14 @@ class MTPLayer(nn.Module):
         self.rotary = Qwen2RotaryEmbedding(config)
 
     def forward(self, body_hidden: torch.Tensor, next_embeds: torch.Tensor,
-                positions: torch.Tensor) -> torch.Tensor:
-        """[B, T, H] body states at p, embeddings of x[p+1], positions p -> [B, T, H] normed outputs."""
+                positions: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T, H] body states at p, embeddings of x[p+1], positions p -> [B, T, H] normed outputs.
+        ``attention_mask`` ([B, 1, T, T] bool, True: attend) replaces the causal mask (draft chains)."""
         next_embeds = torch.where(positions.unsqueeze(-1) == 0, 0.0, next_embeds)
         x = self.input_proj(torch.cat([self.hidden_layernorm(body_hidden),
                                        self.token_layernorm(next_embeds)], dim=-1))
         cos_sin = self.rotary(x, positions)
-        x = self.block(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
+        x = self.block(x, attention_mask=attention_mask, position_ids=positions, position_embeddings=cos_sin)
         return self.final_layernorm(x)
 
     def checkpoint_tensors(self, index: int = 0) -> dict[str, torch.Tensor]:

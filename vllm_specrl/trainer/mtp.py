@@ -14,9 +14,10 @@ The loss is the soft cross-entropy against that distribution (the MTP layer lear
 what the policy would sample, as the fixture's MTP layer was trained), on completion
 rows only (vLLM drafts from the last prompt row on). The estimate of vLLM's counters
 (``estimate_served``) uses the engine's own logprob of each emitted token and the
-draft-start walk of ``trainer.acceptance``, for the first draft position (a k = 1
-engine's whole counter; the chained positions of k > 1 feed the layer its own output
-and are not estimated here).
+draft-start walk of ``trainer.acceptance``, for every draft position: position j > 0
+feeds the layer its own output at position j - 1 and the token drafted there (the
+emitted one, when the earlier positions were accepted), attending to the committed
+rows and its own chain, which ``chain_logprobs`` unrolls for every base at once.
 
 Published with ``update_draft``: an MTP engine takes exactly its MTP tensors there
 (``model.mtp_layers.*``), validated against the served checkpoint's; a policy update
@@ -138,8 +139,49 @@ class MTPTrainer:
         return {"loss": loss.item(), "accept_pos0": accept / count, "rows": count, "step": self.step_count, "lr": lr}
 
     @torch.no_grad()
-    def estimate_served(self, sequences: list[dict[str, Any]], probabilistic: bool = True) -> dict[str, Any]:
-        """vLLM's expected first-position counters for these rollouts of the policy (k = 1).
+    def chain_logprobs(self, seq: dict[str, Any], k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per draft position j < k: (the MTP layer's logprobs [R, V], base rows [R]) when it drafts
+        from base s with positions < j accepted, teacher-forced from the rollout.
+
+        Position j at base s reads (its output at position j - 1, embedding of token s + j) at
+        position start + s + j and attends to the committed rows <= s and to its own chain: all
+        bases of a position in one masked pass over the rows of positions 0..j."""
+        hidden, nxt = seq["final_hidden"].float(), seq["next_token_ids"]
+        n = len(nxt)
+        known = nxt >= 0
+        embeds = self.embed[nxt.clamp(min=0)]
+        base = int(seq.get("start", 0)) + torch.arange(n)
+        first = int(seq.get("first_draft", 0))
+        t = torch.arange(n)
+        causal = t[None, :] <= t[:, None]
+        same_base = torch.eye(n, dtype=torch.bool)
+        inputs_h, inputs_e, positions, outs, result = [hidden], [embeds], [base], [], []
+        for j in range(k):
+            if j == 0:
+                out = self.layer(hidden[None], embeds[None], base[None])[0]
+            else:
+                inputs_h.append(outs[-1])
+                inputs_e.append(embeds[(t + j).clamp(max=n - 1)])
+                positions.append(base + j)
+                m = len(inputs_h)  # row blocks: position 0 (committed rows), then chain positions 1..j
+                mask = torch.zeros(m * n, m * n, dtype=torch.bool)
+                for a in range(m):
+                    mask[a * n:(a + 1) * n, :n] = causal
+                    for b in range(1, a + 1):
+                        mask[a * n:(a + 1) * n, b * n:(b + 1) * n] = same_base
+                out = self.layer(torch.cat(inputs_h)[None], torch.cat(inputs_e)[None], torch.cat(positions)[None],
+                                 attention_mask=mask[None, None])[0, j * n:]
+            outs.append(out)
+            rows = torch.arange(first, max(first, n - 1 - j))
+            for d in range(j + 2):  # the tokens after rows s .. s + j + 1 must all be known
+                rows = rows[known[rows + d]]
+            result.append(((out[rows] @ self.head.T).log_softmax(-1), rows))
+        return result
+
+    @torch.no_grad()
+    def estimate_served(self, sequences: list[dict[str, Any]], probabilistic: bool = True,
+                        k: int = 1) -> dict[str, Any]:
+        """vLLM's expected counters (per position, ``k`` positions) for these rollouts of the policy.
 
         ``probabilistic``: the engine drafts by sampling (``draft_sample_method``), so the emitted
         token x was an accepted draft with weight min(1, q(x) / p(x)); greedy drafting accepts
@@ -147,19 +189,22 @@ class MTPTrainer:
         self.layer.eval()
         parts = []
         for seq in sequences:
-            mtp, _, rows = self._forward(seq)
             n = len(seq["next_token_ids"])
-            emitted = seq["next_token_ids"][rows + 1]
-            weight = torch.zeros(1, n)
-            if probabilistic:
-                p = seq["logprobs"][rows + 1].float()
-                weight[0, rows] = (mtp.gather(-1, emitted[:, None])[:, 0] - p).exp().clamp(max=1.0)
-            else:
-                weight[0, rows] = (mtp.argmax(-1) == emitted).float()
-            valid = torch.zeros(1, n, dtype=torch.bool)
-            valid[0, rows] = True
+            valid, weights = [], []
+            for j, (mtp, rows) in enumerate(self.chain_logprobs(seq, k)):
+                emitted = seq["next_token_ids"][rows + j + 1]
+                weight = torch.zeros(1, n)
+                if probabilistic:
+                    p = seq["logprobs"][rows + j + 1].float()
+                    weight[0, rows] = (mtp.gather(-1, emitted[:, None])[:, 0] - p).exp().clamp(max=1.0)
+                else:
+                    weight[0, rows] = (mtp.argmax(-1) == emitted).float()
+                drafted = torch.zeros(1, n, dtype=torch.bool)
+                drafted[0, rows] = True
+                valid.append(drafted)
+                weights.append(weight)
             first = torch.tensor([int(seq.get("first_draft", 0))])
-            parts.append(served_acceptance(StepAcceptance([valid], [weight]), first))
+            parts.append(served_acceptance(StepAcceptance(valid, weights), first))
         return pool(parts)
 
     # -- publishing and checkpoints -------------------------------------------------------------
