@@ -103,35 +103,14 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
     steps = []
     with VLLMServer(policy_dir, server_args, log_path=work / f"serve_{mode}.log") as srv:
         client = EngineClient(srv.url, progress=False)
-        if speculative and args.online_draft:
-            trainer = subprocess.Popen(
-                [sys.executable, "-m", "vllm_specrl.cli", "train-draft", "--capture", capture,
-                 "--engine", srv.url, "--draft", str(draft), "--target", str(policy_dir),
-                 "--checkpoint-dir", str(work / f"draft-online-{mode}"), "--publish-every", str(args.draft_publish_every),
-                 "--checkpoint-every", "50", "--batch-size", "4", "--lr", "1e-3", "--idle-s", "0.5",
-                 "--replay-ratio", str(args.draft_replay_ratio), "--log", str(work / f"online_draft_{mode}.jsonl")],
-                stdout=open(work / f"draft_trainer_{mode}.out", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
-                env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"),
-                # The draft trainer shares these 2 cores with the engine and this loop (on a GPU
-                # cluster it has its own device): it takes cycles they leave, and a bounded number.
-                preexec_fn=lambda: os.nice(args.draft_nice))
-            # In an RL job the draft trainer starts once, before the first step; here its start-up
-            # (imports, loading the draft and the policy's head) would otherwise land in step 0's
-            # rollouts and be counted as their cost.
-            wait_for_trainer_start(trainer, work / f"draft_trainer_{mode}.out")
-        if mtp and args.online_draft:
-            # The policy's own MTP layer, trained online against the policy's next-token distribution
-            # (embedding and final norm re-read from ``policy_head`` when the policy version moves).
-            trainer = subprocess.Popen(
-                [sys.executable, "-m", "vllm_specrl.cli", "train-draft", "--mtp", "--capture", capture,
-                 "--engine", srv.url, "--draft", str(policy_dir), "--target", str(policy_head),
-                 "--checkpoint-dir", str(work / f"draft-online-{mode}"), "--publish-every", str(args.draft_publish_every),
-                 "--checkpoint-every", "50", "--batch-size", "4", "--lr", "1e-3", "--idle-s", "0.5",
-                 "--replay-ratio", str(args.draft_replay_ratio), "--log", str(work / f"online_draft_{mode}.jsonl")],
-                stdout=open(work / f"draft_trainer_{mode}.out", "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
-                env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"),
-                preexec_fn=lambda: os.nice(args.draft_nice))
-            wait_for_trainer_start(trainer, work / f"draft_trainer_{mode}.out")
+        if (speculative or mtp) and args.online_draft:
+            # EAGLE-3: the draft reads the policy's head from the served checkpoint (capture_topk sends
+            # the targets). MTP: the policy's own layer, trained against the policy's next-token
+            # distribution, with embedding and final norm re-read from ``policy_head`` per version.
+            trainer = start_draft_trainer(
+                args, work, mode, capture, srv.url,
+                ["--mtp", "--draft", str(policy_dir), "--target", str(policy_head)] if mtp
+                else ["--draft", str(draft), "--target", str(policy_dir)])
         pool = ThreadPoolExecutor(1)
 
         def rollouts(step: int):
@@ -246,6 +225,28 @@ def mean_k(before: dict | None, after: dict | None) -> float | None:
     b = before["chosen_k_counts"] if before else [0] * len(after["chosen_k_counts"])
     counts = [x - y for x, y in zip(after["chosen_k_counts"], b)]
     return sum(k * n for k, n in enumerate(counts)) / sum(counts) if sum(counts) else None
+
+
+def start_draft_trainer(args: argparse.Namespace, work: Path, mode: str, capture: str, engine_url: str,
+                        model_args: list[str]) -> subprocess.Popen:
+    """``vllm-specrl train-draft`` on the engine's capture stream, started before step 0."""
+    out = work / f"draft_trainer_{mode}.out"
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "vllm_specrl.cli", "train-draft", "--capture", capture, "--engine", engine_url,
+         *model_args, "--checkpoint-dir", str(work / f"draft-online-{mode}"),
+         "--publish-every", str(args.draft_publish_every), "--checkpoint-every", "50", "--batch-size", "4",
+         "--lr", "1e-3", "--idle-s", "0.5", "--replay-ratio", str(args.draft_replay_ratio),
+         "--log", str(work / f"online_draft_{mode}.jsonl")],
+        stdout=open(out, "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
+        env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"),
+        # The draft trainer shares these 2 cores with the engine and this loop (on a GPU
+        # cluster it has its own device): it takes cycles they leave, and a bounded number.
+        preexec_fn=lambda: os.nice(args.draft_nice))
+    # In an RL job the draft trainer starts once, before the first step; here its start-up
+    # (imports, loading the draft and the policy's head) would otherwise land in step 0's
+    # rollouts and be counted as their cost.
+    wait_for_trainer_start(trainer, out)
+    return trainer
 
 
 def wait_for_trainer_start(trainer: subprocess.Popen, out: Path, timeout_s: float = 300.0) -> None:
