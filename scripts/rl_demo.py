@@ -63,6 +63,7 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
     policy_dir = work / f"policy_{mode}"
     shutil.rmtree(policy_dir, ignore_errors=True)
     shutil.rmtree(work / f"draft-online-{mode}", ignore_errors=True)
+    shutil.rmtree(work / f"policy_head_{mode}", ignore_errors=True)
     shutil.copytree(target, policy_dir)
     server_args = ["--dtype", args.dtype, "--max-model-len", "1024", "--seed", str(args.seed)]
     trainer = None
@@ -71,32 +72,27 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
     mtp = mode.startswith("mtp")
     policy_head = work / f"policy_head_{mode}"  # what train-draft --mtp reads of the policy
     asynchronous = mode.endswith("-async")
+    spec, capture_config = None, None  # the proposer's speculative config; what its online trainer captures
     if history:
         spec = {"method": "custom_class", "model": "vllm_specrl.proposer.history.HistoryProposer",
                 "num_speculative_tokens": args.k}
-        server_args += ["--speculative-config", json.dumps(spec)]
-        if args.adaptive_k:
-            server_args += ["--scheduler-cls", "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"]
     if mtp:
-        capture = f"tcp://127.0.0.1:{free_port()}"
         spec = {"method": "mtp", "num_speculative_tokens": args.k, "draft_sample_method": "probabilistic"}
-        server_args += ["--speculative-config", json.dumps(spec)]
-        if args.online_draft:
-            server_args += ["--additional-config", json.dumps({"specrl": {"capture": capture}})]
-        if args.adaptive_k:
-            server_args += ["--scheduler-cls", "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"]
+        capture_config = {}
     if speculative:
         draft = Path(args.draft) if args.draft else work / "draft"
         if not args.draft:
             init_draft(target, draft, args.draft_vocab_size, seed=args.seed)
-        capture = f"tcp://127.0.0.1:{free_port()}"
         spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": args.k,
                 "draft_sample_method": "probabilistic"}
+        capture_config = {"capture_topk": 64}
+    if spec is not None:
         server_args += ["--speculative-config", json.dumps(spec)]
-        if args.online_draft:
-            server_args += ["--additional-config", json.dumps({"specrl": {"capture": capture, "capture_topk": 64}})]
         if args.adaptive_k:
             server_args += ["--scheduler-cls", "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"]
+    if capture_config is not None and args.online_draft:
+        capture = f"tcp://127.0.0.1:{free_port()}"
+        server_args += ["--additional-config", json.dumps({"specrl": {"capture": capture, **capture_config}})]
     policy = Policy(policy_dir, args.lr, args.seed)
     if mtp and args.online_draft:
         write_policy_head(policy, policy_dir, policy_head)
@@ -212,7 +208,8 @@ def write_policy_head(policy: Policy, policy_dir: Path, out: Path) -> None:
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    shutil.copy(policy_dir / "config.json", out / "config.json")
+    if not (out / "config.json").exists():  # the shapes never change; the tensors do, every step
+        shutil.copy(policy_dir / "config.json", out / "config.json")
     params = dict(policy.model.named_parameters())
     keep = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
     save_file({k: params[k].detach().contiguous() for k in keep if k in params}, out / "model.safetensors")

@@ -9,13 +9,11 @@ vLLM's (float32), k chosen per step, and the JSON/PNG/table.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO, WARM_DRAFT_VOCAB
+from conftest import WARM_DRAFT_VOCAB
+from helpers import run_rl_demo
 
 pytestmark = pytest.mark.server
 STEPS, PROMPTS, GROUP = 3, 2, 4
@@ -24,15 +22,8 @@ STEPS, PROMPTS, GROUP = 3, 2, 4
 @pytest.fixture(scope="module")
 def report(tiny_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("rl_demo") / "rl_demo.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "rl_demo.py"), "--target", str(tiny_model),
-         "--runs", "spec-async,history,plain", "--dataset-size", str(PROMPTS), "--steps", str(STEPS), "--prompts", str(PROMPTS), "--group", str(GROUP),
-         "--max-tokens", "8", "--task", "arithmetic", "--dtype", "float32",
-         "--draft-vocab-size", str(WARM_DRAFT_VOCAB), "--lr", "1e-3",
-         "--out", str(out)],
-        capture_output=True, text=True, timeout=1200, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text()), proc.stdout
+    return run_rl_demo(tiny_model, "spec-async,history,plain", out, STEPS, PROMPTS, GROUP,
+                       "--draft-vocab-size", str(WARM_DRAFT_VOCAB))
 
 
 def test_every_rollout_once_with_its_versions(report):

@@ -11,12 +11,10 @@ recomputation (float32), and the plain run on the same MiMo checkpoint takes bod
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO
+from helpers import run_rl_demo
 
 pytestmark = pytest.mark.server
 STEPS, PROMPTS, GROUP = 3, 2, 4
@@ -25,17 +23,12 @@ STEPS, PROMPTS, GROUP = 3, 2, 4
 @pytest.fixture(scope="module")
 def report(mimo_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("rl_demo_mtp") / "rl_demo.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "rl_demo.py"), "--target", str(mimo_model), "--runs", "mtp,plain",
-         "--dataset-size", str(PROMPTS), "--steps", str(STEPS), "--prompts", str(PROMPTS), "--group", str(GROUP),
-         "--max-tokens", "8", "--task", "arithmetic", "--dtype", "float32", "--lr", "1e-3",
-         # The trainer publishes after its first step and is not niced: a slow machine still sees a publish.
-         "--draft-publish-every", "1", "--draft-nice", "0", "--out", str(out)],
-        capture_output=True, text=True, timeout=1200, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # The trainer publishes after its first step and is not niced: a slow machine still sees a publish.
+    data, stdout = run_rl_demo(mimo_model, "mtp,plain", out, STEPS, PROMPTS, GROUP,
+                               "--draft-publish-every", "1", "--draft-nice", "0")
     work = out.parent / "rl_demo_work"
     trainer_log = [json.loads(line) for line in (work / "online_draft_mtp.jsonl").read_text().splitlines() if line]
-    return json.loads(out.read_text()), proc.stdout, trainer_log
+    return data, stdout, trainer_log
 
 
 def test_policy_updates_land_on_both_engines_and_rollouts_stay_on_policy(report):

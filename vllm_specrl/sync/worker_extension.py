@@ -49,10 +49,20 @@ class SpecRLWorkerExtension:
             stager = self._specrl_stager_obj = UpdateStager()
         return stager
 
-    def _specrl_specs(self, target: str) -> dict:
+    def _specrl_specs(self, target: str, keep_mtp: bool = False) -> dict:
+        """What an update of ``target`` must (and may) carry, from the served checkpoint's headers.
+        ``keep_mtp``: the policy body alone (see ``specrl_begin_update``)."""
         cache = getattr(self, "_specrl_specs_cache", None)
         if cache is None:
             cache = self._specrl_specs_cache = {}
+        if keep_mtp:
+            if target != "policy" or not self._specrl_drafts_with_mtp():
+                raise WeightUpdateError("keep_mtp is for policy updates of an engine that drafts with "
+                                        "the policy's own MTP layers (\"method\": \"mtp\")")
+            if "policy-body" not in cache:
+                cache["policy-body"] = {name: spec for name, spec in self._specrl_specs("policy").items()
+                                        if not vllm_compat.is_mtp_tensor(self, name)}
+            return cache["policy-body"]
         if target not in cache:
             directory = (vllm_compat.policy_checkpoint_dir(self) if target == "policy"
                          else vllm_compat.draft_checkpoint_dir(self))
@@ -106,12 +116,7 @@ class SpecRLWorkerExtension:
         """``keep_mtp``: a policy update of the body alone on an engine that drafts with the policy's
         own MTP layers, which stay as they serve (an online trainer owns them, see ``update_draft``)."""
         try:
-            specs = self._specrl_specs(target) if target in ("policy", "draft") else {}
-            if keep_mtp:
-                if target != "policy" or not self._specrl_drafts_with_mtp():
-                    raise WeightUpdateError("keep_mtp is for policy updates of an engine that drafts with "
-                                            "the policy's own MTP layers (\"method\": \"mtp\")")
-                specs = {name: spec for name, spec in specs.items() if not vllm_compat.is_mtp_tensor(self, name)}
+            specs = self._specrl_specs(target, bool(keep_mtp)) if target in ("policy", "draft") else {}
             session = self._specrl_stager().begin(target, version, specs, update_id, keep_mtp=bool(keep_mtp))
         except (WeightUpdateError, FileNotFoundError) as exc:
             return _refusal(exc)
