@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import threading
 import time
@@ -23,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import requests
+
+from vllm_specrl.bench_engine import host_info
 
 
 def run_phase(srv, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
@@ -115,7 +115,7 @@ def main() -> None:
               f"{c['rows_per_s']:.0f} rows/s, {c['bytes_per_s'] / 2**20:.0f} MiB/s", flush=True)
     if args.ceiling_only:
         args.out.write_text(json.dumps({"benchmark": "capture_receiver_ceiling", "model": str(model),
-                                        "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
+                                        "host": host_info(),
                                         "receiver_ceiling": ceiling}, indent=2))
         print(f"wrote {args.out}")
         return
@@ -169,7 +169,7 @@ def main() -> None:
     off = [p for p in phases if not p["capture"]]
     ratio = statistics.mean(p["tokens_per_s"] for p in on) / statistics.mean(p["tokens_per_s"] for p in off)
     report = {"benchmark": "capture_overhead", "model": str(model), "draft": str(draft),
-              "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
+              "host": host_info(),
               "settings": vars(args) | {"out": str(args.out), "fixtures": str(args.fixtures),
                                         "draft": str(draft)},
               "phases": phases, "throughput_ratio_on_vs_off": ratio, "overhead": 1 - ratio,

@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from vllm_specrl.bench_engine import report_result, run_engine_subprocess  # noqa: E402
+from vllm_specrl.bench_engine import host_info, report_result, run_engine_subprocess  # noqa: E402
 
 HISTORY = "vllm_specrl.proposer.history.HistoryProposer"
 
@@ -118,7 +118,7 @@ def main() -> None:
     env = cpu_env(kv_cache_gib=2)  # VLLM_PLUGINS=specrl,...: an installed arctic-inference plugin stays off
     if args.arctic_site:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.arctic_site, env.get("PYTHONPATH")]))
-    report = {"benchmark": "history_proposer", "settings": {**vars(args), "model": model, "_engine": None},
+    report = {"benchmark": "history_proposer", "host": host_info(), "settings": {**vars(args), "model": model, "_engine": None},
               "prompts": prompts, "runs": {}}
     for method in args.methods.split(","):
         knobs = dict(history_knobs or {}, **({"sample_drafts": False} if method == "history_ids" else {}))

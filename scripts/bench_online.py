@@ -36,6 +36,8 @@ import requests
 import torch
 from safetensors.torch import load_file, save_file
 
+from vllm_specrl.bench_engine import host_info
+
 
 def shifted_policy(src: Path, dst: Path, scale: float, seed: int, keep_prefix: str | None = None
                    ) -> dict[str, torch.Tensor]:
@@ -159,7 +161,7 @@ def main() -> None:
                 recovered = c
                 break
     update_step = curve[args.update_at]["trainer_step"] if len(curve) > args.update_at else None
-    report = {"benchmark": "online_adaptation", "fixture": args.fixture, "settings": vars(args) | {
+    report = {"benchmark": "online_adaptation", "host": host_info(), "fixture": args.fixture, "settings": vars(args) | {
                   "out": str(args.out), "fixtures": str(args.fixtures)},
               "curve": curve, "pre_update_acceptance_length": pre_level,
               "post_update_first_round": curve[args.update_at]["acceptance_length"] if update_step is not None else None,

@@ -32,11 +32,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from vllm_specrl.bench_engine import host_info
 
 METHODS = ("plain", "ngram", "eagle3-random", "eagle3-warm", "eagle3-warm-adaptive", "mtp", "plain-mimo")
 # Methods served on the MTP target (--mtp-model: SmolLM2 re-labelled as MiMo with its own MTP layer;
@@ -371,7 +372,7 @@ def main() -> None:
             "warmup_steps": args.warmup_steps, "adaptive_config": args.adaptive_config}
     report = {"benchmark": "rollout_throughput", "model": model,
               "fixture": None if args.model else args.fixture, "drafts": drafts,
-              "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
+              "host": host_info(),
               "settings": {k: v for k, v in base.items() if k not in ("prompts", "log_dir")},
               "cells": []}
     if set(methods) & set(MTP_TARGET_METHODS):

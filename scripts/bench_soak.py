@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save
 
 from vllm_specrl.faults import FAULTS_ENV
 from vllm_specrl.fixtures import build_fixtures, fixture_target
+from vllm_specrl.bench_engine import host_info
 from vllm_specrl.proposer.checkpoint import init_draft
 from vllm_specrl.server import VLLMServer, cpu_env
 from vllm_specrl.sync import shm
@@ -168,7 +169,7 @@ def main() -> None:
         served_texts = greedy()
     shm_after = sorted(p.name for p in shm.SHM_DIR.glob("*specrl-*"))
     expected = reference["original" if last_weights is original else "perturbed"]
-    report = {"benchmark": "soak", "updates_attempted": args.updates, "updates_committed": committed,
+    report = {"benchmark": "soak", "host": host_info(), "updates_attempted": args.updates, "updates_committed": committed,
               "final_policy_version": version, "faults_injected": faults, "faults_recovered": recovered,
               "malformed_updates_refused": refused, "requests_served": counts["served"],
               "requests_failed": counts["failed"], "shm_files_leaked": len(set(shm_after) - set(shm_before)),

@@ -20,10 +20,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
+
+from vllm_specrl.bench_engine import host_info
 
 PHASE_ORDER = ("wall", "target_forward", "target_logits", "sampler", "rejection_sampler", "draft_forward",
                "draft_logits_and_sampling", "draft_other", "other")
@@ -161,7 +162,7 @@ def main() -> None:
                 "num_speculative_tokens_per_batch_size": [[1, 1024, held]]}
         configs.append((f"eagle3_k{max(ks)}_held_at_{held}", spec, {}, None))
     report = {"benchmark": "step_cost", "model": model, "draft": str(draft),
-              "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
+              "host": host_info(),
               "settings": {k: v for k, v in base.items() if k != "prompts"}
               | {"temperature": 1.0, "intel_openmp_preloaded": not args.no_iomp},
               "rows": []}

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import threading
 import time
@@ -26,6 +24,8 @@ from pathlib import Path
 import requests
 import torch
 from safetensors.torch import load_file
+
+from vllm_specrl.bench_engine import host_info
 
 
 def memcpy_bytes_per_s(tensors: dict[str, torch.Tensor], repeats: int) -> float:
@@ -96,7 +96,7 @@ def main() -> None:
     spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3}
     server_args = ["--dtype", args.dtype, "--max-model-len", "1024", "--speculative-config", json.dumps(spec)]
     report = {"benchmark": "weight_sync", "model": str(model), "draft": str(draft),
-              "host": {"platform": platform.platform(), "cpus": os.cpu_count()},
+              "host": host_info(),
               "bytes_per_update": total_bytes, "memcpy_bytes_per_s": memcpy, "transports": {}}
     version = 0
     with VLLMServer(model, server_args, log_path=args.out.parent / "bench_sync_server.log") as srv:

@@ -50,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_specrl.bench_engine import host_info
 from vllm_specrl.rl.policy import Policy
 from vllm_specrl.rl.rollouts import check_rollouts, sample_groups
 from vllm_specrl.rl.tasks import TASKS, make_tasks, reward
@@ -411,7 +412,7 @@ def main() -> None:
     target = args.target or Path(fixture_target("real-mimo" if wants_mtp else "real", args.fixtures))
     work = args.out.parent / (args.out.stem + "_work")
     work.mkdir(parents=True, exist_ok=True)
-    report = {"demo": "grpo_speculative_rollouts", "settings": {k: str(v) for k, v in vars(args).items()},
+    report = {"demo": "grpo_speculative_rollouts", "host": host_info(), "settings": {k: str(v) for k, v in vars(args).items()},
               "runs": {}}
     for mode in args.runs.split(","):
         report["runs"][mode] = run(mode, args, target, work)
