@@ -16,6 +16,9 @@ decode step), so ``ratio = acceptance_length / step_cost_vs_plain``.
 Modes: ``offline`` (``vllm.LLM`` in-process engine) or ``server`` (``vllm
 serve`` with the plugin and ``batch`` concurrent OpenAI requests, as RL
 frameworks drive rollout servers). Output: a JSON file and a PNG next to it.
+``--rounds N`` runs every engine N times in turn (plain, each method, plain again,
+...): on 2 cores two engines doing the same work read up to ~20% apart in one run,
+so each cell's ratio is reported per round and pooled over rounds (``pooled``).
 
     python scripts/bench_rollout.py --fixture real            # the full sweep
     python scripts/bench_rollout.py --methods plain,ngram --ks 3 --batch-sizes 4
@@ -235,10 +238,11 @@ def prepare_drafts(args: argparse.Namespace, model: str, methods: list[str]) -> 
 
 
 def add_ratios(cells: list[dict]) -> None:
-    plain = {(c["temperature"], c["batch_size"]): c["tokens_per_s"]
+    """Each speculative cell against the plain cell of the same round, temperature and batch size."""
+    plain = {(c.get("round", 0), c["temperature"], c["batch_size"]): c["tokens_per_s"]
              for c in cells if c["method"] == "plain" and "error" not in c}
     for c in cells:
-        base = plain.get((c.get("temperature"), c.get("batch_size")))
+        base = plain.get((c.get("round", 0), c.get("temperature"), c.get("batch_size")))
         if c["method"] == "plain" or "error" in c or not base:
             continue
         c["throughput_ratio_vs_plain"] = c["tokens_per_s"] / base
@@ -247,13 +251,55 @@ def add_ratios(cells: list[dict]) -> None:
             c["step_cost_vs_plain"] = length / c["throughput_ratio_vs_plain"]
 
 
+def pool_rounds(cells: list[dict]) -> list[dict]:
+    """One row per (method, k, temperature, batch size) over every round: tokens and wall time
+    summed (the pooled ratio against plain's pooled rate), acceptance from the summed counters, and
+    each round's own ratio (its spread is what one run of engines cannot resolve)."""
+    groups: dict[tuple, list[dict]] = {}
+    for c in cells:
+        if "error" not in c:
+            groups.setdefault((c["method"], c["k"], c["temperature"], c["batch_size"]), []).append(c)
+    rows = []
+    for (method, k, temperature, batch), group in groups.items():
+        tokens, wall = sum(c["tokens"] for c in group), sum(c["wall_s"] for c in group)
+        row = {"method": method, "k": k, "temperature": temperature, "batch_size": batch,
+               "rounds": len(group), "tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": tokens / wall,
+               "round_ratios": [round(c["throughput_ratio_vs_plain"], 4) for c in group
+                                if "throughput_ratio_vs_plain" in c]}
+        specs = [c["spec_decode"] for c in group if c.get("spec_decode")]
+        if specs:
+            drafts = sum(sd["num_drafts"] for sd in specs)
+            accepted = sum(sd["num_accepted_tokens"] for sd in specs)
+            row["spec_decode"] = {"num_drafts": drafts, "num_accepted_tokens": accepted,
+                                  "acceptance_length": 1.0 + accepted / drafts if drafts else None}
+        else:
+            row["spec_decode"] = None
+        ks = [c["adaptive_k"]["steps_per_k"] for c in group if (c.get("adaptive_k") or {}).get("steps_per_k")]
+        if ks:
+            steps = [sum(col) for col in zip(*ks)]
+            row["adaptive_k"] = {"steps_per_k": steps,
+                                 "mean_k": sum(i * n for i, n in enumerate(steps)) / max(sum(steps), 1)}
+        rows.append(row)
+    plain = {(r["temperature"], r["batch_size"]): r["tokens_per_s"] for r in rows if r["method"] == "plain"}
+    for r in rows:
+        base = plain.get((r["temperature"], r["batch_size"]))
+        if r["method"] != "plain" and base:
+            r["throughput_ratio_vs_plain"] = r["tokens_per_s"] / base
+            spread = r["round_ratios"] or [r["throughput_ratio_vs_plain"]]
+            r["round_ratio_min"], r["round_ratio_max"] = min(spread), max(spread)
+            length = (r["spec_decode"] or {}).get("acceptance_length")
+            if length:
+                r["step_cost_vs_plain"] = length / r["throughput_ratio_vs_plain"]
+    return rows
+
+
 def plot(report: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cells = [c for c in report["cells"] if c["method"] != "plain" and "error" not in c]
+    cells = [c for c in report["pooled"] if c["method"] != "plain"]
     temps = sorted({c["temperature"] for c in cells})
     fig, axes = plt.subplots(len(temps), 2, figsize=(11, 3.6 * len(temps)), squeeze=False)
     styles = ["-", "--", ":", "-."]
@@ -281,8 +327,10 @@ def plot(report: dict, path: Path) -> None:
             ax.set_xlabel("k (num_speculative_tokens)")
             ax.grid(alpha=0.3)
     axes[0][1].legend(fontsize=7, ncol=2)
+    rounds = report["settings"].get("rounds", 1)
     fig.suptitle(f"{report['fixture'] or report['model']} ({report['settings']['dtype']}, "
-                 f"{report['host']['cpus']} CPUs, {report['settings']['mode']})")
+                 f"{report['host']['cpus']} CPUs, {report['settings']['mode']}"
+                 + (f", {rounds} rounds pooled" if rounds > 1 else "") + ")")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -307,6 +355,9 @@ def main() -> None:
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--batch-sizes", default="1,4,16")
     ap.add_argument("--waves", type=int, default=3, help="waves of `batch` requests per cell")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every engine this many times, in turn (plain, then each method, again): "
+                         "ratios per round and pooled, so engine-to-engine noise shows as spread")
     ap.add_argument("--warmup-steps", type=int, default=96,
                     help="tokens decoded at every batch size before measuring (adaptive k calibrates)")
     ap.add_argument("--adaptive-max-k", type=int, default=3, help="k limit of eagle3-warm-adaptive")
@@ -369,7 +420,8 @@ def main() -> None:
             "temperatures": [float(t) for t in args.temperatures.split(",")],
             "batch_sizes": [int(b) for b in args.batch_sizes.split(",")], "dtype": args.dtype,
             "max_model_len": args.max_model_len, "seed": args.seed, "log_dir": str(args.out.parent),
-            "warmup_steps": args.warmup_steps, "adaptive_config": args.adaptive_config}
+            "warmup_steps": args.warmup_steps, "adaptive_config": args.adaptive_config,
+            "rounds": args.rounds}
     report = {"benchmark": "rollout_throughput", "model": model,
               "fixture": None if args.model else args.fixture, "drafts": drafts,
               "host": host_info(),
@@ -378,19 +430,21 @@ def main() -> None:
     if set(methods) & set(MTP_TARGET_METHODS):
         report["mtp_model"] = str(mtp_model)
     t_start = time.time()
-    for method, k, spec in engines:
+    for rnd, (method, k, spec) in ((r, e) for r in range(args.rounds) for e in engines):
         name = method if method == "plain" else f"{method}_k{k}"
-        print(f"[bench] {name}: {json.dumps(spec) if spec else 'no speculation'}", flush=True)
+        print(f"[bench] {name}" + (f" (round {rnd + 1}/{args.rounds})" if args.rounds > 1 else "")
+              + f": {json.dumps(spec) if spec else 'no speculation'}", flush=True)
         res = run_engine_in_subprocess(dict(base, name=name, speculative_config=spec,
                                             model=report["mtp_model"] if method in MTP_TARGET_METHODS else model,
                                             scheduler_cls=ADAPTIVE_SCHEDULER if method.endswith("-adaptive")
                                             else None), args.engine_timeout)
         if isinstance(res, str):
             print(f"[bench]   FAILED: {res[-800:]}", flush=True)
-            report["cells"].append({"method": method, "k": k, "speculative_config": spec, "error": res})
+            report["cells"].append({"method": method, "k": k, "round": rnd, "speculative_config": spec,
+                                    "error": res})
             continue
         for cell in res:
-            report["cells"].append({"method": method, "k": k, "speculative_config": spec, **cell})
+            report["cells"].append({"method": method, "k": k, "round": rnd, "speculative_config": spec, **cell})
         add_ratios(report["cells"])
         for cell in report["cells"][-len(res):]:
             sd = cell["spec_decode"] or {}
@@ -404,9 +458,17 @@ def main() -> None:
                      if (cell.get("adaptive_k") or {}).get("mean_k") is not None else ""),
                   flush=True)
         report["elapsed_s"] = round(time.time() - t_start, 1)
+        report["pooled"] = pool_rounds(report["cells"])
         args.out.write_text(json.dumps(report, indent=2))  # partial results survive a stop
+    report["pooled"] = pool_rounds(report["cells"])
+    if args.rounds > 1:
+        for r in report["pooled"]:
+            if "throughput_ratio_vs_plain" in r:
+                print(f"[bench] pooled {r['method']}_k{r['k']} T={r['temperature']:g} b={r['batch_size']:>2}: "
+                      f"ratio {r['throughput_ratio_vs_plain']:.3f} (rounds {r['round_ratio_min']:.2f}-"
+                      f"{r['round_ratio_max']:.2f})", flush=True)
     png = args.out.with_suffix(".png")
-    if any(c["method"] != "plain" and "error" not in c for c in report["cells"]):
+    if any(c["method"] != "plain" for c in report["pooled"]):
         plot(report, png)
         report["plot"] = str(png)
     args.out.write_text(json.dumps(report, indent=2))

@@ -32,3 +32,33 @@ def test_bench_rollout_sweep_on_tiny(tiny_model, warm_draft, tmp_path):
     random_cfg = json.loads((Path(report["drafts"]["eagle3-random"]) / "config.json").read_text())
     assert random_cfg["draft_vocab_size"] == 1024
     assert Path(report["plot"]).stat().st_size > 10_000
+
+
+def _bench_rollout_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_rollout", REPO / "scripts" / "bench_rollout.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rounds_are_compared_within_a_round_and_pooled_over_rounds():
+    """--rounds: each round's cell against that round's plain; the pooled ratio from summed tokens and
+    wall time (not a mean of ratios), acceptance from summed counters."""
+    bench = _bench_rollout_module()
+
+    def cell(method, rnd, tokens, wall, drafts=0, accepted=0, k=0):
+        return {"method": method, "k": k, "round": rnd, "temperature": 1.0, "batch_size": 4, "tokens": tokens,
+                "wall_s": wall, "tokens_per_s": tokens / wall,
+                "spec_decode": {"num_drafts": drafts, "num_accepted_tokens": accepted} if drafts else None}
+
+    cells = [cell("plain", 0, 100, 10.0), cell("eagle3-warm", 0, 100, 5.0, 50, 50, k=3),
+             cell("plain", 1, 100, 20.0), cell("eagle3-warm", 1, 100, 25.0, 80, 20, k=3)]
+    bench.add_ratios(cells)
+    assert [c.get("throughput_ratio_vs_plain") for c in cells] == [None, 2.0, None, 0.8]
+    (row,) = [r for r in bench.pool_rounds(cells) if r["method"] == "eagle3-warm"]
+    assert row["rounds"] == 2 and row["round_ratios"] == [2.0, 0.8]
+    assert row["throughput_ratio_vs_plain"] == 1.0      # 200 tokens / 30 s against 200 / 30 s
+    assert (row["round_ratio_min"], row["round_ratio_max"]) == (0.8, 2.0)
+    assert row["spec_decode"]["acceptance_length"] == 1.0 + 70 / 130
