@@ -124,6 +124,23 @@ def test_a_new_batch_size_starts_from_its_calibrated_neighbour(accept, first, th
         assert throughput(then, accept, got) >= 0.97 * throughput(then, accept, want), (shared, alone, want)
 
 
+def test_a_bucket_reached_through_an_inherited_one_starts_from_the_nearest_calibrated_bucket():
+    """A 4-sequence workload's waves end in tails of 2-3, then 1 sequence: the 2-3 bucket inherits
+    the 4-7 bucket's k, and the 1-sequence bucket, whose only neighbour is that inherited bucket,
+    starts from the 4-7 bucket too (it used to calibrate from nothing in the few tail steps it
+    got, serving k = 0 where k = 3 is best) and climbs to the optimum."""
+    accept = 0.8
+    ctl = AdaptiveKController(3, 16)
+    simulate(ctl, batch=4, accept=accept, cost=cpu_cost, steps=300)
+    simulate(ctl, batch=2, accept=accept, cost=cpu_cost, steps=20, seed=1)
+    assert ctl.state()["buckets"]["2-3"]["from_neighbour"]
+    simulate(ctl, batch=1, accept=accept, cost=cpu_cost, steps=1, seed=2)
+    assert ctl.state()["buckets"]["1-1"]["from_neighbour"]
+    assert ctl.k_for(1) == ctl.k_for(4) > 0
+    simulate(ctl, batch=1, accept=accept, cost=cpu_cost, steps=200, seed=3)
+    assert throughput(1, accept, ctl.k_for(1)) >= 0.97 * throughput(1, accept, best_k(1, accept))
+
+
 @pytest.mark.parametrize("accept", [0.3, 0.45])
 def test_a_k_that_cannot_pay_stops_being_calibrated(accept):
     """At 16 sequences (k = 1..3 cost 1.4-2.2 k = 0 steps) one burst shows k = 2 and 3 cannot pay;

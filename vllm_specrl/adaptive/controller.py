@@ -252,13 +252,17 @@ class AdaptiveKController:
         from there with its own bursts at the neighbours of the served k, instead of measuring
         every k first (with natural lengths each wave sweeps through every bucket as sequences
         finish; calibrating each from nothing was 36-38% of a benchmark cell's steps, many at
-        k = 3, 2.3-2.9x a k = 0 step at 16 sequences)."""
+        k = 3, 2.3-2.9x a k = 0 step at 16 sequences). The donor is the nearest bucket that
+        calibrated on its own steps, adjacent or not: a one-sequence bucket reached only through
+        an inherited 2-3 bucket (a 4-sequence workload's tails) otherwise calibrated from nothing
+        in the few tail steps it gets, and served k = 0 where k = 3 is best."""
         state = self.buckets[bucket]
         state.started = True
-        donors = [i for i, b in enumerate(self.buckets)
-                  if b.calibrated and not b.inherited and abs(i - bucket) == 1]
+        donors = [i for i, b in enumerate(self.buckets) if b.calibrated and not b.inherited and i != bucket]
         if not self.cfg.share_calibration or not donors:
             return
+        nearest = min(abs(i - bucket) for i in donors)
+        donors = [i for i in donors if abs(i - bucket) == nearest]
         donor = self.buckets[max(donors, key=lambda i: (sum(map(len, self.buckets[i].cost.ratios)), i))]
         state.cost = RelativeCost(self.max_k, donor.best, self.cfg.cost_window)
         state.calibrated = state.inherited = True
