@@ -124,13 +124,19 @@ def test_a_new_batch_size_starts_from_its_calibrated_neighbour(accept, first, th
         assert throughput(then, accept, got) >= 0.97 * throughput(then, accept, want), (shared, alone, want)
 
 
-def test_a_bucket_reached_through_an_inherited_one_starts_from_the_nearest_calibrated_bucket():
+@pytest.mark.parametrize("warm_up_first", [False, True])
+def test_a_small_bucket_starts_from_the_nearest_larger_calibrated_bucket(warm_up_first):
     """A 4-sequence workload's waves end in tails of 2-3, then 1 sequence: the 2-3 bucket inherits
     the 4-7 bucket's k, and the 1-sequence bucket, whose only neighbour is that inherited bucket,
-    starts from the 4-7 bucket too (it used to calibrate from nothing in the few tail steps it
-    got, serving k = 0 where k = 3 is best) and climbs to the optimum."""
+    starts from the 4-7 bucket too and climbs to the optimum -- also when it ran a few steps before
+    any bucket was calibrated (an engine's one-sequence warm-up): it adopts the donor when one
+    appears. It used to calibrate from nothing in the few tail steps it got, serving k = 0 where
+    k = 3 is best."""
     accept = 0.8
     ctl = AdaptiveKController(3, 16)
+    if warm_up_first:
+        simulate(ctl, batch=1, accept=accept, cost=cpu_cost, steps=3, seed=4)
+        assert not ctl.state()["buckets"]["1-1"]["calibrated"]
     simulate(ctl, batch=4, accept=accept, cost=cpu_cost, steps=300)
     simulate(ctl, batch=2, accept=accept, cost=cpu_cost, steps=20, seed=1)
     assert ctl.state()["buckets"]["2-3"]["from_neighbour"]
@@ -139,6 +145,16 @@ def test_a_bucket_reached_through_an_inherited_one_starts_from_the_nearest_calib
     assert ctl.k_for(1) == ctl.k_for(4) > 0
     simulate(ctl, batch=1, accept=accept, cost=cpu_cost, steps=200, seed=3)
     assert throughput(1, accept, ctl.k_for(1)) >= 0.97 * throughput(1, accept, best_k(1, accept))
+
+
+def test_a_larger_bucket_never_starts_from_a_distant_smaller_one():
+    """16 sequences two buckets above a calibrated 4-7 bucket calibrate on their own, from k = 0:
+    the 4-sequence k (2 here) costs twice a plain step at 16 sequences."""
+    ctl = AdaptiveKController(3, 16)
+    simulate(ctl, batch=4, accept=0.6, cost=cpu_cost, steps=300)
+    assert ctl.k_for(4) > 0
+    simulate(ctl, batch=16, accept=0.6, cost=cpu_cost, steps=1, seed=1)
+    assert not ctl.state()["buckets"]["16-16"]["from_neighbour"] and ctl.k_for(16) == 0
 
 
 @pytest.mark.parametrize("accept", [0.3, 0.45])

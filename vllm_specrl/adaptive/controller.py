@@ -247,25 +247,35 @@ class AdaptiveKController:
         return None
 
     def _start(self, bucket: int) -> None:
-        """A bucket's first real step. The best k changes slowly with batch size, so a bucket next
-        to one calibrated on its own steps starts at that bucket's k, trusted at once, and climbs
-        from there with its own bursts at the neighbours of the served k, instead of measuring
-        every k first (with natural lengths each wave sweeps through every bucket as sequences
-        finish; calibrating each from nothing was 36-38% of a benchmark cell's steps, many at
-        k = 3, 2.3-2.9x a k = 0 step at 16 sequences). The donor is the nearest bucket that
-        calibrated on its own steps, adjacent or not: a one-sequence bucket reached only through
-        an inherited 2-3 bucket (a 4-sequence workload's tails) otherwise calibrated from nothing
-        in the few tail steps it gets, and served k = 0 where k = 3 is best."""
+        """Start a bucket from a calibrated one, where there is one to start from. The best k changes
+        slowly with batch size, so a bucket next to one calibrated on its own steps starts at that
+        bucket's k, trusted at once, and climbs from there with its own bursts at the neighbours of
+        the served k, instead of measuring every k first (with natural lengths each wave sweeps
+        through every bucket as sequences finish; calibrating each from nothing was 36-38% of a
+        benchmark cell's steps, many at k = 3, 2.3-2.9x a k = 0 step at 16 sequences).
+
+        Donors: an adjacent bucket that calibrated on its own steps, or else the nearest such bucket
+        at a *larger* batch size at any distance (a smaller batch pays at least the k a larger one
+        does, so it starts low and climbs; never the reverse: 16 sequences started at the k of 4
+        paid 2x-plain steps until it climbed down). Called at every step of a bucket that has not
+        calibrated, so a bucket that first ran before any donor existed (an engine's one-sequence
+        warm-up) adopts one when it appears, instead of calibrating from nothing in the few tail
+        steps a 4-sequence workload gives it (it served k = 0 there, where k = 3 pays 1.5x)."""
         state = self.buckets[bucket]
         state.started = True
-        donors = [i for i, b in enumerate(self.buckets) if b.calibrated and not b.inherited and i != bucket]
-        if not self.cfg.share_calibration or not donors:
+        if not self.cfg.share_calibration:
             return
-        nearest = min(abs(i - bucket) for i in donors)
-        donors = [i for i in donors if abs(i - bucket) == nearest]
+        own = [i for i, b in enumerate(self.buckets) if b.calibrated and not b.inherited and i != bucket]
+        donors = [i for i in own if abs(i - bucket) == 1]
+        if not donors:
+            above = [i for i in own if i > bucket]
+            donors = [min(above)] if above else []
+        if not donors:
+            return
         donor = self.buckets[max(donors, key=lambda i: (sum(map(len, self.buckets[i].cost.ratios)), i))]
         state.cost = RelativeCost(self.max_k, donor.best, self.cfg.cost_window)
         state.calibrated = state.inherited = True
+        state.burst_k, state.burst_left = None, 0
 
     def k_for_bucket(self, bucket: int) -> int:
         state = self.buckets[bucket]
@@ -284,7 +294,7 @@ class AdaptiveKController:
         self.steps += 1
         bucket = batch_bucket(min(batch, self.max_batch))
         state = self.buckets[bucket]
-        if not state.started:
+        if not state.calibrated:
             self._start(bucket)
         if state.burst_left > 0:
             state.burst_left -= 1
