@@ -276,9 +276,7 @@ def pool_rounds(cells: list[dict]) -> list[dict]:
             row["spec_decode"] = None
         ks = [c["adaptive_k"]["steps_per_k"] for c in group if (c.get("adaptive_k") or {}).get("steps_per_k")]
         if ks:
-            steps = [sum(col) for col in zip(*ks)]
-            row["adaptive_k"] = {"steps_per_k": steps,
-                                 "mean_k": sum(i * n for i, n in enumerate(steps)) / max(sum(steps), 1)}
+            row["adaptive_k"] = chosen_k(None, [sum(col) for col in zip(*ks)])
         rows.append(row)
     plain = {(r["temperature"], r["batch_size"]): r["tokens_per_s"] for r in rows if r["method"] == "plain"}
     for r in rows:

@@ -196,7 +196,6 @@ class _Bucket:
     burst_left: int = 0
     steps_since_burst: int = 0
     explore_gap: int = 16
-    started: bool = False
     inherited: bool = False  # started at a neighbour's k (never a donor itself)
 
     @property
@@ -262,7 +261,6 @@ class AdaptiveKController:
         warm-up) adopts one when it appears, instead of calibrating from nothing in the few tail
         steps a 4-sequence workload gives it (it served k = 0 there, where k = 3 pays 1.5x)."""
         state = self.buckets[bucket]
-        state.started = True
         if not self.cfg.share_calibration:
             return
         own = [i for i, b in enumerate(self.buckets) if b.calibrated and not b.inherited and i != bucket]
