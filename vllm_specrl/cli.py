@@ -222,8 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--prompts", type=Path, default=None, help="text or JSONL ({\"prompt\":...}) file")
     tr.add_argument("--raw-prompts", action="store_true", help="do not apply the chat template")
     tr.add_argument("--num-prompts", type=int, default=64)
-    tr.add_argument("--task", default="chat", choices=["chat", "arithmetic"],
-                    help="offline: built-in prompt family when --prompts is not given")
+    tr.add_argument("--task", default="chat", choices=["chat", "arithmetic", "explain"],
+                    help="offline: built-in prompt family when --prompts is not given (explain: the RL "
+                         "demo's own task)")
     tr.add_argument("--samples", type=int, default=4, help="rollouts per prompt")
     tr.add_argument("--max-tokens", type=int, default=128)
     tr.add_argument("--steps", type=int, default=300)

@@ -24,12 +24,17 @@ def test_loss_clips_the_ratio_like_ppo():
     assert float(loss) == pytest.approx((2.0 + 1.0) / 2, rel=1e-5)
 
 
-def test_padded_batch_logprobs_equal_one_sequence_at_a_time(tiny_model):
+@pytest.mark.parametrize("micro_batch", [1, 2, 8])
+def test_padded_batch_logprobs_equal_one_sequence_at_a_time(tiny_model, micro_batch):
+    """Whatever the micro-batching by length, each sample gets its own logprobs, in its own place."""
     policy = Policy(tiny_model, lr=1e-5, seed=0)
-    ids = policy.tok("def add(a, b):\n    return", add_special_tokens=False)["input_ids"]
+    ids = policy.tok("def add(a, b):\n    return a + b\n", add_special_tokens=False)["input_ids"]
     samples = [{"prompt_ids": ids[:3], "completion_ids": ids[3:]},
-               {"prompt_ids": ids[:5], "completion_ids": ids[5:7]}]
-    batched = policy.token_logprobs(samples)
+               {"prompt_ids": ids[:5], "completion_ids": ids[5:7]},
+               {"prompt_ids": ids[:2], "completion_ids": ids[2:4]},
+               {"prompt_ids": ids[:4], "completion_ids": ids[4:9]}]
+    batched = policy.token_logprobs(samples, micro_batch=micro_batch)
+    assert [len(x) for x in batched] == [len(s["completion_ids"]) for s in samples]
     with torch.no_grad():
         for s, got in zip(samples, batched):
             seq = torch.tensor([s["prompt_ids"] + s["completion_ids"]])

@@ -34,3 +34,14 @@ def test_a_dataset_comes_back_every_epoch():
     assert steps[0] == steps[2] and steps[1] == steps[3]
     assert not set(steps[0]) & set(steps[1])
     assert set(steps[0]) | set(steps[1]) == set(make_tasks(0, 8, seed=0, task="explain"))
+
+
+def test_a_draft_warm_start_sees_every_prompt_of_the_task_once():
+    """The explain draft trains on the RL task's own prompts: distinct, all 81 of them at most, and
+    covering every prompt a demo step can draw (a held-out split by prompt needs no duplicates)."""
+    from vllm_specrl.trainer.offline import default_prompts
+
+    prompts = default_prompts(200, seed=0, task="explain")
+    assert len(prompts) == len(set(prompts)) == 81
+    assert {p for step in range(20) for p, _ in make_tasks(step, 4, seed=0, task="explain")} <= set(prompts)
+    assert default_prompts(10, seed=1, task="explain") != default_prompts(10, seed=0, task="explain")

@@ -48,8 +48,22 @@ class Policy:
         return self.tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                             add_generation_prompt=True)
 
-    def token_logprobs(self, samples: list[dict]) -> list[torch.Tensor]:
-        """Per-sample logprobs of the completion tokens under the current policy (with grad)."""
+    def token_logprobs(self, samples: list[dict], micro_batch: int = 4) -> list[torch.Tensor]:
+        """Per-sample logprobs of the completion tokens under the current policy (with grad).
+
+        Sequences go through the model in micro-batches of similar length (sorted), each padded
+        to its own longest: RL completions vary from a dozen tokens to the cap, and one batch
+        padded to the longest spends most of its compute on padding.
+        """
+        order = sorted(range(len(samples)), key=lambda i: len(samples[i]["prompt_ids"]) + len(samples[i]["completion_ids"]))
+        out: list[torch.Tensor | None] = [None] * len(samples)
+        for start in range(0, len(order), micro_batch):
+            chunk = order[start : start + micro_batch]
+            for i, logp in zip(chunk, self._padded_logprobs([samples[i] for i in chunk])):
+                out[i] = logp
+        return out
+
+    def _padded_logprobs(self, samples: list[dict]) -> list[torch.Tensor]:
         seqs = [s["prompt_ids"] + s["completion_ids"] for s in samples]
         width = max(len(x) for x in seqs)
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0

@@ -39,6 +39,16 @@ def make_tasks(step: int, n: int, seed: int, task: str = "arithmetic",
     return out
 
 
+def distinct_prompts(n: int, seed: int, task: str = "explain") -> list[str]:
+    """Up to ``n`` different prompts of an RL task, in an order fixed by ``seed``: what a
+    draft is warm-started on before RL over this task (the task has 81 prompts in all)."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose from {TASKS}")
+    pairs = [(a, b) for a in range(1, 10) for b in range(1, 10)]
+    random.Random(seed).shuffle(pairs)
+    return [f"What is {a} + {b}? {_SUFFIX[task]}" for a, b in pairs[:n]]
+
+
 def reward(text: str, answer: int, task: str = "arithmetic") -> float:
     """``arithmetic``: 1 when the sum is among the first three integers of the answer.
     ``explain``: 1 when the last integer of the answer is the sum (the conclusion).

@@ -69,11 +69,18 @@ ARITHMETIC_PROMPTS = [
     "Add {a} and {b}, then say whether the result is even or odd.",
 ]
 TASK_PROMPTS = {"chat": DEFAULT_CHAT_PROMPTS, "arithmetic": ARITHMETIC_PROMPTS}
+# ``explain``: the RL demo's default task itself (vllm_specrl.rl.tasks), its distinct prompts.
+TASKS = (*TASK_PROMPTS, "explain")
 
 
 def default_prompts(n: int, seed: int, task: str = "chat") -> list[str]:
-    """``n`` prompts of a task family (``chat``: general requests; ``arithmetic``: the demo's).
+    """``n`` prompts of a task family (``chat``: general requests; ``arithmetic``: the demo's
+    family; ``explain``: the demo's own task, at most its 81 distinct prompts).
     Different seeds give different numbers: a held-out prompt set for the same family."""
+    if task == "explain":
+        from vllm_specrl.rl.tasks import distinct_prompts
+
+        return distinct_prompts(n, seed, task)
     rng = random.Random(seed)
     templates = TASK_PROMPTS[task]
     out = []
