@@ -112,7 +112,7 @@ def main() -> None:
     if args.model is None:
         build_fixtures(Path(args.fixtures), ("real",))
     model = args.model or str(fixture_target("real", Path(args.fixtures)))
-    draft = args.draft or str(Path(args.fixtures) / "real" / "drafts" / "demo-arithmetic")
+    draft = args.draft or str(Path(args.fixtures) / "real" / "drafts" / "demo-explain")
     prompts = [p for p, _ in make_tasks(0, args.prompts, args.seed, args.task)]
     history_knobs = json.loads(args.history_config) if args.history_config else None
     env = cpu_env(kv_cache_gib=2)  # VLLM_PLUGINS=specrl,...: an installed arctic-inference plugin stays off
