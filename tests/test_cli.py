@@ -24,3 +24,12 @@ def test_console_script_is_installed():
     out = subprocess.run([sys.executable, "-m", "vllm_specrl.cli", "--version"],
                          capture_output=True, text=True, check=True).stdout
     assert out.startswith("vllm-specrl ")
+
+
+def test_train_draft_offers_every_built_in_prompt_family():
+    """The CLI lists its task choices without importing the trainer (torch): they must stay the trainer's."""
+    from vllm_specrl.trainer.offline import TASKS
+
+    train_draft = cli.build_parser()._subparsers._group_actions[0].choices["train-draft"]
+    task = next(a for a in train_draft._actions if a.dest == "task")
+    assert tuple(task.choices) == TASKS

@@ -35,7 +35,7 @@ def make_tasks(step: int, n: int, seed: int, task: str = "arithmetic",
     out = []
     for _ in range(n):
         a, b = rng.randint(1, 9), rng.randint(1, 9)
-        out.append((f"What is {a} + {b}? {_SUFFIX[task]}", a + b))
+        out.append((_prompt(a, b, task), a + b))
     return out
 
 
@@ -46,7 +46,11 @@ def distinct_prompts(n: int, seed: int, task: str = "explain") -> list[str]:
         raise ValueError(f"unknown task {task!r}; choose from {TASKS}")
     pairs = [(a, b) for a in range(1, 10) for b in range(1, 10)]
     random.Random(seed).shuffle(pairs)
-    return [f"What is {a} + {b}? {_SUFFIX[task]}" for a, b in pairs[:n]]
+    return [_prompt(a, b, task) for a, b in pairs[:n]]
+
+
+def _prompt(a: int, b: int, task: str) -> str:
+    return f"What is {a} + {b}? {_SUFFIX[task]}"
 
 
 def reward(text: str, answer: int, task: str = "arithmetic") -> float:
