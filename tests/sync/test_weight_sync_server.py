@@ -280,6 +280,9 @@ def test_a_publisher_killed_mid_update_blocks_nothing(server, client, warm_draft
 
     before = versions(client)
     texts = served_texts(server, prompts)
+    # The server's idle clock starts at the publisher's last call, before the kill: the lower bound
+    # on when the dead update may be abandoned is measured from before the publisher started.
+    spawned_at = time.time()
     proc = subprocess.Popen([sys.executable, "-c", KILLED_PUBLISHER, server.url, KEY, str(warm_draft),
                              str(before["draft"] + 1)], stdout=subprocess.PIPE, text=True)
     try:
@@ -300,9 +303,10 @@ def test_a_publisher_killed_mid_update_blocks_nothing(server, client, warm_draft
     assert served_texts(server, prompts) == texts and versions(client) == before  # serving goes on
     assert time.time() - killed_at < IDLE_TIMEOUT_S - 1, "too slow to see the open update before its timeout"
     res = client.update_draft(draft, version=before["draft"] + 1)  # waits until the dead one is abandoned
-    assert res["version"] == before["draft"] + 1 and time.time() - killed_at > IDLE_TIMEOUT_S
+    assert res["version"] == before["draft"] + 1 and time.time() - spawned_at > IDLE_TIMEOUT_S
     status = client.status()
     assert status["abandoned_updates_total"] == 1 and status["abandoned_updates"][0]["update_id"] == dead_id
+    assert status["abandoned_updates"][0]["idle_s"] >= IDLE_TIMEOUT_S
     assert status["abandoned_updates"][0]["aborted"] and status["updates_in_progress"] == {}
     assert status["versions"] == {"policy": before["policy"], "draft": before["draft"] + 1}
     assert served_texts(server, prompts) == texts  # the same draft again: lossless either way
