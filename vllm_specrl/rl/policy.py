@@ -55,7 +55,8 @@ class Policy:
         to its own longest: RL completions vary from a dozen tokens to the cap, and one batch
         padded to the longest spends most of its compute on padding.
         """
-        order = sorted(range(len(samples)), key=lambda i: len(samples[i]["prompt_ids"]) + len(samples[i]["completion_ids"]))
+        lengths = [len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples]
+        order = sorted(range(len(samples)), key=lengths.__getitem__)
         out: list[torch.Tensor | None] = [None] * len(samples)
         for start in range(0, len(order), micro_batch):
             chunk = order[start : start + micro_batch]
