@@ -100,6 +100,13 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
     steps = []
     with VLLMServer(policy_dir, server_args, log_path=work / f"serve_{mode}.log") as srv:
         client = EngineClient(srv.url, progress=False)
+        calibration = None
+        if args.calibrate:
+            # Before the trainer starts (its capture must not see the sweep) and before step 0; on a
+            # plain engine the same requests are its warm-up, so both runs start alike.
+            calibration = client.calibrate_adaptive_k(max_batch=args.prompts * args.group)
+            print(f"[rl:{mode}] calibration {calibration['seconds']:.1f}s: "
+                  + ", ".join(f"{b['batch']} seqs -> k {b['best_k']}" for b in calibration["batches"]), flush=True)
         if (speculative or mtp) and args.online_draft:
             # EAGLE-3: the draft reads the policy's head from the served checkpoint (capture_topk sends
             # the targets). MTP: the policy's own layer, trained against the policy's next-token
@@ -196,7 +203,7 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
                     print(f"[rl:{mode}] draft trainer did not exit in 120 s after SIGINT: killed", flush=True)
                     trainer.kill()
                     trainer.wait()
-    return {"mode": mode, "steps": steps}
+    return {"mode": mode, "steps": steps, "calibration": calibration}
 
 
 STAGES = ("exposed_generation_s", "logprob_s", "training_s", "sync_s")
@@ -384,6 +391,9 @@ def main() -> None:
                     help="explain answers run 8-256 tokens (mean ~100; 12% reach 256): each step ends in a tail")
     ap.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=True,
                     help="speculative runs choose k per step (vllm_specrl.adaptive); --no-adaptive-k: fixed k")
+    ap.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=False,
+                    help="before step 0, measure every k's step cost at each batch size (vllm-specrl calibrate; "
+                         "adaptive k); plain runs get the same requests as a warm-up")
     ap.add_argument("--lr", type=float, default=2e-6)
     ap.add_argument("--clip", type=float, default=0.2, help="PPO clip of the importance ratio")
     ap.add_argument("--k", type=int, default=3)

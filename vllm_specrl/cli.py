@@ -52,6 +52,17 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from vllm_specrl.adaptive.calibrate import calibrate
+
+    report = calibrate(args.engine, max_batch=args.max_batch, steps=args.steps, api_key=args.api_key)
+    print(json.dumps(report, indent=2))
+    if not report["adaptive_k"]:
+        print("note: this engine serves no adaptive k (--scheduler-cls vllm_specrl.adaptive.scheduler."
+              "AdaptiveKScheduler): it was only warmed up", file=sys.stderr)
+    return 0
+
+
 def _cmd_init_draft(args: argparse.Namespace) -> int:
     from vllm_specrl.proposer.checkpoint import init_draft
     from vllm_specrl.proposer.eagle3_config import DraftConfigError
@@ -258,6 +269,14 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--engine", default="http://127.0.0.1:8000")
     st.add_argument("--api-key", default=None)
     st.set_defaults(func=_cmd_status)
+
+    ca = sub.add_parser("calibrate", help="measure what a step of every k costs at every batch size up to "
+                                          "--max-batch, before serving rollouts (adaptive k)")
+    ca.add_argument("--engine", default="http://127.0.0.1:8000")
+    ca.add_argument("--api-key", default=None)
+    ca.add_argument("--max-batch", type=int, default=16, help="the largest batch the rollouts run at")
+    ca.add_argument("--steps", type=int, default=96, help="tokens per calibration request")
+    ca.set_defaults(func=_cmd_calibrate)
     return parser
 
 

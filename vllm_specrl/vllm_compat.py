@@ -483,9 +483,13 @@ def install_zero_draft_plain_sampler() -> str:
 # requests to 1 + k. The subclass below owns that table and rewrites it before
 # every ``schedule()`` from the adaptive-k controller, and feeds the controller in
 # ``update_from_output`` (scheduled drafts per request, accepted = sampled - 1,
-# wall time between outputs). Checked on 0.32.0 (cpu), Scheduler and AsyncScheduler.
+# wall time between outputs). Start-up calibration requests (``vllm_specrl.adaptive.calibrate``)
+# are recognised by their request ids, which carry the ``X-Request-Id`` header the sweep sends
+# (``cmpl-<header>-<i>``, then vLLM's ``-<random>`` suffix): while the scheduler's queues hold
+# only those, the controller sweeps every k, and their drafts never reach its acceptance
+# estimate. Checked on 0.32.0 (cpu), Scheduler and AsyncScheduler (``running``, ``waiting``).
 
-ADAPTIVE_K_CHECKED = {"0.32.0": "Scheduler.dynamic_sd_lookup / num_spec_tokens_to_schedule"}
+ADAPTIVE_K_CHECKED = {"0.32.0": "Scheduler.dynamic_sd_lookup / num_spec_tokens_to_schedule / running / waiting"}
 
 
 def adaptive_k_scheduler_class(vllm_config: Any) -> type:
@@ -498,6 +502,7 @@ def adaptive_k_scheduler_class(vllm_config: Any) -> type:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from vllm_specrl.adaptive import state as adaptive_state
+    from vllm_specrl.adaptive.calibrate import is_calibration_request
     from vllm_specrl.adaptive.controller import AdaptiveKConfig, AdaptiveKController
 
     base = AsyncScheduler if vllm_config.scheduler_config.async_scheduling else Scheduler
@@ -523,10 +528,13 @@ def adaptive_k_scheduler_class(vllm_config: Any) -> type:
         def schedule(self, *args: Any, **kwargs: Any) -> Any:
             ctl = self._specrl_controller
             if ctl is not None:
-                self.dynamic_sd_lookup = ctl.lookup_for_step()
+                queued = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
+                self.dynamic_sd_lookup = ctl.lookup_for_step(
+                    calibrating=bool(queued) and all(map(is_calibration_request, queued)))
             out = super().schedule(*args, **kwargs)
             if ctl is not None and out.num_scheduled_tokens:
-                ctl.record_choice(len(out.num_scheduled_tokens), out.num_spec_tokens_to_schedule)
+                ctl.record_choice(len(out.num_scheduled_tokens), out.num_spec_tokens_to_schedule,
+                                  calibrating=all(map(is_calibration_request, out.num_scheduled_tokens)))
             return out
 
         def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
@@ -542,8 +550,11 @@ def adaptive_k_scheduler_class(vllm_config: Any) -> type:
                      and all(n == 1 + len(spec.get(rid, ())) for rid, n in scheduled.items()))
             verified = []
             index = model_runner_output.req_id_to_index
+            calibrating = all(map(is_calibration_request, scheduled))
             for rid, drafts in spec.items():
                 row = index.get(rid)
+                if is_calibration_request(rid):
+                    continue  # synthetic drafts: their acceptance says nothing about the workload's
                 if drafts and row is not None and row < len(model_runner_output.sampled_token_ids):
                     emitted = len(model_runner_output.sampled_token_ids[row])
                     if emitted:
@@ -551,7 +562,7 @@ def adaptive_k_scheduler_class(vllm_config: Any) -> type:
             seconds = now - self._specrl_last_output if (clean and self._specrl_last_output) else None
             ctl.observe_step(len(scheduled), k_verify.pop() if len(k_verify) == 1 else 0,
                              scheduler_output.num_spec_tokens_to_schedule, seconds, verified,
-                             runner_seconds(model_runner_output))
+                             runner_seconds(model_runner_output), calibrating=calibrating)
             # An idle engine makes no outputs: the next interval would count the idle time.
             busy = bool(self.get_num_unfinished_requests())
             self._specrl_last_output = now if busy else None

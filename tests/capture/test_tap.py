@@ -59,3 +59,10 @@ def test_recomputed_rows_keep_the_sampled_logprob():
     assert asm.requests["b"].rows[2][4] == before
     seq = asm.pop("b")
     assert seq["logprobs"].shape == (3,) and seq["logprobs"][2] == before
+
+
+def test_calibration_requests_are_never_captured():
+    """The synthetic requests of an adaptive-k calibration sweep would teach the draft their text."""
+    v = view(torch.randn(5, V))
+    v["requests"][0]["request_id"] = "2_cmpl-specrl-calibrate-4-0a1b2c3d-0-5e6f7a8b"
+    assert [h["request_id"] for h, _ in step_frames(v)] == ["b"]

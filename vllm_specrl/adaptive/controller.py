@@ -30,6 +30,17 @@ trusted, except a k that one burst already shows cannot pay (successive eliminat
 ``elimination_z``); afterwards bursts at a neighbour of the served k, at gaps that double from
 ``explore_first`` to ``explore_every`` steps of that bucket, keep both estimates current. Nothing here
 changes what is sampled: only how many drafts are verified.
+
+**Calibration at start-up** (``calibrating=True`` steps: the engine's batch holds only the
+synthetic requests of ``vllm_specrl.adaptive.calibrate``): the cost of every k is measured in
+every bucket the sweep reaches, to ``sweep_samples``, with no elimination and no inheritance
+(the synthetic drafts' acceptance says nothing about the workload's, and the scheduler keeps it
+out of the acceptance estimate). Costs are a property of the hardware and the models, so a
+bucket calibrated this way serves its best k from the first real step, choosing from the real
+acceptance as it arrives, instead of spending its first rollouts' steps measuring k's that
+cannot pay (an RL step's bulk runs at 8-16 sequences only until the first answers end: too
+few steps to calibrate in, so without the sweep every bucket measured again on the live
+rollouts, at 1.3-2.2 plain steps per step of k = 1..3 at 16 sequences).
 """
 
 from __future__ import annotations
@@ -62,6 +73,7 @@ class AdaptiveKConfig:
     share_calibration: bool = True  # a new bucket starts at a calibrated neighbour's k and climbs
     switch_margin: float = 0.02    # a k must promise this much more throughput (plus the standard error
                                    # of its measured cost ratio) to be served instead
+    sweep_samples: int = 16        # steady steps per (bucket, k) a start-up calibration sweep measures
     elimination_z: float = 2.0     # while calibrating, a k whose throughput at z standard errors in its
                                    # favour (acceptance and cost) is below another's at z against stops
                                    # being measured; 0: measure every k to min_samples
@@ -197,6 +209,7 @@ class _Bucket:
     steps_since_burst: int = 0
     explore_gap: int = 16
     inherited: bool = False  # started at a neighbour's k (never a donor itself)
+    swept: bool = False      # every k measured by a start-up calibration sweep
 
     @property
     def best(self) -> int:
@@ -218,17 +231,29 @@ class AdaptiveKController:
         self.steps = 0
         self.steady_steps = 0
         self.explored_steps = 0
+        self.calibration_steps = 0
         self.chosen_counts = [0] * (max_k + 1)
         self.last_choice = 0
         self.overheads: deque[float] = deque(maxlen=256)  # seconds of each interval outside the runner
 
     # --- choice ---------------------------------------------------------------------
 
-    def _next_burst(self, bucket: int) -> int | None:
+    def _next_burst(self, bucket: int, calibrating: bool = False) -> int | None:
         """The k a bucket should measure next, or None to serve its best (and refresh the reference)."""
         state = self.buckets[bucket]
         if state.cost.samples(state.best) < 3:
             return None  # a burst needs a fresh reference just before it
+        if calibrating:
+            if state.swept or state.steps_since_burst < 3:
+                return None  # each burst right after a few steps of the served k: a fresh reference
+            missing = [k for k in range(self.max_k + 1)
+                       if k != state.best and state.cost.samples(k) < self.cfg.sweep_samples]
+            if missing:
+                state.steps_since_burst = 0
+                return min(missing, key=lambda k: (state.cost.samples(k), k))
+            state.calibrated, state.inherited, state.swept = True, False, True
+            self._choose(bucket)
+            return None
         if not state.calibrated:
             missing = [k for k in range(self.max_k + 1)
                        if k != state.best and state.cost.samples(k) < self.cfg.min_samples
@@ -275,28 +300,31 @@ class AdaptiveKController:
         state.calibrated = state.inherited = True
         state.burst_k, state.burst_left = None, 0
 
-    def k_for_bucket(self, bucket: int) -> int:
+    def k_for_bucket(self, bucket: int, calibrating: bool = False) -> int:
         state = self.buckets[bucket]
         if state.burst_left <= 0:
-            state.burst_k = self._next_burst(bucket)
+            state.burst_k = self._next_burst(bucket, calibrating)
             state.burst_left = self.cfg.burst if state.burst_k is not None else 0
         return state.burst_k if state.burst_left > 0 else state.best
 
-    def lookup_for_step(self) -> list[int]:
-        """The batch-size -> k table for the next schedule (index 0 unused)."""
-        by_bucket = [self.k_for_bucket(b) for b in range(self.num_buckets)]
+    def lookup_for_step(self, calibrating: bool = False) -> list[int]:
+        """The batch-size -> k table for the next schedule (index 0 unused); ``calibrating``: the
+        batch holds only start-up calibration requests."""
+        by_bucket = [self.k_for_bucket(b, calibrating) for b in range(self.num_buckets)]
         return [by_bucket[0]] + [by_bucket[batch_bucket(b)] for b in range(1, self.max_batch + 1)]
 
-    def record_choice(self, batch: int, k: int) -> None:
+    def record_choice(self, batch: int, k: int, calibrating: bool = False) -> None:
         """The step vLLM scheduled: ``batch`` requests, ``k`` drafts to propose for the next."""
         self.steps += 1
         bucket = batch_bucket(min(batch, self.max_batch))
         state = self.buckets[bucket]
-        if not state.calibrated:
+        if calibrating:
+            self.calibration_steps += 1
+        elif not state.calibrated:
             self._start(bucket)
         if state.burst_left > 0:
             state.burst_left -= 1
-            self.explored_steps += 1
+            self.explored_steps += not calibrating
         else:
             state.steps_since_burst += 1
         if 0 <= k <= self.max_k:
@@ -310,7 +338,8 @@ class AdaptiveKController:
     # --- observation -----------------------------------------------------------------
 
     def observe_step(self, batch: int, k_verify: int, k_draft: int, seconds: float | None,
-                     verified: list[tuple[int, int]], runner_seconds: float | None = None) -> None:
+                     verified: list[tuple[int, int]], runner_seconds: float | None = None,
+                     calibrating: bool = False) -> None:
         """A step's output: its shape, its wall time since the previous output (None when it
         was not a clean decode step), the model runner's own time for it where the worker
         timed it, and ``(drafts, accepted)`` per request that verified drafts.
@@ -318,7 +347,8 @@ class AdaptiveKController:
         With the runner's time, k's are compared on it, and the rest of the interval
         (engine loop, output processing: paid by every k alike, and the noisy part) is
         added back as its mean when choosing, so a slow spell outside the runner does
-        not read as a slow k."""
+        not read as a slow k. A ``calibrating`` step (start-up sweep) is timed but moves no choice:
+        the bucket chooses once its sweep is done."""
         for drafts, accepted in verified:
             self.acceptance.observe(drafts, accepted)
         if seconds is None or seconds <= 0 or k_verify != k_draft or batch < 1:
@@ -329,7 +359,7 @@ class AdaptiveKController:
         bucket = batch_bucket(min(batch, self.max_batch))
         self.buckets[bucket].cost.observe(k_verify, seconds)
         self.steady_steps += 1
-        if self.buckets[bucket].calibrated:
+        if self.buckets[bucket].calibrated and not calibrating:
             self._choose(bucket)
 
     def _choose(self, bucket: int) -> None:
@@ -385,14 +415,17 @@ class AdaptiveKController:
         """JSON-safe view for /specrl/status and /metrics."""
         tokens = self.acceptance.expected_tokens()
         return {"max_k": self.max_k, "steps": self.steps, "steady_steps": self.steady_steps,
-                "explored_steps": self.explored_steps, "last_k": self.last_choice,
+                "explored_steps": self.explored_steps, "calibration_steps": self.calibration_steps,
+                "last_k": self.last_choice,
                 "chosen_k_counts": list(self.chosen_counts),
                 "conditional_acceptance": [round(float(c), 4) for c in self.acceptance.conditional()],
+                "acceptance_drafts": [round(float(n), 3) for n in self.acceptance.reached],
                 "expected_tokens_per_step": [round(float(t), 4) for t in tokens],
                 "calibrated": any(b.calibrated for b in self.buckets),
                 "step_overhead_ms": round(1e3 * float(np.mean(self.overheads)), 3) if self.overheads else None,
                 "buckets": {f"{2 ** i}-{min(2 ** (i + 1) - 1, self.max_batch)}": {
                     "best_k": b.best, "calibrated": b.calibrated, "from_neighbour": b.inherited,
+                    "swept": b.swept,
                     "served_step_ms": None if np.isnan(b.cost.served_seconds)
                     else round(1e3 * b.cost.served_seconds, 3),
                     "step_time_vs_served": [None if np.isnan(b.cost.ratio(k)) else round(b.cost.ratio(k), 4)

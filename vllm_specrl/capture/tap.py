@@ -21,11 +21,15 @@ from typing import Any
 
 import torch
 
+from vllm_specrl.adaptive.calibrate import is_calibration_request
 from vllm_specrl.capture.sender import CaptureSender
 
 
 def selected(request_id: str, fraction: float) -> bool:
-    """Stable per-request sampling: a request is captured whole or not at all."""
+    """Stable per-request sampling: a request is captured whole or not at all. Never the synthetic
+    requests of an adaptive-k calibration sweep: a draft must not learn from them."""
+    if is_calibration_request(request_id):
+        return False
     if fraction >= 1.0:
         return True
     return (zlib.crc32(request_id.encode()) % 10_000) < fraction * 10_000

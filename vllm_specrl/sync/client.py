@@ -104,6 +104,15 @@ class EngineClient:
         r.raise_for_status()
         return r.json()
 
+    def calibrate_adaptive_k(self, max_batch: int = 16, steps: int = 96) -> dict:
+        """Measure every k's step cost at each batch size up to ``max_batch`` before the rollouts
+        (``vllm_specrl.adaptive.calibrate``); on an engine without adaptive k, a warm-up."""
+        from vllm_specrl.adaptive.calibrate import calibrate
+
+        auth = self.session.headers.get("Authorization", "")
+        return calibrate(self.url, max_batch=max_batch, steps=steps,
+                         api_key=auth.removeprefix("Bearer ") or None, timeout_s=self.timeout)
+
     def pause(self, mode: str = "keep") -> dict:
         return self._post("/specrl/pause", json={"mode": mode})
 

@@ -1,0 +1,93 @@
+"""Start-up calibration of adaptive k: what a step of every k costs, measured before the rollouts.
+
+The controller needs a step's cost at every k and batch size. Measured on live rollouts, that
+cost is paid in the first RL steps: a rollout's bulk runs at 8-16 sequences only until its
+first answers end, too few steps to measure k = 0..3 in, so every bucket spends its first
+steps at k's that cannot pay (1.3-2.2 plain steps each at 16 sequences on a 2-core CPU).
+Costs belong to the hardware and the models, not to the prompts, so they can be measured
+once, at start-up, like vLLM captures its CUDA graphs per batch size: a few synthetic
+requests of ``n`` = 16, 8, 4, 2, 1 sequences (one batch bucket each, ``ignore_eos``), which
+the scheduler recognises by their request ids and sweeps every k on. Their acceptance is
+kept out of the controller's estimate: drafts of the real workload choose k from the first
+real step on.
+
+``calibrate(url, model)`` (or ``vllm-specrl calibrate --engine URL``) against a plain engine
+runs the same requests and only warms it up (oneDNN builds its kernels per shape on first
+use), so a speculative and a plain run can be given the same start.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import requests
+
+CALIBRATION_ID_PREFIX = "specrl-calibrate-"
+PROMPT = "Count from one to one thousand in words, one number per line:\n"
+
+
+def is_calibration_request(request_id: str) -> bool:
+    """True for a request of the sweep (its id carries the ``X-Request-Id`` the sweep sends)."""
+    return CALIBRATION_ID_PREFIX in request_id
+
+
+def calibration_batch_sizes(max_batch: int) -> list[int]:
+    """``max_batch`` and the powers of two of the buckets below it, largest first: one per bucket."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    sizes = [max_batch] + [2 ** i for i in range(max_batch.bit_length() - 2, -1, -1)]
+    return sorted(set(sizes), reverse=True)
+
+
+def bucket_label(buckets: dict, batch: int) -> str | None:
+    """The key of ``/specrl/status``'s adaptive-k bucket that holds ``batch`` sequences."""
+    for label in buckets:
+        lo, hi = (int(x) for x in label.split("-"))
+        if lo <= batch <= hi:
+            return label
+    return None
+
+
+def calibrate(url: str, model: str | None = None, max_batch: int = 16, steps: int = 96, max_rounds: int = 4,
+              api_key: str | None = None, seed: int = 0, timeout_s: float = 600.0) -> dict:
+    """Sweep every batch bucket up to ``max_batch`` until the engine's controller says it measured
+    every k there (at most ``max_rounds`` requests of ``steps`` tokens each); returns what it did
+    and the buckets' state. An engine without adaptive k gets one request per batch size.
+    ``model``: the served model's name (default: the first ``/v1/models`` lists)."""
+    session = requests.Session()
+    if api_key:
+        session.headers["Authorization"] = f"Bearer {api_key}"
+    url = url.rstrip("/")
+    if model is None:
+        r = session.get(url + "/v1/models", timeout=timeout_s)
+        r.raise_for_status()
+        model = r.json()["data"][0]["id"]
+
+    def adaptive_state() -> dict | None:
+        r = session.get(url + "/specrl/status", timeout=timeout_s)
+        r.raise_for_status()
+        return r.json().get("adaptive_k")
+
+    start = time.perf_counter()
+    done = []
+    state = adaptive_state()
+    for batch in calibration_batch_sizes(max_batch):
+        t0, rounds, swept = time.perf_counter(), 0, False
+        while rounds < max_rounds and not swept:
+            r = session.post(url + "/v1/completions", timeout=timeout_s,
+                             headers={"X-Request-Id": f"{CALIBRATION_ID_PREFIX}{batch}-{uuid.uuid4().hex[:8]}"},
+                             json={"model": model, "prompt": PROMPT, "n": batch, "max_tokens": steps,
+                                   "temperature": 1.0, "ignore_eos": True, "seed": seed + rounds})
+            r.raise_for_status()
+            rounds += 1
+            state = adaptive_state()
+            if state is None:
+                break  # no adaptive k: one request per batch size warms the engine up
+            label = bucket_label(state["buckets"], batch)
+            swept = label is not None and state["buckets"][label]["swept"]
+        label = bucket_label(state["buckets"], batch) if state else None
+        done.append({"batch": batch, "rounds": rounds, "seconds": round(time.perf_counter() - t0, 3),
+                     "swept": swept, "best_k": state["buckets"][label]["best_k"] if label else None})
+    return {"seconds": round(time.perf_counter() - start, 3), "adaptive_k": state is not None,
+            "batches": done, "buckets": state["buckets"] if state else None}
