@@ -120,7 +120,7 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
         def rollouts(step: int):
             tasks = make_tasks(step, args.prompts, args.seed, args.task, args.dataset_size)
             return sample_groups(srv.url, srv.model, [policy.chat(p) for p, _ in tasks], args.group,
-                                 args.max_tokens, args.seed * 7919 + step * 101, step,
+                                 args.max_tokens, (args.seed * 7919 + step) * args.prompts * args.group, step,
                                  lambda i, text: reward(text, tasks[i][1], args.task))
 
         try:
@@ -208,6 +208,27 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
 
 STAGES = ("exposed_generation_s", "logprob_s", "training_s", "sync_s")
 PROPOSERS = ("spec", "history", "mtp")
+
+
+def warm_up_trainer(target: Path, args: argparse.Namespace) -> float:
+    """One throwaway logprob pass and GRPO step on a step-shaped synthetic batch, before any run.
+
+    The first run of an invocation otherwise pays torch's one-time start-up costs in its first
+    steps' logprob and training phases (measured: 19 s vs 7-10 s for step 0's logprobs, either
+    order, with or without the draft trainer), which biased the step-time ratio ~5% against
+    whichever run went first."""
+    t0 = time.perf_counter()
+    policy = Policy(target, args.lr, args.seed)
+    prompt = policy.tok(policy.chat(make_tasks(0, 1, args.seed, args.task)[0][0]))["input_ids"]
+    n = args.prompts * args.group
+    lengths = [max(1, round(args.max_tokens * (i + 1) / n)) for i in range(n)]  # 1/n .. the cap
+    samples = [{"prompt_ids": prompt, "completion_ids": (prompt * (length // len(prompt) + 1))[:length],
+                "vllm_logprobs": [0.0] * length, "reward": float(i % 2)} for i, length in enumerate(lengths)]
+    policy.grpo_step(samples, policy.token_logprobs(samples), args.group, args.clip)
+    del policy
+    seconds = time.perf_counter() - t0
+    print(f"[rl] trainer warm-up {seconds:.1f}s (a throwaway step on {n} synthetic samples)", flush=True)
+    return seconds
 
 
 def write_policy_head(policy: Policy, policy_dir: Path, out: Path) -> None:
@@ -394,6 +415,9 @@ def main() -> None:
     ap.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=False,
                     help="before step 0, measure every k's step cost at each batch size (vllm-specrl calibrate; "
                          "adaptive k); plain runs get the same requests as a warm-up")
+    ap.add_argument("--warm-up-trainer", action=argparse.BooleanOptionalAction, default=True,
+                    help="one throwaway logprob pass and GRPO step before the first run, so the first run does "
+                         "not pay torch's start-up costs in its timed steps")
     ap.add_argument("--lr", type=float, default=2e-6)
     ap.add_argument("--clip", type=float, default=0.2, help="PPO clip of the importance ratio")
     ap.add_argument("--k", type=int, default=3)
@@ -425,6 +449,8 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     report = {"demo": "grpo_speculative_rollouts", "host": host_info(), "settings": {k: str(v) for k, v in vars(args).items()},
               "runs": {}}
+    if args.warm_up_trainer:
+        report["trainer_warm_up_s"] = warm_up_trainer(target, args)
     for mode in args.runs.split(","):
         report["runs"][mode] = run(mode, args, target, work)
         args.out.write_text(json.dumps(report, indent=2))

@@ -17,20 +17,30 @@ from helpers import result_json, run_python
 def sample_continuations(model, prompt: str, num_samples: int, num_tokens: int,
                          temperature: float, seed: int, speculative_config: dict | None = None,
                          plugins: str = "specrl", dtype: str = "float32",
-                         scheduler_cls: str | None = None, with_stats: bool = False):
+                         scheduler_cls: str | None = None, with_stats: bool = False,
+                         group: int | None = None, max_num_seqs: int = 256):
     """``num_samples`` independent continuations of ``prompt`` (token ids); with ``with_stats``,
-    also vLLM's own spec-decode counters for the run (``num_drafts``, ``num_accepted_tokens``)."""
+    also vLLM's own spec-decode counters for the run (``num_drafts``, ``num_accepted_tokens``).
+    With ``group`` G: requests of ``n = G``, each seeded as an RL rollout client seeds them
+    (request i: ``seed + i * G``, its sample j: vLLM's ``+ j``), so every sample is seeded."""
+    if group:
+        params = (f"[SamplingParams(temperature={temperature}, max_tokens={num_tokens}, ignore_eos=True, "
+                  f"n={group}, seed={seed} + i * {group}) for i in range({num_samples // group})]")
+        prompts = f"[{prompt!r}] * {num_samples // group}"
+    else:
+        params = f"SamplingParams(temperature={temperature}, max_tokens={num_tokens}, ignore_eos=True)"
+        prompts = f"[{prompt!r}] * {num_samples}"
     out = run_python(f"""
         import json
         from vllm import LLM, SamplingParams
         llm = LLM(model={str(model)!r}, dtype={dtype!r}, enforce_eager=True, seed={seed},
-                  max_model_len=512, max_num_seqs=256, scheduler_cls={scheduler_cls!r}, disable_log_stats=False,
-                  speculative_config=json.loads({json.dumps(json.dumps(speculative_config))}))
-        params = SamplingParams(temperature={temperature}, max_tokens={num_tokens}, ignore_eos=True)
-        outs = llm.generate([{prompt!r}] * {num_samples}, params, use_tqdm=False)
+                  max_model_len=512, max_num_seqs={max_num_seqs}, scheduler_cls={scheduler_cls!r},
+                  disable_log_stats=False, speculative_config=json.loads({json.dumps(json.dumps(speculative_config))}))
+        outs = llm.generate({prompts}, {params}, use_tqdm=False)
         stats = {{m.name.removeprefix("vllm:spec_decode_").removesuffix("_total"): getattr(m, "value", None)
                  for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode_num_")}}
-        print("RESULT " + json.dumps({{"tokens": [list(o.outputs[0].token_ids) for o in outs], "stats": stats}}))
+        print("RESULT " + json.dumps({{"tokens": [list(c.token_ids) for o in outs for c in o.outputs],
+                                       "stats": stats}}))
     """, env={"VLLM_PLUGINS": plugins})
     result = result_json(out)
     return (result["tokens"], result["stats"]) if with_stats else result["tokens"]

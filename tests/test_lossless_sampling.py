@@ -94,6 +94,21 @@ def test_adaptive_k_t1_is_lossless(tiny_model, plain_t1, warm_draft):
     assert min(p) > ALPHA, describe(p)
 
 
+def test_adaptive_k_t1_is_lossless_with_seeded_groups(tiny_model, plain_t1, warm_draft):
+    """The requests an RL rollout client sends: ``n = 4`` groups, every sample seeded (vLLM's
+    per-request generators on the draft, recovery and bonus draws), 16 sequences at most, as the
+    demo runs them."""
+    eagle3 = {"method": "eagle3", "model": str(warm_draft), "num_speculative_tokens": 3,
+              "draft_sample_method": "probabilistic"}
+    spec, stats = sample_continuations(tiny_model, PROMPT, N, L, 1.0, seed=9, speculative_config=eagle3,
+                                       scheduler_cls="vllm_specrl.adaptive.scheduler.AdaptiveKScheduler",
+                                       with_stats=True, group=4, max_num_seqs=16)
+    assert len(spec) == N
+    p = per_position_pvalues(plain_t1, spec)
+    assert min(p) > ALPHA, describe(p)
+    assert stats["num_accepted_tokens"] > 0.3 * stats["num_drafts"], stats  # the premise: drafts were verified
+
+
 def test_history_proposer_t1_is_lossless(tiny_model, plain_t1):
     """Drafts from siblings and earlier samples of the same prompt, each token sampled from the
     continuations' shares q, which vLLM's rejection sampler is given. Drafting the heaviest token

@@ -18,3 +18,37 @@ def test_complete_step_passes():
 def test_lost_duplicated_or_foreign_rollouts_are_refused(ids):
     with pytest.raises(RuntimeError, match="lost or duplicated"):
         check_rollouts(_samples(ids), step=0, tasks=2, group=2)
+
+
+class _FakeEngine:
+    """Answers ``/v1/completions`` like vLLM and records each request's seed, expanded the way vLLM
+    seeds the samples of an ``n > 1`` request (sample j: seed + j)."""
+
+    def __init__(self):
+        self.sample_seeds = []
+
+    def post(self, url, timeout, json):
+        from unittest.mock import Mock
+
+        self.sample_seeds += [json["seed"] + j for j in range(json["n"])]
+        choices = [{"index": j, "prompt_token_ids": [1], "token_ids": [2], "text": "4",
+                    "logprobs": {"token_logprobs": [-0.1]}} for j in range(json["n"])]
+        return Mock(headers={"x-specrl-policy-version-start": "0", "x-specrl-policy-version": "0"},
+                    json=lambda: {"choices": choices}, raise_for_status=lambda: None)
+
+
+def test_every_sample_of_consecutive_steps_has_its_own_random_stream(monkeypatch):
+    """With ``seed + i`` per prompt, prompt i's sample 1 and prompt i+1's sample 0 shared one
+    seed: rollouts of different prompts drew the same random numbers (planted: fails here)."""
+    from vllm_specrl.rl import rollouts
+
+    engine = _FakeEngine()
+    monkeypatch.setattr(rollouts.requests, "post", engine.post)
+    prompts, group = ["a", "b", "c", "d"], 4
+    for step in range(3):
+        samples, _ = rollouts.sample_groups("http://engine", "m", prompts, group, 8,
+                                            seed=step * len(prompts) * group, step=step,
+                                            score=lambda i, text: 0.0)
+        check_rollouts(samples, step, len(prompts), group)
+    assert len(engine.sample_seeds) == 3 * len(prompts) * group
+    assert len(set(engine.sample_seeds)) == len(engine.sample_seeds)

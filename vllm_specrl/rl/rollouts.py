@@ -21,6 +21,12 @@ def sample_groups(url: str, model: str, prompts: list[str], group: int, max_toke
                   timeout_s: float = 600) -> tuple[list[dict], dict]:
     """G samples per prompt at temperature 1; returns (samples, timing).
 
+    Every sample gets its own seed: vLLM seeds sample j of an ``n = G`` request with the
+    request's seed + j, so prompt i's request is seeded ``seed + i * G`` (``seed + i`` gave
+    prompt i's sample 1 and prompt i+1's sample 0 one random stream: rollouts of different
+    prompts were correlated, which shrank the effective number of independent rewards).
+    A caller's seeds for successive steps should be ``len(prompts) * group`` apart.
+
     ``score(i, text)`` is the reward of a completion of prompt ``i``. ``timing`` has
     ``generation_s`` (all requests), ``bulk_s`` (until half of them finished) and
     ``tail_s`` (the rest).
@@ -30,7 +36,7 @@ def sample_groups(url: str, model: str, prompts: list[str], group: int, max_toke
     def one(i: int) -> tuple[list[dict], float]:
         r = requests.post(url + "/v1/completions", timeout=timeout_s, json={
             "model": model, "prompt": prompts[i], "n": group, "temperature": 1.0,
-            "max_tokens": max_tokens, "logprobs": 0, "return_token_ids": True, "seed": seed + i})
+            "max_tokens": max_tokens, "logprobs": 0, "return_token_ids": True, "seed": seed + i * group})
         r.raise_for_status()
         done = time.perf_counter() - t0
         start = int(r.headers["x-specrl-policy-version-start"])
