@@ -275,7 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--engine", default="http://127.0.0.1:8000")
     ca.add_argument("--api-key", default=None)
     ca.add_argument("--max-batch", type=int, default=16, help="the largest batch the rollouts run at")
-    ca.add_argument("--steps", type=int, default=96, help="tokens per calibration request")
+    ca.add_argument("--steps", type=int, default=256,
+                    help="most tokens per calibration request (each is dropped once its bucket is measured)")
     ca.set_defaults(func=_cmd_calibrate)
     return parser
 

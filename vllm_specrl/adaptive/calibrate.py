@@ -25,6 +25,7 @@ import requests
 
 CALIBRATION_ID_PREFIX = "specrl-calibrate-"
 PROMPT = "Count from one to one thousand in words, one number per line:\n"
+WARM_UP_TOKENS = 64  # per request on an engine without adaptive k: it sees every batch size's shapes
 
 
 def is_calibration_request(request_id: str) -> bool:
@@ -49,10 +50,10 @@ def bucket_label(buckets: dict, batch: int) -> str | None:
     return None
 
 
-def calibrate(url: str, model: str | None = None, max_batch: int = 16, steps: int = 96, max_rounds: int = 4,
+def calibrate(url: str, model: str | None = None, max_batch: int = 16, steps: int = 256, max_rounds: int = 3,
               api_key: str | None = None, seed: int = 0, timeout_s: float = 600.0) -> dict:
     """Sweep every batch bucket up to ``max_batch`` until the engine's controller says it measured
-    every k there (at most ``max_rounds`` requests of ``steps`` tokens each); returns what it did
+    every k there (at most ``max_rounds`` requests of up to ``steps`` tokens each); returns what it did
     and the buckets' state. An engine without adaptive k gets one request per batch size.
     ``model``: the served model's name (default: the first ``/v1/models`` lists)."""
     session = requests.Session()
@@ -69,23 +70,37 @@ def calibrate(url: str, model: str | None = None, max_batch: int = 16, steps: in
         r.raise_for_status()
         return r.json().get("adaptive_k")
 
+    def bucket_swept(batch: int) -> bool:
+        state = adaptive_state()
+        label = bucket_label(state["buckets"], batch) if state else None
+        return label is not None and state["buckets"][label]["swept"]
+
     start = time.perf_counter()
     done = []
     state = adaptive_state()
     for batch in calibration_batch_sizes(max_batch):
         t0, rounds, swept = time.perf_counter(), 0, False
         while rounds < max_rounds and not swept:
-            r = session.post(url + "/v1/completions", timeout=timeout_s,
-                             headers={"X-Request-Id": f"{CALIBRATION_ID_PREFIX}{batch}-{uuid.uuid4().hex[:8]}"},
-                             json={"model": model, "prompt": PROMPT, "n": batch, "max_tokens": steps,
-                                   "temperature": 1.0, "ignore_eos": True, "seed": seed + rounds})
-            r.raise_for_status()
+            # Streamed, and dropped as soon as the bucket is done (vLLM aborts a request whose
+            # client went away): a sweep costs the steps it measures, not ``steps`` tokens.
+            with session.post(url + "/v1/completions", timeout=timeout_s, stream=True,
+                              headers={"X-Request-Id": f"{CALIBRATION_ID_PREFIX}{batch}-{uuid.uuid4().hex[:8]}"},
+                              json={"model": model, "prompt": PROMPT, "n": batch,
+                                    "max_tokens": steps if state is not None else WARM_UP_TOKENS,
+                                    "temperature": 1.0, "ignore_eos": True, "seed": seed + rounds * batch,
+                                    "stream": True}) as r:
+                r.raise_for_status()
+                checked = time.perf_counter()
+                for _ in r.iter_lines():
+                    if state is not None and time.perf_counter() - checked > 0.5:
+                        checked = time.perf_counter()
+                        if bucket_swept(batch):
+                            break
             rounds += 1
             state = adaptive_state()
             if state is None:
                 break  # no adaptive k: one request per batch size warms the engine up
-            label = bucket_label(state["buckets"], batch)
-            swept = label is not None and state["buckets"][label]["swept"]
+            swept = bucket_swept(batch)
         label = bucket_label(state["buckets"], batch) if state else None
         done.append({"batch": batch, "rounds": rounds, "seconds": round(time.perf_counter() - t0, 3),
                      "swept": swept, "best_k": state["buckets"][label]["best_k"] if label else None})

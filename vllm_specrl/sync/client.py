@@ -104,7 +104,7 @@ class EngineClient:
         r.raise_for_status()
         return r.json()
 
-    def calibrate_adaptive_k(self, max_batch: int = 16, steps: int = 96) -> dict:
+    def calibrate_adaptive_k(self, max_batch: int = 16, steps: int = 256) -> dict:
         """Measure every k's step cost at each batch size up to ``max_batch`` before the rollouts
         (``vllm_specrl.adaptive.calibrate``); on an engine without adaptive k, a warm-up."""
         from vllm_specrl.adaptive.calibrate import calibrate
