@@ -412,9 +412,10 @@ def main() -> None:
                     help="explain answers run 8-256 tokens (mean ~100; 12% reach 256): each step ends in a tail")
     ap.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=True,
                     help="speculative runs choose k per step (vllm_specrl.adaptive); --no-adaptive-k: fixed k")
-    ap.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=False,
+    ap.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
                     help="before step 0, measure every k's step cost at each batch size (vllm-specrl calibrate; "
-                         "adaptive k); plain runs get the same requests as a warm-up")
+                         "adaptive k), as an RL job would once at start-up; plain runs get the same requests as a "
+                         "warm-up; --no-calibrate: adaptive k measures on the live rollouts")
     ap.add_argument("--warm-up-trainer", action=argparse.BooleanOptionalAction, default=True,
                     help="one throwaway logprob pass and GRPO step before the first run, so the first run does "
                          "not pay torch's start-up costs in its timed steps")

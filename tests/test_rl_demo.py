@@ -89,3 +89,16 @@ def test_summary_table_and_plot(report):
     assert comparison["reward_difference"] == pytest.approx(diff, abs=1e-12)
     assert comparison["rewards_agree_within_noise"] == (abs(comparison["reward_z"]) < 3)
     assert f"{comparison['step_time']:.2f}" in stdout and data["plot"].endswith(".png")
+
+
+def test_runs_start_calibrated_or_warmed_up_alike(report):
+    """Before step 0 the speculative run's adaptive k measured every k at each batch size the steps
+    run at (8, 4, 2, 1 here), the plain run got the same requests as a warm-up, and the trainer side
+    was warmed up once, so neither run pays a start-up cost in its timed steps."""
+    data, _ = report
+    spec = data["runs"]["spec-async"]["calibration"]
+    assert spec["adaptive_k"] and [b["batch"] for b in spec["batches"]] == [8, 4, 2, 1], spec
+    assert all(b["swept"] for b in spec["batches"]), spec
+    plain = data["runs"]["plain"]["calibration"]
+    assert not plain["adaptive_k"] and [b["batch"] for b in plain["batches"]] == [8, 4, 2, 1], plain
+    assert data["trainer_warm_up_s"] > 0

@@ -54,7 +54,8 @@ def calibrate(url: str, model: str | None = None, max_batch: int = 16, steps: in
               api_key: str | None = None, seed: int = 0, timeout_s: float = 600.0) -> dict:
     """Sweep every batch bucket up to ``max_batch`` until the engine's controller says it measured
     every k there (at most ``max_rounds`` requests of up to ``steps`` tokens each); returns what it did
-    and the buckets' state. An engine without adaptive k gets one request per batch size.
+    and the buckets' state. An engine without adaptive k gets one request per batch size; a bucket
+    where a whole request gave no steady step (every request verifying the same k) is given up.
     ``model``: the served model's name (default: the first ``/v1/models`` lists)."""
     session = requests.Session()
     if api_key:
@@ -75,12 +76,17 @@ def calibrate(url: str, model: str | None = None, max_batch: int = 16, steps: in
         label = bucket_label(state["buckets"], batch) if state else None
         return label is not None and state["buckets"][label]["swept"]
 
+    def bucket_samples(batch: int) -> int:
+        label = bucket_label(state["buckets"], batch) if state else None
+        return sum(state["buckets"][label]["samples"]) if label else 0
+
     start = time.perf_counter()
     done = []
     state = adaptive_state()
     for batch in calibration_batch_sizes(max_batch):
         t0, rounds, swept = time.perf_counter(), 0, False
         while rounds < max_rounds and not swept:
+            measured = bucket_samples(batch)
             # Streamed, and dropped as soon as the bucket is done (vLLM aborts a request whose
             # client went away): a sweep costs the steps it measures, not ``steps`` tokens.
             with session.post(url + "/v1/completions", timeout=timeout_s, stream=True,
@@ -101,6 +107,8 @@ def calibrate(url: str, model: str | None = None, max_batch: int = 16, steps: in
             if state is None:
                 break  # no adaptive k: one request per batch size warms the engine up
             swept = bucket_swept(batch)
+            if not swept and bucket_samples(batch) == measured:
+                break  # no steady step at all: a proposer whose draft lengths vary per request (history)
         label = bucket_label(state["buckets"], batch) if state else None
         done.append({"batch": batch, "rounds": rounds, "seconds": round(time.perf_counter() - t0, 3),
                      "swept": swept, "best_k": state["buckets"][label]["best_k"] if label else None})
