@@ -23,7 +23,10 @@ policy that has one (default: the real-mimo fixture, SmolLM2's body with a MiMo 
 every run of the invocation then serves that checkpoint, plain included): the policy update
 carries the body alone (``keep_mtp``) and ``train-draft --mtp`` keeps the layer aligned from
 the captured states, reading the policy's embedding and final norm from a small directory
-this loop rewrites before each update. Per step it records generation (split into
+this loop rewrites before each update. Before step 0, each engine's adaptive k is calibrated
+(``vllm_specrl.adaptive.calibrate``; the same requests warm a plain engine up) and the
+trainer side runs one throwaway step, so no run pays a start-up cost in its timed steps.
+Per step it records generation (split into
 bulk and tail: until half of the prompts' requests finished, and the rest),
 logprob recomputation, training and sync times, acceptance length, the mean k
 chosen, versions and mean reward; at the end it prints a table and writes JSON
