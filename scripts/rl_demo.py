@@ -53,6 +53,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_specrl.adaptive.calibrate import WARM_UP_TOKENS
 from vllm_specrl.bench_engine import host_info
 from vllm_specrl.rl.policy import Policy
 from vllm_specrl.rl.rollouts import check_rollouts, sample_groups
@@ -107,7 +108,9 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
         if args.calibrate:
             # Before the trainer starts (its capture must not see the sweep) and before step 0; on a
             # plain engine the same requests are its warm-up, so both runs start alike.
-            calibration = client.calibrate_adaptive_k(max_batch=args.prompts * args.group)
+            # The history proposer drafts per-request lengths (no steady steps to measure): a warm-up.
+            calibration = client.calibrate_adaptive_k(max_batch=args.prompts * args.group,
+                                                      steps=WARM_UP_TOKENS if history else 256)
             print(f"[rl:{mode}] calibration {calibration['seconds']:.1f}s: "
                   + ", ".join(f"{b['batch']} seqs -> k {b['best_k']}" for b in calibration["batches"]), flush=True)
         if (speculative or mtp) and args.online_draft:
