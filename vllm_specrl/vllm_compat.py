@@ -495,6 +495,7 @@ ADAPTIVE_K_CHECKED = {"0.32.0": "Scheduler.dynamic_sd_lookup / num_spec_tokens_t
 def adaptive_k_scheduler_class(vllm_config: Any) -> type:
     """vLLM's scheduler class for this config (async or not), with adaptive k attached."""
     import atexit
+    import itertools
     import os
     import time
 
@@ -502,7 +503,7 @@ def adaptive_k_scheduler_class(vllm_config: Any) -> type:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from vllm_specrl.adaptive import state as adaptive_state
-    from vllm_specrl.adaptive.calibrate import is_calibration_request
+    from vllm_specrl.adaptive.calibrate import is_calibration_request, only_calibration
     from vllm_specrl.adaptive.controller import AdaptiveKConfig, AdaptiveKController
 
     base = AsyncScheduler if vllm_config.scheduler_config.async_scheduling else Scheduler
@@ -528,13 +529,12 @@ def adaptive_k_scheduler_class(vllm_config: Any) -> type:
         def schedule(self, *args: Any, **kwargs: Any) -> Any:
             ctl = self._specrl_controller
             if ctl is not None:
-                queued = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
-                self.dynamic_sd_lookup = ctl.lookup_for_step(
-                    calibrating=bool(queued) and all(map(is_calibration_request, queued)))
+                queued = (r.request_id for r in itertools.chain(self.running, self.waiting))
+                self.dynamic_sd_lookup = ctl.lookup_for_step(calibrating=only_calibration(queued))
             out = super().schedule(*args, **kwargs)
             if ctl is not None and out.num_scheduled_tokens:
                 ctl.record_choice(len(out.num_scheduled_tokens), out.num_spec_tokens_to_schedule,
-                                  calibrating=all(map(is_calibration_request, out.num_scheduled_tokens)))
+                                  calibrating=only_calibration(out.num_scheduled_tokens))
             return out
 
         def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
@@ -550,7 +550,7 @@ def adaptive_k_scheduler_class(vllm_config: Any) -> type:
                      and all(n == 1 + len(spec.get(rid, ())) for rid, n in scheduled.items()))
             verified = []
             index = model_runner_output.req_id_to_index
-            calibrating = all(map(is_calibration_request, scheduled))
+            calibrating = only_calibration(scheduled)
             for rid, drafts in spec.items():
                 row = index.get(rid)
                 if is_calibration_request(rid):

@@ -3,7 +3,8 @@ The sweep against a served engine is in tests/test_http.py."""
 
 import pytest
 
-from vllm_specrl.adaptive.calibrate import bucket_label, calibration_batch_sizes, is_calibration_request
+from vllm_specrl.adaptive.calibrate import (bucket_label, calibration_batch_sizes, is_calibration_request,
+                                            only_calibration)
 from vllm_specrl.adaptive.controller import AdaptiveKController
 
 
@@ -24,3 +25,10 @@ def test_the_engine_side_ids_of_a_sweep_request_are_recognised():
 def test_no_batch_no_sweep():
     with pytest.raises(ValueError):
         calibration_batch_sizes(0)
+
+
+def test_a_step_is_a_calibration_step_only_when_every_request_is_the_sweeps():
+    sweep = "0_cmpl-specrl-calibrate-4-0a1b2c3d-0-5e6f7a8b"
+    assert only_calibration([sweep, sweep])
+    assert not only_calibration([sweep, "cmpl-5b0f0c8a-0-1a2b3c4d"])
+    assert not only_calibration([])  # an idle engine is not calibrating

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterable
 
 import requests
 
@@ -31,6 +32,17 @@ WARM_UP_TOKENS = 64  # per request on an engine without adaptive k: it sees ever
 def is_calibration_request(request_id: str) -> bool:
     """True for a request of the sweep (its id carries the ``X-Request-Id`` the sweep sends)."""
     return CALIBRATION_ID_PREFIX in request_id
+
+
+def only_calibration(request_ids: Iterable[str]) -> bool:
+    """At least one request, and every one the sweep's; stops at the first other one, so a step of
+    real traffic pays for one id, however large its batch."""
+    seen = False
+    for request_id in request_ids:
+        if not is_calibration_request(request_id):
+            return False
+        seen = True
+    return seen
 
 
 def calibration_batch_sizes(max_batch: int) -> list[int]:
