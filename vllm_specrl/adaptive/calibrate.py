@@ -83,14 +83,9 @@ def calibrate(url: str, model: str | None = None, max_batch: int = 16, steps: in
         r.raise_for_status()
         return r.json().get("adaptive_k")
 
-    def bucket_swept(batch: int) -> bool:
-        state = adaptive_state()
+    def bucket_of(state: dict | None, batch: int) -> dict | None:
         label = bucket_label(state["buckets"], batch) if state else None
-        return label is not None and state["buckets"][label]["swept"]
-
-    def bucket_samples(batch: int) -> int:
-        label = bucket_label(state["buckets"], batch) if state else None
-        return sum(state["buckets"][label]["samples"]) if label else 0
+        return state["buckets"][label] if label else None
 
     start = time.perf_counter()
     done = []
@@ -98,7 +93,8 @@ def calibrate(url: str, model: str | None = None, max_batch: int = 16, steps: in
     for batch in calibration_batch_sizes(max_batch):
         t0, rounds, swept = time.perf_counter(), 0, False
         while rounds < max_rounds and not swept:
-            measured = bucket_samples(batch)
+            bucket = bucket_of(state, batch)
+            measured = sum(bucket["samples"]) if bucket else 0
             # Streamed, and dropped as soon as the bucket is done (vLLM aborts a request whose
             # client went away): a sweep costs the steps it measures, not ``steps`` tokens.
             with session.post(url + "/v1/completions", timeout=timeout_s, stream=True,
@@ -112,17 +108,18 @@ def calibrate(url: str, model: str | None = None, max_batch: int = 16, steps: in
                 for _ in r.iter_lines():
                     if state is not None and time.perf_counter() - checked > 0.5:
                         checked = time.perf_counter()
-                        if bucket_swept(batch):
+                        if (bucket_of(adaptive_state(), batch) or {}).get("swept"):
                             break
             rounds += 1
             state = adaptive_state()
             if state is None:
                 break  # no adaptive k: one request per batch size warms the engine up
-            swept = bucket_swept(batch)
-            if not swept and bucket_samples(batch) == measured:
+            bucket = bucket_of(state, batch)
+            swept = bool(bucket and bucket["swept"])
+            if not swept and (sum(bucket["samples"]) if bucket else 0) == measured:
                 break  # no steady step at all: a proposer whose draft lengths vary per request (history)
-        label = bucket_label(state["buckets"], batch) if state else None
+        bucket = bucket_of(state, batch)
         done.append({"batch": batch, "rounds": rounds, "seconds": round(time.perf_counter() - t0, 3),
-                     "swept": swept, "best_k": state["buckets"][label]["best_k"] if label else None})
+                     "swept": swept, "best_k": bucket["best_k"] if bucket else None})
     return {"seconds": round(time.perf_counter() - start, 3), "adaptive_k": state is not None,
             "batches": done, "buckets": state["buckets"] if state else None}
