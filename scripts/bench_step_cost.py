@@ -161,6 +161,10 @@ def main() -> None:
                 "draft_sample_method": "probabilistic",
                 "num_speculative_tokens_per_batch_size": [[1, 1024, held]]}
         configs.append((f"eagle3_k{max(ks)}_held_at_{held}", spec, {}, None))
+        if held == 0:
+            # vLLM's own k = 0 path beside it: the drafter's KV-sync pass on every step.
+            configs.append((f"eagle3_k{max(ks)}_held_at_0_stock_kv_sync", spec,
+                            {"VLLM_SPECRL_DEFER_DRAFT_KV": "0"}, None))
     report = {"benchmark": "step_cost", "model": model, "draft": str(draft),
               "host": host_info(),
               "settings": {k: v for k, v in base.items() if k != "prompts"}

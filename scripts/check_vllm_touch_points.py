@@ -54,6 +54,14 @@ TOUCH_POINTS: list[tuple[str, str, str, str]] = [
     ("v1/spec_decode/llm_base_proposer.py", "compute_probs_and_sample_next_token", "function",
      "CPU fast draft sampling"),
     ("v1/spec_decode/llm_base_proposer.py", "_sample_draft_tokens", "method-anywhere", "phase timers"),
+    ("v1/spec_decode/llm_base_proposer.py", "SpecDecodeBaseProposer.propose", "function",
+     "deferred draft-KV sync at k = 0 (keyword call, replay pass)"),
+    ("v1/spec_decode/llm_base_proposer.py", "SpecDecodeBaseProposer", "attrs:method,max_num_tokens,"
+     "num_speculative_tokens,_last_draft_probs,needs_extra_input_slots,uses_mrope,supports_mm_inputs,"
+     "parallel_drafting", "deferred draft-KV sync: eligibility, the stash bound, the k = 0 return"),
+    ("v1/attention/backend.py", "CommonAttentionMetadata", "attrs:query_start_loc,query_start_loc_cpu,seq_lens,"
+     "seq_lens_cpu_upper_bound,num_reqs,num_actual_tokens,max_query_len,max_seq_len,block_table_tensor,"
+     "slot_mapping,causal", "deferred draft-KV sync builds the replay pass's metadata"),
     ("v1/sample/rejection_sampler.py", "sample_recovered_tokens", "function", "CPU fast recovered sampling"),
     ("v1/sample/rejection_sampler.py", "rejection_sample", "function", "fast-sampling tests"),
     ("model_executor/model_loader/reload/inplace.py", "reload_weights", "function",

@@ -53,6 +53,8 @@ def _install_registrations() -> list[str]:
                       vllm_compat.install_zero_draft_plain_sampler))
         steps.append(("runner_step_timer", "model-runner step timer (adaptive k)",
                       vllm_compat.install_runner_step_timer))
+        steps.append(("deferred_draft_kv", "deferred draft-KV sync at k = 0",
+                      vllm_compat.install_deferred_draft_kv))
         steps.append(("custom_proposer_binding", "runner batch for custom_class proposers (history)",
                       vllm_compat.install_custom_proposer_binding))
     done = []

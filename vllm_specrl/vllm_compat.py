@@ -67,6 +67,12 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | .num_spec_tokens_to_schedule``; the           |                                   |                   |
 | ``custom_class`` propose/load_model contract; | custom drafts' probabilities to    |                   |
 | runner ``_draft_probs``/``_draft_prob_req_ids``| the rejection sampler             |                   |
+| ``SpecDecodeBaseProposer.propose`` (keyword   | deferred draft-KV sync at k = 0   | 0.32.0 (cpu)      |
+| call, instance wrap), drafter ``method``,      | (the drafter's k = 0 passes held  |                   |
+| ``max_num_tokens``/``num_speculative_tokens``/| and replayed when drafts resume)  |                   |
+| ``_last_draft_probs``, ``CommonAttention``     |                                   |                   |
+| ``Metadata`` fields, runner ``input_batch``    |                                   |                   |
+| ``.req_ids``                                  |                                   |                   |
 | ``AsyncLLM.errored``                          | an RPC pending when the engine    | 0.32.0 (cpu)      |
 |                                               | core dies fails (see below)       |                   |
 | ``AsyncLLM.engine_core.core_engines``,         | worker RPCs answered by every     | 0.32.0 (cpu)      |
@@ -1074,6 +1080,139 @@ def install_custom_proposer_binding() -> str:
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
     GPUModelRunner._specrl_custom_binding = True
     return "installed"
+
+
+# --- deferred draft-KV sync at k = 0 --------------------------------------------
+#
+# vLLM 0.32's EAGLE drafter (``SpecDecodeBaseProposer.propose``) runs its first pass
+# on every step, also at k = 0 (adaptive k, or ``num_speculative_tokens_per_batch_size``),
+# "to keep the drafter KV cache in sync", then returns no drafts: 5-6% of a
+# 16-sequence CPU step (``bench_step_cost.py --held-at 0``). Wrapped per drafter
+# (instance attribute over the class method, attached on the runner's first
+# ``propose_draft_token_ids``): a k = 0 step whose requests all decode one token
+# (``max_query_len == 1``) stores the pass's inputs (``proposer.draft_kv_stash``)
+# and returns the same empty draft tensor. Before any other call (k > 0, a prefill,
+# or the stash full at ``drafter.max_num_tokens`` rows) the held rows of the
+# requests still in the batch are written by one stock ``propose(0, ...)`` over a
+# ``CommonAttentionMetadata`` of just those rows (query = the held positions,
+# ``seq_lens`` = the current step's first position, block-table rows of the batch,
+# the held KV slots). Inputs are passed so that ``set_inputs_first_pass``'s shift
+# reproduces each skipped pass's input ids (``target_token_ids`` = held ids rolled
+# right by one, ``next_token_ids`` = each request's last held id). Drafts are still
+# verified by the target, so this changes cost only; requests that finish at k = 0
+# never pay the pass. Eligible: ``eagle``/``eagle3`` without extra input slots,
+# M-RoPE or multimodal inputs. ``VLLM_SPECRL_DEFER_DRAFT_KV=0`` keeps vLLM's path.
+# Checked on 0.32.0 (cpu).
+
+DEFER_DRAFT_KV_ENV = "VLLM_SPECRL_DEFER_DRAFT_KV"
+_PROPOSE_PARAMETERS = ["self", "num_speculative_tokens", "target_token_ids", "target_positions",
+                       "target_hidden_states", "next_token_ids", "token_indices_to_sample",
+                       "common_attn_metadata", "sampling_metadata", "mm_embed_inputs",
+                       "num_rejected_tokens_gpu", "slot_mappings"]
+
+
+class DeferredDraftKV:
+    """One drafter's k = 0 passes, deferred (see above)."""
+
+    def __init__(self, runner: Any, drafter: Any):
+        from vllm_specrl.proposer.draft_kv_stash import DraftKVStash
+
+        self.runner, self.drafter = runner, drafter
+        self.stock_propose = drafter.propose
+        self.stash = DraftKVStash(int(drafter.max_num_tokens))
+        drafter.propose = self.propose
+
+    @staticmethod
+    def eligible(drafter: Any) -> bool:
+        from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+        return (isinstance(drafter, SpecDecodeBaseProposer) and getattr(drafter, "method", None) in ("eagle", "eagle3")
+                and not getattr(drafter, "needs_extra_input_slots", True) and not getattr(drafter, "uses_mrope", True)
+                and not getattr(drafter, "supports_mm_inputs", True) and not getattr(drafter, "parallel_drafting", True))
+
+    def propose(self, **kw: Any) -> Any:
+        import torch
+
+        cam = kw["common_attn_metadata"]
+        n = cam.num_reqs
+        req_ids = self.runner.input_batch.req_ids[:n]
+        if kw["num_speculative_tokens"] == 0 and cam.max_query_len == 1 and cam.num_actual_tokens == n:
+            if not self.stash.fits(n):
+                self.replay(cam, req_ids, kw)
+            if self.stash.fits(n):
+                positions = kw["target_positions"][:n]
+                self.stash.add_step(list(req_ids), positions.tolist(), kw["next_token_ids"], positions,
+                                    kw["target_hidden_states"], cam.slot_mapping)
+                self.drafter.num_speculative_tokens = 0
+                self.drafter._last_draft_probs = None
+                return torch.empty(n, 0, dtype=torch.int64, device=kw["next_token_ids"].device)
+        if self.stash.rows:
+            self.replay(cam, req_ids, kw)
+        return self.stock_propose(**kw)
+
+    def replay(self, cam: Any, req_ids: list[str], kw: dict[str, Any]) -> None:
+        """Write the held rows of the batch's requests into the draft KV cache (one stock pass)."""
+        import torch
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        starts = kw["target_positions"][cam.query_start_loc_cpu[:-1].long()].tolist()
+        plan = self.stash.take(list(req_ids), starts)
+        if plan is None:
+            return
+        device = kw["next_token_ids"].device
+        qsl_cpu = torch.zeros(len(plan.query_lens) + 1, dtype=cam.query_start_loc_cpu.dtype)
+        torch.cumsum(torch.tensor(plan.query_lens), 0, out=qsl_cpu[1:])
+        seq_lens_cpu = torch.tensor(plan.seq_lens, dtype=cam.seq_lens.dtype)
+        rows = torch.tensor(plan.batch_rows, dtype=torch.long, device=cam.block_table_tensor.device)
+        replay_cam = CommonAttentionMetadata(
+            query_start_loc=qsl_cpu.to(device), query_start_loc_cpu=qsl_cpu,
+            seq_lens=seq_lens_cpu.to(device), seq_lens_cpu_upper_bound=seq_lens_cpu,
+            num_reqs=len(plan.batch_rows), num_actual_tokens=plan.num_rows,
+            max_query_len=max(plan.query_lens), max_seq_len=max(plan.seq_lens),
+            block_table_tensor=cam.block_table_tensor.index_select(0, rows),
+            slot_mapping=plan.slots.to(device), causal=True)
+        last = (qsl_cpu[1:] - 1).to(device)
+        token_ids = plan.token_ids.to(device)
+        self.stock_propose(
+            num_speculative_tokens=0, target_token_ids=torch.roll(token_ids, 1),
+            target_positions=plan.positions.to(device), target_hidden_states=plan.hidden_states.to(device),
+            next_token_ids=token_ids[last.long()], token_indices_to_sample=last,
+            common_attn_metadata=replay_cam, sampling_metadata=kw["sampling_metadata"],
+            mm_embed_inputs=None, num_rejected_tokens_gpu=None, slot_mappings=None)
+
+
+def install_deferred_draft_kv() -> str:
+    """Attach ``DeferredDraftKV`` to each eligible drafter on its runner's first proposal."""
+    import functools
+    import os
+
+    if os.environ.get(DEFER_DRAFT_KV_ENV, "1") == "0":
+        return f"off ({DEFER_DRAFT_KV_ENV}=0)"
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if getattr(GPUModelRunner, "_specrl_deferred_draft_kv", False):
+        return "installed"
+    if _signature_names(SpecDecodeBaseProposer.propose) != _PROPOSE_PARAMETERS:
+        return "not installed (SpecDecodeBaseProposer.propose is not the method checked on 0.32.0)"
+    stock = GPUModelRunner.propose_draft_token_ids
+
+    @functools.wraps(stock)
+    def propose_draft_token_ids(self, *args, **kwargs):
+        drafter = getattr(self, "drafter", None)
+        if drafter is not None and "_specrl_deferred_kv" not in vars(drafter):
+            drafter._specrl_deferred_kv = DeferredDraftKV(self, drafter) if DeferredDraftKV.eligible(drafter) else None
+        return stock(self, *args, **kwargs)
+
+    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+    GPUModelRunner._specrl_deferred_draft_kv = True
+    return "installed"
+
+
+def deferred_draft_kv_counters(worker: Any) -> dict[str, int] | None:
+    """The worker's deferred draft-KV counters (None when not attached)."""
+    deferral = getattr(runner_drafter(worker), "_specrl_deferred_kv", None)
+    return None if deferral is None else {**deferral.stash.counters.as_dict(), "rows_held": deferral.stash.rows}
 
 
 def runner_drafter(worker: Any) -> Any:

@@ -1,0 +1,95 @@
+"""Deferred draft-KV sync at k = 0 (``vllm_compat.install_deferred_draft_kv``).
+
+An EAGLE-3 engine whose batch-size table drafts nothing while two or more requests
+run and k = 3 once one is left (an RL step's tail): with the deferral the drafter's
+k = 0 passes are skipped and replayed in one pass when drafting resumes. The reference
+is vLLM's own path (``VLLM_SPECRL_DEFER_DRAFT_KV=0``, a pass every step) in the same
+settings: every draft the survivor proposes in its tail must be the same tokens, so its
+draft KV cache was rebuilt entry for entry, and outputs must be identical (greedy and
+seeded temperature 1). A planted fault (held rows dropped instead of replayed: holes in
+the draft's KV cache) must change drafts, or the comparison proves nothing.
+"""
+
+import textwrap
+
+import pytest
+
+from helpers import result_json, run_python
+from prompts import code_prompts
+from vllm_specrl.vllm_compat import DEFER_DRAFT_KV_ENV
+
+PROMPTS = code_prompts(4)
+MAX_TOKENS = [6, 12, 18, 72]   # the last request decodes alone, at k = 3, for its last ~54 tokens
+
+PLANT_HOLES = """
+from vllm_specrl.proposer import draft_kv_stash
+_take = draft_kv_stash.DraftKVStash.take
+draft_kv_stash.DraftKVStash.take = lambda self, *a: _take(self, *a) and None
+"""
+
+
+def tail_run(model, draft, env: dict | None = None, plant: str = "") -> dict:
+    spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3,
+            "draft_sample_method": "probabilistic",
+            "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 64, 0]]}
+    out = run_python(plant + textwrap.dedent(f"""
+        import json
+        from vllm import LLM, SamplingParams
+        from vllm_specrl import vllm_compat
+        llm = LLM(model={str(model)!r}, dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
+                  max_num_seqs=8, speculative_config={spec!r})
+        drafts = []
+        llm.collective_rpc(lambda w: vllm_compat.install_draft_recorder(w.model_runner, lambda records: drafts.extend(
+            [r["request_id"].split("-")[0], r["base_position"], r["draft_token_ids"]] for r in records
+            if r["draft_token_ids"])) and None)
+        greedy = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in {MAX_TOKENS!r}]
+        tokens = [list(o.outputs[0].token_ids) for o in llm.generate({PROMPTS!r}, greedy, use_tqdm=False)]
+        greedy_drafts = list(drafts)
+        seeded = [SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True, seed=50 + i)
+                  for i, m in enumerate({MAX_TOKENS!r})]
+        sampled = [list(o.outputs[0].token_ids) for o in llm.generate({PROMPTS!r}, seeded, use_tqdm=False)]
+        counters = llm.collective_rpc(vllm_compat.deferred_draft_kv_counters)[0]
+        print("RESULT " + json.dumps({{"tokens": tokens, "sampled": sampled, "drafts": greedy_drafts,
+                                       "counters": counters}}))
+    """), env={"VLLM_PLUGINS": "specrl", **(env or {})})
+    return result_json(out)
+
+
+def same_drafts(run: dict, reference: dict) -> tuple[int, int]:
+    """(proposals at the same request and position with the same tokens, proposals compared)."""
+    ref = {(rid, pos): draft for rid, pos, draft in reference["drafts"]}
+    pairs = [(draft, ref[(rid, pos)]) for rid, pos, draft in run["drafts"] if (rid, pos) in ref]
+    return sum(a == b for a, b in pairs), len(pairs)
+
+
+@pytest.fixture(scope="module")
+def stock(tiny_model, warm_draft):
+    return tail_run(tiny_model, warm_draft, env={DEFER_DRAFT_KV_ENV: "0"})
+
+
+@pytest.fixture(scope="module")
+def deferred(tiny_model, warm_draft):
+    return tail_run(tiny_model, warm_draft)
+
+
+def test_deferred_passes_rebuild_the_draft_kv_exactly(stock, deferred):
+    assert stock["counters"] is None
+    c = deferred["counters"]
+    # Both waves: requests 1-3 decode at k = 0 while others run; only the survivor's rows are replayed.
+    assert c["replays"] >= 2 and c["rows_replayed"] >= 2 * 17, c
+    assert c["rows_deferred"] == c["rows_replayed"] + c["rows_dropped"] + c["rows_held"], c
+    same, compared = same_drafts(deferred, stock)
+    assert compared >= 2 * 10 and compared == len(stock["drafts"]), (compared, len(stock["drafts"]))
+    assert same == compared, f"{compared - same} of {compared} tail drafts differ from vLLM's own KV sync"
+
+
+def test_outputs_are_unchanged(stock, deferred):
+    assert deferred["tokens"] == stock["tokens"]
+    assert deferred["sampled"] == stock["sampled"]
+
+
+def test_holes_in_the_draft_kv_would_be_seen(tiny_model, warm_draft, stock):
+    planted = tail_run(tiny_model, warm_draft, plant=PLANT_HOLES)
+    same, compared = same_drafts(planted, stock)
+    assert planted["tokens"] == stock["tokens"]  # lossless either way: only the drafts suffer
+    assert same < compared, "dropping the held rows went unnoticed: the comparison cannot fail"

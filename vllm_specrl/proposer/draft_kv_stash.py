@@ -1,0 +1,140 @@
+"""The drafter's KV-sync work of k = 0 steps, held back until drafts are asked for again.
+
+An EAGLE-style drafter attends to its own KV cache, one entry per position, so vLLM
+runs its first pass on every step, also when the step drafts nothing (adaptive k or
+the batch-size table at k = 0), to keep that cache complete: 5-6% of a 16-sequence
+CPU step, for drafts that may never be asked for. Requests that finish before k
+returns never needed it. This stash keeps what that pass would have read (the
+drafter's input token, position, the target's hidden state and the KV slot, one row
+per request per decode step) and hands back, when drafting resumes, the rows of the
+requests still in the batch, contiguous and in position order, so one batched pass
+writes exactly the entries the skipped passes would have written.
+
+Only one-token decode rows are held (a prompt's draft KV may be shared through the
+prefix cache with a request that outlives the one that wrote it, so prefills are
+never deferred); memory is bounded by ``max_rows`` (the caller flushes before it
+would overflow). Pure torch and Python: the vLLM side is ``vllm_compat``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class _RequestRows:
+    """Where one request's held rows are: (step, row) pairs, positions first..first+len-1."""
+
+    first_position: int
+    rows: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def end_position(self) -> int:
+        return self.first_position + len(self.rows)
+
+
+@dataclass
+class ReplayPlan:
+    """One batched pass over held rows: per batch row that has any, its rows in position order."""
+
+    batch_rows: list[int]        # indices into the current batch (its block-table rows)
+    query_lens: list[int]
+    seq_lens: list[int]          # = the first position of the current step's row: the KV length after the pass
+    token_ids: torch.Tensor      # the drafter's input at each row (the token after the row's position)
+    positions: torch.Tensor
+    hidden_states: torch.Tensor  # the target's states the drafter reads at each row
+    slots: torch.Tensor          # KV-cache slot of each row
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+@dataclass
+class StashCounters:
+    steps_deferred: int = 0
+    rows_deferred: int = 0
+    rows_replayed: int = 0
+    rows_dropped: int = 0        # held for requests that finished, were preempted or skipped a step
+    replays: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(vars(self))
+
+
+class DraftKVStash:
+    """Decode rows whose draft-KV write was deferred, by request."""
+
+    def __init__(self, max_rows: int):
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        self.max_rows = max_rows
+        self.counters = StashCounters()
+        self._clear()
+
+    def _clear(self) -> None:
+        self._steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._requests: dict[str, _RequestRows] = {}
+        self.rows = 0
+
+    def fits(self, num_rows: int) -> bool:
+        return self.rows + num_rows <= self.max_rows
+
+    def add_step(self, req_ids: list[str], positions: list[int], token_ids: torch.Tensor,
+                 position_tensor: torch.Tensor, hidden_states: torch.Tensor, slots: torch.Tensor) -> None:
+        """Hold one decode step: row i is request ``req_ids[i]`` at ``positions[i]``."""
+        n = len(req_ids)
+        if not self.fits(n):
+            raise ValueError(f"{n} rows do not fit ({self.rows} of {self.max_rows} held): flush first")
+        step = len(self._steps)
+        self._steps.append((token_ids[:n].clone(), position_tensor[:n].clone(),
+                            hidden_states[:n].clone(), slots[:n].clone()))
+        for row, (rid, pos) in enumerate(zip(req_ids, positions)):
+            held = self._requests.get(rid)
+            if held is None or held.end_position != pos:
+                # New, or not contiguous (it skipped a step or restarted): its older rows
+                # cannot be replayed as one run of positions, so they are dropped.
+                if held is not None:
+                    self.counters.rows_dropped += len(held.rows)
+                held = self._requests[rid] = _RequestRows(pos)
+            held.rows.append((step, row))
+        self.rows += n
+        self.counters.steps_deferred += 1
+        self.counters.rows_deferred += n
+
+    def take(self, req_ids: list[str], start_positions: list[int]) -> ReplayPlan | None:
+        """The held rows of the batch's requests (request i's current step starts at
+        ``start_positions[i]``), and forget everything held: rows of requests not in the
+        batch, or whose held rows do not end right before their current step, are dropped."""
+        if not self._steps:
+            return None
+        offsets, total = [], 0
+        for ids, *_ in self._steps:
+            offsets.append(total)
+            total += int(ids.shape[0])
+        index: list[int] = []
+        batch_rows, query_lens, seq_lens = [], [], []
+        kept = 0
+        for i, (rid, start) in enumerate(zip(req_ids, start_positions)):
+            held = self._requests.get(rid)
+            if held is None or held.end_position != start:
+                continue
+            batch_rows.append(i)
+            query_lens.append(len(held.rows))
+            seq_lens.append(start)
+            index.extend(offsets[step] + row for step, row in held.rows)
+            kept += len(held.rows)
+        held_rows = sum(len(h.rows) for h in self._requests.values())
+        self.counters.rows_dropped += held_rows - kept
+        steps = self._steps
+        self._clear()
+        if not index:
+            return None
+        gather = torch.tensor(index, dtype=torch.long)
+        token_ids, positions, hidden, slots = (
+            torch.cat([s[j] for s in steps]).index_select(0, gather.to(steps[0][j].device)) for j in range(4))
+        self.counters.rows_replayed += kept
+        self.counters.replays += 1
+        return ReplayPlan(batch_rows, query_lens, seq_lens, token_ids, positions, hidden, slots)
