@@ -52,6 +52,9 @@ def test_greedy_with_random_draft_equals_plain(plain, random_spec):
     assert_same_tokens(plain, random_spec)
     assert random_spec["spec_decode"]["num_drafts"] > 0, "speculation never ran"
     assert random_spec["worker"]["draft_model"] == "SpecRLEagle3LlamaForCausalLM"
+    # The deferred draft-KV sync is attached to the drafter and idle at a fixed k = 3.
+    deferred = random_spec["worker"]["deferred_draft_kv"]
+    assert deferred is not None and deferred["steps_deferred"] == 0, deferred
     # Logprobs are the target's, not the draft's: same tokens, same values.
     worst = max(abs(a - b) for la, lb in zip(plain["logprobs"], random_spec["logprobs"])
                 for a, b in zip(la, lb))

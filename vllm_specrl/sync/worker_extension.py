@@ -97,6 +97,7 @@ class SpecRLWorkerExtension:
             "sync": self.specrl_sync_state(),
             "capture": self.specrl_capture_state(),
             "proposer": self.specrl_proposer_state(),
+            "deferred_draft_kv": vllm_compat.deferred_draft_kv_counters(self),
             **vllm_compat.worker_model_summary(self),
         }
 
