@@ -18,17 +18,22 @@ def sample_continuations(model, prompt: str, num_samples: int, num_tokens: int,
                          temperature: float, seed: int, speculative_config: dict | None = None,
                          plugins: str = "specrl", dtype: str = "float32",
                          scheduler_cls: str | None = None, with_stats: bool = False,
-                         group: int | None = None, max_num_seqs: int = 256):
+                         group: int | None = None, max_num_seqs: int = 256,
+                         stop_token_ids: list[int] | None = None):
     """``num_samples`` independent continuations of ``prompt`` (token ids); with ``with_stats``,
     also vLLM's own spec-decode counters for the run (``num_drafts``, ``num_accepted_tokens``).
+    With ``stop_token_ids``: a sample ends at the first of them (kept, as vLLM returns it), so it
+    may be shorter than ``num_tokens``.
     With ``group`` G: requests of ``n = G``, each seeded as an RL rollout client seeds them
     (request i: ``seed + i * G``, its sample j: vLLM's ``+ j``), so every sample is seeded."""
     if group:
         params = (f"[SamplingParams(temperature={temperature}, max_tokens={num_tokens}, ignore_eos=True, "
-                  f"n={group}, seed={seed} + i * {group}) for i in range({num_samples // group})]")
+                  f"stop_token_ids={stop_token_ids!r}, n={group}, seed={seed} + i * {group}) "
+                  f"for i in range({num_samples // group})]")
         prompts = f"[{prompt!r}] * {num_samples // group}"
     else:
-        params = f"SamplingParams(temperature={temperature}, max_tokens={num_tokens}, ignore_eos=True)"
+        params = (f"SamplingParams(temperature={temperature}, max_tokens={num_tokens}, ignore_eos=True, "
+                  f"stop_token_ids={stop_token_ids!r})")
         prompts = f"[{prompt!r}] * {num_samples}"
     out = run_python(f"""
         import json
@@ -64,6 +69,12 @@ def per_position_pvalues(a: list[list[int]], b: list[list[int]], min_count: int 
             continue
         pvalues.append(float(chi2_contingency(rows)[1]))
     return pvalues
+
+
+def padded(samples: list[list[int]], length: int, end: int = -1) -> list[list[int]]:
+    """Samples that stopped early, filled to ``length`` with ``end``: where and whether a sample
+    stopped becomes part of what ``per_position_pvalues`` compares."""
+    return [list(s) + [end] * (length - len(s)) for s in samples]
 
 
 def describe(p: list[float]) -> str:

