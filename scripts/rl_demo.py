@@ -268,6 +268,7 @@ def start_draft_trainer(args: argparse.Namespace, work: Path, mode: str, capture
          *model_args, "--checkpoint-dir", str(work / f"draft-online-{mode}"),
          "--publish-every", str(args.draft_publish_every), "--checkpoint-every", "50", "--batch-size", "4",
          "--lr", "1e-3", "--idle-s", "0.5", "--replay-ratio", str(args.draft_replay_ratio),
+         "--mixed-precision", args.draft_mixed_precision,
          "--log", str(work / f"online_draft_{mode}.jsonl")],
         stdout=open(out, "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
         env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"),
@@ -437,6 +438,9 @@ def main() -> None:
                          "starting draft frozen (no capture, no trainer)")
     ap.add_argument("--draft-publish-every", type=int, default=4,
                     help="online draft trainer: publish the draft to the engine every N training steps")
+    ap.add_argument("--draft-mixed-precision", choices=["no", "bf16", "auto"], default="auto",
+                    help="online draft trainer's precision (auto: bf16 autocast where the CPU multiplies bf16 "
+                         "natively, half the cycles it takes from the engine and this loop)")
     ap.add_argument("--draft-nice", type=int, default=19,
                     help="niceness of the online draft trainer process: it shares this machine's cores with the "
                          "engine and the policy update, so by default it only takes the cycles they leave")

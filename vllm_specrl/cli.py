@@ -256,7 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--eval-every", type=int, default=0,
                     help="offline: evaluate on the held-out prompts every N steps (learning curve)")
     tr.add_argument("--draft-vocab-size", type=int, default=None)
-    tr.add_argument("--mixed-precision", choices=["no", "bf16"], default="no")
+    tr.add_argument("--mixed-precision", choices=["no", "bf16", "auto"], default="no",
+                    help="draft training precision: fp32, bf16 autocast, or auto (bf16 where the CPU or GPU "
+                         "multiplies bf16 natively: AVX512-BF16, AMX, CUDA)")
     tr.add_argument("--dtype", default="float32", help="vLLM dtype for generating rollouts")
     tr.add_argument("--features", choices=["capture", "hf"], default="capture",
                     help="offline: target hidden states captured from vLLM while it generates (default), "
