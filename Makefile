@@ -10,7 +10,7 @@ export VLLM_SPECRL_FIXTURES := $(FIXTURES)
 # EAGLE-3 drafts for SmolLM2, built once and cached like the fixtures: `make draft` is the full
 # one, warm-started on the demo's task family (arithmetic; bench_rollout / bench_calibration);
 # `make demo` uses a smaller one warm-started on the demo's own task (explain) so a fresh clone
-# stays within its time budget. Both train under bf16 autocast where the CPU multiplies bf16 natively
+# stays within its time budget; the demo draft is rebuilt when DEMO_DRAFT_ARGS change. Both train under bf16 autocast where the CPU multiplies bf16 natively
 # (`--mixed-precision auto`: AVX512-BF16 or AMX; 2x faster per step, the same learning curve).
 DRAFT ?= $(FIXTURES)/real/drafts/warm-arithmetic
 DRAFT_ARGS ?= --task arithmetic --num-prompts 128 --samples 8 --max-tokens 96 --steps 1200 --batch-size 8 --lr 2e-3 \
@@ -39,7 +39,10 @@ ifeq ($(PROPOSER),mtp)
 	@$(VENV)/bin/vllm-specrl fixtures --out $(FIXTURES) --only real-mimo
 	@$(PY) scripts/rl_demo.py --fixtures $(FIXTURES) --proposer mtp $(DEMO_ARGS)
 else
-	@test -f $(DEMO_DRAFT)/trainer_meta.json || $(TRAIN_DRAFT) --draft $(DEMO_DRAFT) $(DEMO_DRAFT_ARGS)
+	@if [ ! -f $(DEMO_DRAFT)/trainer_meta.json ] || [ "$$(cat $(DEMO_DRAFT)/make_args 2>/dev/null)" != "$(strip $(DEMO_DRAFT_ARGS))" ]; then \
+		echo "[demo] building the demo draft ($(DEMO_DRAFT): missing, or built with other DEMO_DRAFT_ARGS)"; \
+		rm -rf $(DEMO_DRAFT) && $(TRAIN_DRAFT) --draft $(DEMO_DRAFT) $(DEMO_DRAFT_ARGS) && \
+		echo "$(strip $(DEMO_DRAFT_ARGS))" > $(DEMO_DRAFT)/make_args; fi
 	@$(PY) scripts/rl_demo.py --fixtures $(FIXTURES) --draft $(DEMO_DRAFT) $(if $(PROPOSER),--proposer $(PROPOSER)) $(DEMO_ARGS)
 endif
 
