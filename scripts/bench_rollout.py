@@ -40,6 +40,7 @@ import sys
 import time
 from pathlib import Path
 
+from vllm_specrl.adaptive import SCHEDULER_CLS
 from vllm_specrl.bench_engine import host_info
 
 METHODS = ("plain", "ngram", "eagle3-random", "eagle3-warm", "eagle3-warm-adaptive", "mtp", "plain-mimo")
@@ -47,7 +48,7 @@ METHODS = ("plain", "ngram", "eagle3-random", "eagle3-warm", "eagle3-warm-adapti
 # the body computes exactly SmolLM2's function, so "plain" stays the reference and "plain-mimo" shows it).
 MTP_TARGET_METHODS = ("mtp", "plain-mimo")
 SINGLE_ENGINE_METHODS = ("plain", "plain-mimo", "eagle3-warm-adaptive")
-ADAPTIVE_SCHEDULER = "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"
+ADAPTIVE_SCHEDULER = SCHEDULER_CLS
 
 
 def make_prompts(n: int, prompt_set: str = "code", exclude: set[str] | None = None) -> list[str]:

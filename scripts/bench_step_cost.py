@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from vllm_specrl.adaptive import SCHEDULER_CLS
 from vllm_specrl.bench_engine import host_info
 
 PHASE_ORDER = ("wall", "target_forward", "target_logits", "sampler", "rejection_sampler", "draft_forward",
@@ -154,8 +155,7 @@ def main() -> None:
     if args.adaptive:
         spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": max(ks),
                 "draft_sample_method": "probabilistic"}
-        configs.append((f"eagle3_adaptive_k{max(ks)}", spec, {},
-                        "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"))
+        configs.append((f"eagle3_adaptive_k{max(ks)}", spec, {}, SCHEDULER_CLS))
     for held in [int(k) for k in args.held_at.split(",") if k]:
         spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": max(ks),
                 "draft_sample_method": "probabilistic",

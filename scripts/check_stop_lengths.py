@@ -25,9 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from vllm_specrl.adaptive import SCHEDULER_CLS  # noqa: E402
 from vllm_specrl.bench_engine import host_info  # noqa: E402
 
-ADAPTIVE_SCHEDULER = "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"
 MODES = ("plain", "fixed", "adaptive")
 
 
@@ -42,7 +42,7 @@ def _engine(cfg: dict) -> dict:
     if cfg["mode"] != "plain":
         spec = {"method": "eagle3", "model": cfg["draft"], "num_speculative_tokens": cfg["k"]}
     if cfg["mode"] == "adaptive":
-        extra = {"scheduler_cls": ADAPTIVE_SCHEDULER, "additional_config": {"specrl": {"adaptive_k": {}}}}
+        extra = {"scheduler_cls": SCHEDULER_CLS, "additional_config": {"specrl": {"adaptive_k": {}}}}
     llm = LLM(model=cfg["model"], dtype=cfg["dtype"], enforce_eager=True, seed=0, max_model_len=1024,
               max_num_seqs=cfg["prompts"] * cfg["group"], speculative_config=spec, **extra)
     tok = llm.get_tokenizer()

@@ -53,6 +53,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_specrl.adaptive import SCHEDULER_CLS
 from vllm_specrl.adaptive.calibrate import WARM_UP_TOKENS
 from vllm_specrl.bench_engine import host_info
 from vllm_specrl.rl.policy import Policy
@@ -94,7 +95,7 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
     if spec is not None:
         server_args += ["--speculative-config", json.dumps(spec)]
         if args.adaptive_k:
-            server_args += ["--scheduler-cls", "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"]
+            server_args += ["--scheduler-cls", SCHEDULER_CLS]
     if capture_config is not None and args.online_draft:
         capture = f"tcp://127.0.0.1:{free_port()}"
         server_args += ["--additional-config", json.dumps({"specrl": {"capture": capture, **capture_config}})]

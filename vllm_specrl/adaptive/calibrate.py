@@ -87,14 +87,16 @@ def calibrate(url: str, model: str | None = None, max_batch: int = 16, steps: in
         label = bucket_label(state["buckets"], batch) if state else None
         return state["buckets"][label] if label else None
 
+    def samples_of(bucket: dict | None) -> int:
+        return sum(bucket["samples"]) if bucket else 0
+
     start = time.perf_counter()
     done = []
     state = adaptive_state()
     for batch in calibration_batch_sizes(max_batch):
         t0, rounds, swept = time.perf_counter(), 0, False
         while rounds < max_rounds and not swept:
-            bucket = bucket_of(state, batch)
-            measured = sum(bucket["samples"]) if bucket else 0
+            measured = samples_of(bucket_of(state, batch))
             # Streamed, and dropped as soon as the bucket is done (vLLM aborts a request whose
             # client went away): a sweep costs the steps it measures, not ``steps`` tokens.
             with session.post(url + "/v1/completions", timeout=timeout_s, stream=True,
@@ -116,7 +118,7 @@ def calibrate(url: str, model: str | None = None, max_batch: int = 16, steps: in
                 break  # no adaptive k: one request per batch size warms the engine up
             bucket = bucket_of(state, batch)
             swept = bool(bucket and bucket["swept"])
-            if not swept and (sum(bucket["samples"]) if bucket else 0) == measured:
+            if not swept and samples_of(bucket) == measured:
                 break  # no steady step at all: a proposer whose draft lengths vary per request (history)
         bucket = bucket_of(state, batch)
         done.append({"batch": batch, "rounds": rounds, "seconds": round(time.perf_counter() - t0, 3),

@@ -1,8 +1,8 @@
 """The draft-training core shared by the offline warm start and the online trainer.
 
 One ``DraftTrainer`` owns the draft, its AdamW optimizer and an accelerate
-``Accelerator``, and trains in fp32 or under bf16 autocast (``mixed_precision``); ``step`` takes a batch of target
-features (tokens, aux hidden states, final hidden states) and does one
+``Accelerator``, and trains in fp32 or under bf16 autocast (``mixed_precision``);
+``step`` takes a batch of target features (tokens, aux hidden states, final hidden states) and does one
 optimizer step of the EAGLE-3 loss; ``save``/``load`` checkpoint the draft in
 its serving format plus the optimizer state, so training resumes where it
 stopped and vLLM can load the same directory.
