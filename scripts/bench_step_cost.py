@@ -56,7 +56,7 @@ def _engine(cfg: dict) -> list[dict]:
         t0, tokens = time.perf_counter(), 0
         for wave in range(cfg["waves"]):
             params = [SamplingParams(temperature=1.0, max_tokens=cfg["tokens"], ignore_eos=True,
-                                     seed=1000 * wave + i) for i in range(batch)]
+                                     seed=1000 * wave + i, logprobs=cfg.get("logprobs")) for i in range(batch)]
             outs = llm.generate([prompts[i % len(prompts)] for i in range(batch)], params, use_tqdm=False)
             tokens += sum(len(o.outputs[0].token_ids) for o in outs)
         wall = time.perf_counter() - t0
@@ -113,7 +113,12 @@ def main() -> None:
                     help="EAGLE-3 draft (default: the real fixture's warm-started draft, `make draft`)")
     ap.add_argument("--ks", default="1,2,3")
     ap.add_argument("--batch-sizes", default="1,4,16")
-    ap.add_argument("--sampling", default="fast,stock", help="fast (plugin) and/or stock (vLLM's), or none (no fixed-k engines)")
+    ap.add_argument("--sampling", default="fast,stock",
+                    help="fast (plugin), eager (the plugin's inverse-CDF samplers with vLLM's recovered token "
+                         "for every draft row and its logprobs of every row) and/or stock (vLLM's), or none "
+                         "(no fixed-k engines)")
+    ap.add_argument("--logprobs", type=int, default=None,
+                    help="request this many logprobs per token (the RL rollout client asks for 0)")
     ap.add_argument("--adaptive", action="store_true", help="also run EAGLE-3 at max k with adaptive k")
     ap.add_argument("--held-at", default="",
                     help="also run EAGLE-3 at max k held at these k's by vLLM's batch-size table "
@@ -143,15 +148,16 @@ def main() -> None:
         sys.exit(f"no draft at {draft}: run `make draft` or pass --draft")
     base = {"model": model, "dtype": args.dtype, "max_model_len": args.max_model_len,
             "batch_sizes": [int(b) for b in args.batch_sizes.split(",")], "tokens": args.tokens,
-            "waves": args.waves, "prompts": default_prompts(32, seed=4321, task="arithmetic")}
+            "waves": args.waves, "logprobs": args.logprobs, "prompts": default_prompts(32, seed=4321, task="arithmetic")}
     configs = [("plain", None, {}, None)]
     ks = [int(k) for k in args.ks.split(",")]
     for sampling in [m for m in args.sampling.split(",") if m and m != "none"]:
         for k in ks:
             spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": k,
                     "draft_sample_method": "probabilistic"}
-            configs.append((f"eagle3_k{k}_{sampling}", spec,
-                            {"VLLM_SPECRL_FAST_SAMPLING": "1" if sampling == "fast" else "0"}, None))
+            env = {"fast": {}, "stock": {"VLLM_SPECRL_FAST_SAMPLING": "0"},
+                   "eager": {"VLLM_SPECRL_LAZY_REJECTION": "0"}}[sampling]
+            configs.append((f"eagle3_k{k}_{sampling}", spec, env, None))
     if args.adaptive:
         spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": max(ks),
                 "draft_sample_method": "probabilistic"}

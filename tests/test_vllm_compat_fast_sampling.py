@@ -19,15 +19,24 @@ ALPHA, POWER_ALPHA = 1e-3, 1e-6
 
 
 @pytest.fixture(scope="module")
-def rejection_sample():
+def installed():
     from vllm.platforms import current_platform
     from vllm.v1.sample import rejection_sampler
 
     current_platform.register_triton_kernel_overrides()  # what every CPU worker does
     vllm_compat.install_cpu_expand_fix()
     assert vllm_compat.install_cpu_fast_sampling() == "installed"
-    yield rejection_sampler.rejection_sample
+    yield rejection_sampler
     vllm_compat.uninstall_cpu_fast_sampling()
+
+
+@pytest.fixture(scope="module", params=["lazy_recovery", "vllm_kernel_with_inverse_cdf"])
+def rejection_sample(installed, request):
+    """Both paths a sampled batch can take: the plugin's (recovered tokens only where emitted),
+    and vLLM's own kernel with the inverse-CDF recovered sampler (greedy or mixed batches)."""
+    if request.param == "lazy_recovery":
+        return installed.rejection_sample
+    return installed._specrl_stock_rejection_sample
 
 
 def _metadata(batch: int, generators: dict | None = None):
@@ -118,3 +127,109 @@ def test_draft_sampling_follows_softmax_of_tempered_logits(rejection_sample):
 def test_off_switch_leaves_vllm_alone(monkeypatch):
     monkeypatch.setenv("VLLM_SPECRL_FAST_SAMPLING", "0")
     assert vllm_compat.install_cpu_fast_sampling().startswith("off")
+
+
+def _ragged_batch(seed: int, with_draft_probs: bool):
+    """12 requests with 0-3 drafts (one padded with -1), peaked targets so that acceptances
+    run several positions deep and rejections fall at every position."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = [3, 0, 1, 2, 3, 3, 1, 0, 2, 3, 3, 1]
+    rows = sum(counts)
+    target_logits = torch.randn(rows, V, generator=gen) * 3
+    draft_probs = (target_logits + torch.randn(rows, V, generator=gen)).softmax(-1)
+    drafts = torch.multinomial(draft_probs, 1, generator=gen).view(-1).to(torch.int32)
+    drafts[4] = -1
+    bonus = torch.randint(0, V, (len(counts), 1), generator=gen)
+    cu = torch.tensor(counts).cumsum(0).to(torch.int32)
+    return counts, drafts, cu, draft_probs if with_draft_probs else None, target_logits, bonus
+
+
+@pytest.mark.parametrize("with_draft_probs", [True, False])
+def test_lazy_recovery_accepts_exactly_where_vllms_kernel_does(installed, with_draft_probs):
+    """Same acceptance draws (one global seed), so the accepted prefixes, the position of the first
+    rejection and the bonus tokens must equal vLLM's kernel token for token; only the recovered
+    token itself is drawn differently."""
+    agree = rejected = 0
+    for seed in range(40):
+        counts, drafts, cu, q, logits, bonus = _ragged_batch(seed, with_draft_probs)
+        outs = []
+        for fn in (installed.rejection_sample, installed._specrl_stock_rejection_sample):
+            torch.manual_seed(1000 + seed)
+            outs.append(fn(drafts, counts, 3, cu, q, logits.clone(), bonus, _metadata(len(counts))))
+        lazy, stock = outs
+        # Request 3's first draft is a padded -1: rejected there, as vLLM's Triton kernel does (its
+        # CPU kernel reads the padded id as a token and can accept it: not compared).
+        assert lazy[3, 0] >= 0 and (lazy[3, 1:] == -1).all()
+        lazy, stock = lazy[torch.arange(len(counts)) != 3], stock[torch.arange(len(counts)) != 3]
+        counts = counts[:3] + counts[4:]
+        assert torch.equal(lazy >= 0, stock >= 0)
+        for r, n in enumerate(counts):
+            emitted = int((stock[r] >= 0).sum())
+            if emitted <= n:  # a rejection at position emitted - 1: every token before it equal
+                rejected += 1
+                assert torch.equal(lazy[r, :emitted - 1], stock[r, :emitted - 1])
+            else:
+                assert torch.equal(lazy[r], stock[r])
+            agree += 1
+    assert rejected > 100 and agree - rejected > 100  # both outcomes exercised
+
+
+def _logprobs_case(seed: int):
+    """A verify step's layout as vLLM's runner builds it: per request its draft rows, then its bonus row."""
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    counts = [2, 0, 3, 1, 2]
+    gen = torch.Generator().manual_seed(seed)
+    target_rows, bonus_rows, row = [], [], 0
+    for n in counts:
+        target_rows += list(range(row, row + n))
+        bonus_rows.append(row + n)
+        row += n + 1
+    logits = torch.randn(row, V, generator=gen) * 2
+    sampled = torch.full((len(counts), 4), -1, dtype=torch.int32)
+    for r, n in enumerate(counts):
+        emitted = int(torch.randint(1, n + 2, (1,), generator=gen))
+        sampled[r, :emitted] = torch.randint(0, V, (emitted,), generator=gen, dtype=torch.int32)
+    i32 = torch.int32
+    meta = SpecDecodeMetadata(
+        draft_token_ids=torch.zeros(sum(counts), dtype=i32), num_draft_tokens=counts,
+        cu_num_draft_tokens=torch.tensor(counts).cumsum(0).to(i32),
+        cu_num_sampled_tokens=(torch.tensor(counts) + 1).cumsum(0).to(i32),
+        target_logits_indices=torch.tensor(target_rows, dtype=i32),
+        bonus_logits_indices=torch.tensor(bonus_rows, dtype=i32), logits_indices=torch.arange(row, dtype=i32))
+    return meta, logits, sampled
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits"])
+def test_emitted_logprobs_equal_vllms(installed, mode):
+    """Top-k, sampled-token logprob and rank of every emitted token as vLLM computes them."""
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    sampler = RejectionSampler(Sampler(logprobs_mode=mode))
+    for seed in range(5):
+        meta, logits, sampled = _logprobs_case(seed)
+        target = logits[meta.target_logits_indices.long()] * 0.9  # distinct from the raw rows: read from here
+        bonus = logits[meta.bonus_logits_indices.long()] * 1.1
+        got = RejectionSampler._get_logprobs_tensors(sampler, 3, meta, logits, target, bonus, sampled)
+        want = RejectionSampler._specrl_stock__get_logprobs_tensors(sampler, 3, meta, logits, target, bonus,
+                                                                     sampled)
+        valid = (sampled.flatten() >= 0)
+        assert int(valid.sum()) >= len(meta.num_draft_tokens)
+        assert torch.equal(got.logprob_token_ids[valid], want.logprob_token_ids[valid])
+        assert torch.allclose(got.logprobs[valid], want.logprobs[valid], atol=1e-5)
+        assert torch.equal(got.selected_token_ranks[valid], want.selected_token_ranks[valid])
+
+
+def test_lazy_rejection_off_switch_keeps_only_the_inverse_cdf_samplers(installed, monkeypatch):
+    vllm_compat.uninstall_cpu_fast_sampling()
+    monkeypatch.setenv(vllm_compat.LAZY_REJECTION_ENV, "0")
+    try:
+        assert vllm_compat.install_cpu_fast_sampling() == "installed"
+        assert installed.rejection_sample is installed._specrl_stock_rejection_sample
+        assert installed.sample_recovered_tokens is vllm_compat.fast_recovered_sample
+    finally:
+        vllm_compat.uninstall_cpu_fast_sampling()
+        monkeypatch.delenv(vllm_compat.LAZY_REJECTION_ENV)
+        assert vllm_compat.install_cpu_fast_sampling() == "installed"
+    assert installed.rejection_sample is vllm_compat.fast_rejection_sample

@@ -86,3 +86,61 @@ def residual_weights(target_probs: torch.Tensor, draft_probs: torch.Tensor | Non
     rows = torch.arange(weights.shape[0], device=weights.device)[valid]
     weights[rows, draft_token_ids[valid].long()] = 0.0
     return weights
+
+
+def rejection_sample_lazily(draft_token_ids: torch.Tensor, num_draft_tokens: list[int], max_spec_len: int,
+                            target_logits: torch.Tensor, draft_probs: torch.Tensor | None,
+                            bonus_token_ids: torch.Tensor, uniform_probs: torch.Tensor,
+                            generators: dict[int, torch.Generator] | None) -> torch.Tensor:
+    """Speculative rejection sampling for sampled (T > 0) requests, recovering only where needed.
+
+    The algorithm of vLLM's ``rejection_sample`` (Leviathan et al.): draft ``d`` at a position is
+    accepted when ``p(d) / q(d) >= u`` (``q`` one-hot for token-id drafts, a padded ``-1`` draft is
+    rejected), the first rejected position emits a token drawn from ``max(p - q, 0)``, and a request
+    whose drafts are all accepted emits its bonus token. vLLM draws a recovered token for *every*
+    draft row over the full vocabulary before it knows which rows are rejected; only the first
+    rejected row of each request is ever emitted, so here acceptance reads ``p(d)`` per row and the
+    residual is formed and sampled only at those rows. Same law: a recovered token is independent
+    of everything but its row's ``p`` and ``q``.
+
+    ``target_logits``: ``[rows, V]`` after temperature and other constraints. ``uniform_probs``:
+    ``[rows]``, the acceptance draws (vLLM's ``generate_uniform_probs``). Recovered tokens draw one
+    uniform each from the request's generator when it has one. Returns ``[batch, max_spec_len + 1]``
+    int32, ``-1`` where nothing is emitted.
+    """
+    batch = len(num_draft_tokens)
+    out = torch.full((batch, max_spec_len + 1), -1, dtype=torch.int32, device=target_logits.device)
+    bonus = bonus_token_ids.view(-1).to(torch.int32)
+    rows = draft_token_ids.shape[0]
+    if rows == 0:
+        out[:, 0] = bonus
+        return out
+    target_probs = target_logits.softmax(dim=-1, dtype=torch.float32)  # vLLM's; a third of a logsumexp's cost
+    ids = draft_token_ids.long()
+    safe = ids.clamp(min=0)
+    row_index = torch.arange(rows, device=target_probs.device)
+    p_draft = target_probs[row_index, safe]
+    q_draft = torch.ones_like(p_draft) if draft_probs is None else draft_probs[row_index, safe].float()
+    # As vLLM's CPU kernel compares: float32 ratio against the float32-rounded uniform.
+    accepted = (ids >= 0) & (q_draft > 0) & (p_draft / q_draft >= uniform_probs.to(torch.float32))
+
+    counts = torch.tensor(num_draft_tokens, dtype=torch.long)
+    starts = torch.cumsum(counts, 0) - counts
+    position = torch.arange(rows) - torch.repeat_interleave(starts, counts)
+    owner = torch.repeat_interleave(torch.arange(batch), counts)
+    rejected = ~accepted.cpu()
+    # First rejected position per request (num_draft_tokens when none is).
+    first = counts.clone()
+    first.scatter_reduce_(0, owner[rejected], position[rejected], reduce="amin")
+    emitted = position < first[owner]                      # accepted drafts before the first rejection
+    out[owner[emitted], position[emitted]] = ids[emitted.to(ids.device)].to(torch.int32)
+    done = first == counts
+    out[torch.arange(batch)[done], counts[done]] = bonus[done.to(bonus.device)]
+
+    failed = torch.nonzero(~done).view(-1)
+    if failed.numel():
+        at = (starts[failed] + first[failed]).to(target_probs.device)
+        weights = residual_weights(target_probs[at], None if draft_probs is None else draft_probs[at].float(), ids[at])
+        uniforms = row_uniforms(len(failed), generators, failed.tolist(), target_probs.device)
+        out[failed, first[failed]] = inverse_cdf_sample(weights, uniforms).to(torch.int32)
+    return out

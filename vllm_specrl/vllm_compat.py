@@ -44,6 +44,11 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | ``llm_base_proposer.compute_probs_and_sample_``| inverse-CDF draft / recovered     | 0.32.0 (cpu)      |
 | ``next_token``, ``rejection_sampler.sample_`` | token sampling (CPU step cost)    |                   |
 | ``recovered_tokens`` (module functions)       |                                   |                   |
+| ``rejection_sampler.rejection_sample``,       | recovered tokens only at emitting | 0.32.0 (cpu)      |
+| ``.generate_uniform_probs`` (module functions),| rows; logprobs of emitted rows    |                   |
+| ``RejectionSampler._get_logprobs_tensors``,   | only (CPU step cost)              |                   |
+| ``.sampler``, ``.is_logits_logprobs_mode``,   |                                   |                   |
+| ``SpecDecodeMetadata`` index fields           |                                   |                   |
 | ``Scheduler``/``AsyncScheduler`` subclass:   | adaptive k (engine core)          | 0.32.0 (cpu)      |
 | ``dynamic_sd_lookup``, ``schedule``,          |                                   |                   |
 | ``update_from_output``, ``num_spec_tokens``,  |                                   |                   |
@@ -343,10 +348,22 @@ def install_cpu_seeded_rewind_fix() -> str:
 # drafts still from the global generator (as vLLM does), recovered tokens from the
 # request's own generator when it is seeded (seeded outputs stay reproducible; they
 # differ from stock vLLM's seeded outputs, which consume the generator differently).
+# Two more full-vocabulary costs of a sampled speculative step, bound with them: vLLM
+# draws a recovered token for every draft row although only each request's first
+# rejected row emits one (``rejection_sample`` -> ``sampling.rejection_sample_lazily``:
+# acceptance from ``p(d)`` per row, the residual formed and sampled only at the
+# emitting rows; greedy or mixed batches keep vLLM's), and with logprobs requested it
+# copies every row into a zeroed ``[rows, V]`` tensor and scores all of them
+# (``RejectionSampler._get_logprobs_tensors`` -> ``fast_logprobs_tensors``: the
+# emitted rows only). At 16 sampled requests x 1 draft with logprobs, 9.5 -> see
+# benchmarks/README (``scripts/bench_step_cost.py``).
 # Applied on CPU only, where the functions have the signatures checked here;
-# ``VLLM_SPECRL_FAST_SAMPLING=0`` keeps vLLM's (for before/after measurements).
+# ``VLLM_SPECRL_FAST_SAMPLING=0`` keeps vLLM's (for before/after measurements),
+# ``VLLM_SPECRL_LAZY_REJECTION=0`` only the inverse-CDF samplers.
 
-FAST_SAMPLING_CHECKED = {"0.32.0": "exponential race over the full vocabulary (CPU)"}
+FAST_SAMPLING_CHECKED = {"0.32.0": "exponential race over the full vocabulary; recovered tokens and "
+                                   "logprobs for every draft row (CPU)"}
+LAZY_REJECTION_ENV = "VLLM_SPECRL_LAZY_REJECTION"
 _DRAFT_SAMPLER = "vllm.v1.spec_decode.llm_base_proposer.compute_probs_and_sample_next_token"
 _RECOVERED_SAMPLER = "vllm.v1.sample.rejection_sampler.sample_recovered_tokens"
 
@@ -385,6 +402,68 @@ def fast_recovered_sample(max_spec_len, num_draft_tokens, cu_num_draft_tokens, d
     return inverse_cdf_sample(weights, uniforms).to(draft_token_ids.dtype)
 
 
+def fast_rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
+                          target_logits, bonus_token_ids, sampling_metadata, synthetic_mode=False,
+                          synthetic_conditional_rates=None, use_fp64_gumbel=False):
+    """``rejection_sample`` that draws recovered tokens only at the rows that emit one
+    (``vllm_specrl.sampling.rejection_sample_lazily``), for batches of sampled requests; vLLM's
+    own (with the inverse-CDF recovered sampler) for greedy or mixed batches and synthetic mode."""
+    from vllm.v1.sample import rejection_sampler
+
+    from vllm_specrl.sampling import rejection_sample_lazily
+
+    if synthetic_mode or not sampling_metadata.all_random:
+        return rejection_sampler._specrl_stock_rejection_sample(
+            draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs, target_logits,
+            bonus_token_ids, sampling_metadata, synthetic_mode, synthetic_conditional_rates, use_fp64_gumbel)
+    uniform_probs = rejection_sampler.generate_uniform_probs(
+        draft_token_ids.shape[0], num_draft_tokens, sampling_metadata.generators, target_logits.device)
+    return rejection_sample_lazily(draft_token_ids, num_draft_tokens, max_spec_len, target_logits, draft_probs,
+                                   bonus_token_ids, uniform_probs, sampling_metadata.generators)
+
+
+def fast_logprobs_tensors(self, max_num_logprobs, metadata, logits, target_logits, bonus_logits,
+                          sampled_token_ids):
+    """``RejectionSampler._get_logprobs_tensors`` over the emitted rows only.
+
+    vLLM copies every target and bonus row into a zeroed ``[rows, V]`` tensor and takes the
+    log-softmax, top-k and rank of every row, emitted or not (``parse_output`` drops the rest);
+    here the rows that carry a token are gathered from ``target_logits`` / ``bonus_logits`` and
+    only they are scored; the others stay zero, as nothing reads them."""
+    import torch
+    from vllm.v1.outputs import LogprobsTensors
+
+    stock = type(self)._specrl_stock__get_logprobs_tensors
+    batch, width = sampled_token_ids.shape
+    vocab = logits.shape[-1]
+    starts = torch.zeros_like(metadata.cu_num_sampled_tokens)
+    starts[1:] = metadata.cu_num_sampled_tokens[:-1]
+    flat_rows = (starts.unsqueeze(1) + torch.arange(width, dtype=starts.dtype)).flatten()
+    flat_rows.clamp_(max=logits.shape[0] - 1)
+    tokens = sampled_token_ids.flatten().long()
+    emitted = torch.nonzero((tokens != -1) & (tokens < vocab)).view(-1)
+    if emitted.numel() == 0:
+        return stock(self, max_num_logprobs, metadata, logits, target_logits, bonus_logits, sampled_token_ids)
+    # Where each row of ``logits`` sits in target_logits / bonus_logits.
+    num_target = metadata.target_logits_indices.shape[0]
+    source = torch.full((logits.shape[0],), -1, dtype=torch.long)
+    source[metadata.target_logits_indices.long()] = torch.arange(num_target)
+    source[metadata.bonus_logits_indices.long()] = num_target + torch.arange(metadata.bonus_logits_indices.shape[0])
+    picked = source[flat_rows[emitted]]
+    if bool((picked < 0).any()):  # rows of neither kind: not the layout checked; vLLM's way
+        return stock(self, max_num_logprobs, metadata, logits, target_logits, bonus_logits, sampled_token_ids)
+    from_target = picked < num_target
+    rows = torch.cat([target_logits.index_select(0, picked[from_target]).float(),
+                      bonus_logits.index_select(0, picked[~from_target] - num_target).float()])
+    dest = torch.cat([emitted[from_target], emitted[~from_target]])
+    scored = rows if self.is_logits_logprobs_mode else self.sampler.compute_logprobs(rows)
+    part = self.sampler.gather_logprobs(scored, max_num_logprobs, tokens[dest])
+    full = [t.new_zeros((tokens.shape[0], *t.shape[1:])) for t in part[:3]]
+    for whole, piece in zip(full, part[:3]):
+        whole[dest] = piece
+    return LogprobsTensors(*full)
+
+
 def _signature_names(fn) -> list[str]:
     import inspect
 
@@ -414,13 +493,24 @@ def install_cpu_fast_sampling() -> str:
                              "draft_probs", "target_probs", "sampling_metadata", "device",
                              "use_fp64_gumbel"]),
     }
-    for module, (name, _, params) in expected.items():
-        stock = getattr(module, name, None)
+    lazy = ("rejection_sample", fast_rejection_sample,
+            ["draft_token_ids", "num_draft_tokens", "max_spec_len", "cu_num_draft_tokens", "draft_probs",
+             "target_logits", "bonus_token_ids", "sampling_metadata", "synthetic_mode",
+             "synthetic_conditional_rates", "use_fp64_gumbel"])
+    sampler_cls = rejection_sampler.RejectionSampler
+    logprobs = ("_get_logprobs_tensors", fast_logprobs_tensors,
+                ["self", "max_num_logprobs", "metadata", "logits", "target_logits", "bonus_logits",
+                 "sampled_token_ids"])
+    patches = [*expected.items()]
+    if os.environ.get(LAZY_REJECTION_ENV, "1") != "0":
+        patches += [(rejection_sampler, lazy), (sampler_cls, logprobs)]
+    for owner, (name, _, params) in patches:
+        stock = getattr(owner, name, None)
         if stock is None or _signature_names(stock) != params:
-            return f"not installed ({module.__name__}.{name} is not the function checked on 0.32.0)"
-    for module, (name, replacement, _) in expected.items():
-        setattr(module, f"_specrl_stock_{name}", getattr(module, name))
-        setattr(module, name, replacement)
+            return f"not installed ({owner.__name__}.{name} is not the function checked on 0.32.0)"
+    for owner, (name, replacement, _) in patches:
+        setattr(owner, f"_specrl_stock_{name}", getattr(owner, name))
+        setattr(owner, name, replacement)
     rejection_sampler._specrl_fast_sampling = True
     return "installed"
 
@@ -430,11 +520,12 @@ def uninstall_cpu_fast_sampling() -> None:
     from vllm.v1.sample import rejection_sampler
     from vllm.v1.spec_decode import llm_base_proposer
 
-    for module, name in ((llm_base_proposer, "compute_probs_and_sample_next_token"),
-                         (rejection_sampler, "sample_recovered_tokens")):
-        stock = getattr(module, f"_specrl_stock_{name}", None)
+    for owner, name in ((llm_base_proposer, "compute_probs_and_sample_next_token"),
+                        (rejection_sampler, "sample_recovered_tokens"), (rejection_sampler, "rejection_sample"),
+                        (rejection_sampler.RejectionSampler, "_get_logprobs_tensors")):
+        stock = owner.__dict__.get(f"_specrl_stock_{name}")
         if stock is not None:
-            setattr(module, name, stock)
+            setattr(owner, name, stock)
     rejection_sampler._specrl_fast_sampling = False
 
 
