@@ -49,7 +49,11 @@ def _engine(cfg: dict) -> list[dict]:
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                        add_generation_prompt=True) for p in cfg["prompts"]]
-    llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=1.0, seed=0), use_tqdm=False)
+    # Warm-up at every batch size with the measured requests' options: the first logprobs request
+    # compiles vLLM's rank computation (~1.5 s), which would land in the first measured batch size.
+    for batch in cfg["batch_sizes"]:
+        llm.generate(prompts[:batch], SamplingParams(max_tokens=8, temperature=1.0, seed=0,
+                                                     logprobs=cfg.get("logprobs")), use_tqdm=False)
     rows = []
     for batch in cfg["batch_sizes"]:
         before, stats0 = totals(), metrics.from_llm_metrics(llm.get_metrics())
