@@ -91,7 +91,8 @@ def residual_weights(target_probs: torch.Tensor, draft_probs: torch.Tensor | Non
 def rejection_sample_lazily(draft_token_ids: torch.Tensor, num_draft_tokens: list[int], max_spec_len: int,
                             target_logits: torch.Tensor, draft_probs: torch.Tensor | None,
                             bonus_token_ids: torch.Tensor, uniform_probs: torch.Tensor,
-                            generators: dict[int, torch.Generator] | None) -> torch.Tensor:
+                            generators: dict[int, torch.Generator] | None,
+                            is_greedy: torch.Tensor | None = None) -> torch.Tensor:
     """Speculative rejection sampling for sampled (T > 0) requests, recovering only where needed.
 
     The algorithm of vLLM's ``rejection_sample`` (Leviathan et al.): draft ``d`` at a position is
@@ -105,8 +106,10 @@ def rejection_sample_lazily(draft_token_ids: torch.Tensor, num_draft_tokens: lis
 
     ``target_logits``: ``[rows, V]`` after temperature and other constraints. ``uniform_probs``:
     ``[rows]``, the acceptance draws (vLLM's ``generate_uniform_probs``). Recovered tokens draw one
-    uniform each from the request's generator when it has one. Returns ``[batch, max_spec_len + 1]``
-    int32, ``-1`` where nothing is emitted.
+    uniform each from the request's generator when it has one. ``is_greedy`` (``[batch]``, optional):
+    requests verified greedily, as vLLM does (a draft is accepted when it is the target's argmax,
+    which a rejection emits). Returns ``[batch, max_spec_len + 1]`` int32, ``-1`` where nothing is
+    emitted.
     """
     batch = len(num_draft_tokens)
     out = torch.full((batch, max_spec_len + 1), -1, dtype=torch.int32, device=target_logits.device)
@@ -128,6 +131,11 @@ def rejection_sample_lazily(draft_token_ids: torch.Tensor, num_draft_tokens: lis
     starts = torch.cumsum(counts, 0) - counts
     position = torch.arange(rows) - torch.repeat_interleave(starts, counts)
     owner = torch.repeat_interleave(torch.arange(batch), counts)
+    greedy = torch.zeros(batch, dtype=torch.bool) if is_greedy is None else is_greedy.cpu().bool()
+    target_argmax = None
+    if bool(greedy.any()):
+        target_argmax = target_logits.argmax(dim=-1)
+        accepted = torch.where(greedy[owner].to(accepted.device), ids == target_argmax, accepted)
     rejected = ~accepted.cpu()
     # First rejected position per request (num_draft_tokens when none is).
     first = counts.clone()
@@ -137,7 +145,11 @@ def rejection_sample_lazily(draft_token_ids: torch.Tensor, num_draft_tokens: lis
     done = first == counts
     out[torch.arange(batch)[done], counts[done]] = bonus[done.to(bonus.device)]
 
-    failed = torch.nonzero(~done).view(-1)
+    failed_greedy = torch.nonzero(~done & greedy).view(-1)
+    if failed_greedy.numel():
+        at = (starts[failed_greedy] + first[failed_greedy]).to(target_probs.device)
+        out[failed_greedy, first[failed_greedy]] = target_argmax[at].to(torch.int32)
+    failed = torch.nonzero(~done & ~greedy).view(-1)
     if failed.numel():
         at = (starts[failed] + first[failed]).to(target_probs.device)
         weights = residual_weights(target_probs[at], None if draft_probs is None else draft_probs[at].float(), ids[at])

@@ -352,7 +352,9 @@ def install_cpu_seeded_rewind_fix() -> str:
 # draws a recovered token for every draft row although only each request's first
 # rejected row emits one (``rejection_sample`` -> ``sampling.rejection_sample_lazily``:
 # acceptance from ``p(d)`` per row, the residual formed and sampled only at the
-# emitting rows; greedy or mixed batches keep vLLM's), and with logprobs requested it
+# emitting rows; greedy requests beside sampled ones verified as vLLM does, all-greedy
+# batches keep vLLM's; a padded -1 draft is rejected, as vLLM's Triton kernel does and
+# its CPU kernel does not: scripts/repro_cpu_padded_draft_accepted.py), and with logprobs requested it
 # copies every row into a zeroed ``[rows, V]`` tensor and scores all of them
 # (``RejectionSampler._get_logprobs_tensors`` -> ``fast_logprobs_tensors``: the
 # emitted rows only). At 16 sampled requests x 1 draft with logprobs, 9.5 -> see
@@ -406,20 +408,21 @@ def fast_rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_nu
                           target_logits, bonus_token_ids, sampling_metadata, synthetic_mode=False,
                           synthetic_conditional_rates=None, use_fp64_gumbel=False):
     """``rejection_sample`` that draws recovered tokens only at the rows that emit one
-    (``vllm_specrl.sampling.rejection_sample_lazily``), for batches of sampled requests; vLLM's
-    own (with the inverse-CDF recovered sampler) for greedy or mixed batches and synthetic mode."""
+    (``vllm_specrl.sampling.rejection_sample_lazily``), for batches with sampled requests (greedy ones
+    beside them verified as vLLM does); vLLM's own for all-greedy batches and synthetic mode."""
     from vllm.v1.sample import rejection_sampler
 
     from vllm_specrl.sampling import rejection_sample_lazily
 
-    if synthetic_mode or not sampling_metadata.all_random:
+    if synthetic_mode or sampling_metadata.all_greedy:
         return rejection_sampler._specrl_stock_rejection_sample(
             draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs, target_logits,
             bonus_token_ids, sampling_metadata, synthetic_mode, synthetic_conditional_rates, use_fp64_gumbel)
+    is_greedy = None if sampling_metadata.all_random else sampling_metadata.temperature == 0
     uniform_probs = rejection_sampler.generate_uniform_probs(
         draft_token_ids.shape[0], num_draft_tokens, sampling_metadata.generators, target_logits.device)
     return rejection_sample_lazily(draft_token_ids, num_draft_tokens, max_spec_len, target_logits, draft_probs,
-                                   bonus_token_ids, uniform_probs, sampling_metadata.generators)
+                                   bonus_token_ids, uniform_probs, sampling_metadata.generators, is_greedy)
 
 
 def fast_logprobs_tensors(self, max_num_logprobs, metadata, logits, target_logits, bonus_logits,
