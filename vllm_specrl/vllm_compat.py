@@ -357,8 +357,10 @@ def install_cpu_seeded_rewind_fix() -> str:
 # its CPU kernel does not: scripts/repro_cpu_padded_draft_accepted.py), and with logprobs requested it
 # copies every row into a zeroed ``[rows, V]`` tensor and scores all of them
 # (``RejectionSampler._get_logprobs_tensors`` -> ``fast_logprobs_tensors``: the
-# emitted rows only). At 16 sampled requests x 1 draft with logprobs, 9.5 -> see
-# benchmarks/README (``scripts/bench_step_cost.py``).
+# emitted rows only). Its step time is vLLM's path's within noise (the rejection
+# sampler's phase at 16 sequences: 7.1 vs 6.5 ms at k = 1, 11.5 vs 12.7 at k = 3,
+# ``bench_step_cost.py --sampling fast,eager``); what it changes is the padded-draft
+# verdict.
 # Applied on CPU only, where the functions have the signatures checked here;
 # ``VLLM_SPECRL_FAST_SAMPLING=0`` keeps vLLM's (for before/after measurements),
 # ``VLLM_SPECRL_LAZY_REJECTION=0`` only the inverse-CDF samplers.
