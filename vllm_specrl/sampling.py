@@ -93,7 +93,7 @@ def rejection_sample_lazily(draft_token_ids: torch.Tensor, num_draft_tokens: lis
                             bonus_token_ids: torch.Tensor, uniform_probs: torch.Tensor,
                             generators: dict[int, torch.Generator] | None,
                             is_greedy: torch.Tensor | None = None) -> torch.Tensor:
-    """Speculative rejection sampling for sampled (T > 0) requests, recovering only where needed.
+    """Speculative rejection sampling that draws a recovered token only where one is emitted.
 
     The algorithm of vLLM's ``rejection_sample`` (Leviathan et al.): draft ``d`` at a position is
     accepted when ``p(d) / q(d) >= u`` (``q`` one-hot for token-id drafts, a padded ``-1`` draft is
