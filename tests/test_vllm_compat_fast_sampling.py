@@ -33,7 +33,8 @@ def installed():
 @pytest.fixture(scope="module", params=["lazy_recovery", "vllm_kernel_with_inverse_cdf"])
 def rejection_sample(installed, request):
     """Both paths a sampled batch can take: the plugin's (recovered tokens only where emitted),
-    and vLLM's own kernel with the inverse-CDF recovered sampler (greedy or mixed batches)."""
+    and vLLM's own kernel with the inverse-CDF recovered sampler (what all-greedy batches and
+    VLLM_SPECRL_LAZY_REJECTION=0 take)."""
     if request.param == "lazy_recovery":
         return installed.rejection_sample
     return installed._specrl_stock_rejection_sample

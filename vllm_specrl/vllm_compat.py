@@ -368,8 +368,6 @@ def install_cpu_seeded_rewind_fix() -> str:
 FAST_SAMPLING_CHECKED = {"0.32.0": "exponential race over the full vocabulary; recovered tokens and "
                                    "logprobs for every draft row (CPU)"}
 LAZY_REJECTION_ENV = "VLLM_SPECRL_LAZY_REJECTION"
-_DRAFT_SAMPLER = "vllm.v1.spec_decode.llm_base_proposer.compute_probs_and_sample_next_token"
-_RECOVERED_SAMPLER = "vllm.v1.sample.rejection_sampler.sample_recovered_tokens"
 
 
 def fast_draft_sample(logits, sampling_metadata, use_fp64_gumbel: bool = False):
