@@ -53,7 +53,12 @@ TOUCH_POINTS: list[tuple[str, str, str, str]] = [
      "adaptive k acceptance; step timer attribute"),
     ("v1/spec_decode/llm_base_proposer.py", "compute_probs_and_sample_next_token", "function",
      "CPU fast draft sampling"),
-    ("v1/spec_decode/llm_base_proposer.py", "_sample_draft_tokens", "method-anywhere", "phase timers"),
+    ("v1/spec_decode/llm_base_proposer.py", "SpecDecodeBaseProposer._sample_draft_tokens", "function",
+     "phase timers; CPU draft sampling in the draft's own vocabulary"),
+    ("v1/spec_decode/llm_base_proposer.py", "SpecDecodeBaseProposer", "attrs:_enable_probabilistic_draft_probs,"
+     "use_heterogeneous_vocab,use_fp64_gumbel", "CPU draft sampling in the draft's own vocabulary"),
+    ("model_executor/models/llama_eagle3.py", "Eagle3LlamaForCausalLM", "attrs:draft_id_to_target_id,"
+     "logits_processor,lm_head,config", "CPU draft sampling in the draft's own vocabulary"),
     ("v1/spec_decode/llm_base_proposer.py", "SpecDecodeBaseProposer.propose", "function",
      "deferred draft-KV sync at k = 0 (keyword call, replay pass)"),
     ("v1/spec_decode/llm_base_proposer.py", "SpecDecodeBaseProposer", "attrs:method,max_num_tokens,"

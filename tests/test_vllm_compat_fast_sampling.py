@@ -243,3 +243,62 @@ def test_lazy_rejection_off_switch_keeps_only_the_inverse_cdf_samplers(installed
         monkeypatch.delenv(vllm_compat.LAZY_REJECTION_ENV)
         assert vllm_compat.install_cpu_fast_sampling() == "installed"
     assert installed.rejection_sample is vllm_compat.fast_rejection_sample
+
+
+def _reduced_vocab_drafter(draft_vocab: int, vocab: int, hidden: int = 16, seed: int = 5):
+    """A drafter whose model is shaped like vLLM's ``Eagle3LlamaForCausalLM`` with a reduced vocabulary:
+    its own ``compute_logits`` (the ``-inf`` spread over the target's vocabulary), an LM head over
+    ``draft_vocab`` tokens and a ``draft_id_to_target_id`` offset table; nothing else of a proposer."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    gen = torch.Generator().manual_seed(seed)
+    mapped = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values
+    model = SimpleNamespace(
+        lm_head=torch.randn(draft_vocab, hidden, generator=gen) * 0.7,
+        logits_processor=lambda head, h: h @ head.T,
+        draft_id_to_target_id=mapped - torch.arange(draft_vocab),
+        config=SimpleNamespace(vocab_size=vocab, draft_vocab_size=draft_vocab))
+    model.compute_logits = lambda h: Eagle3LlamaForCausalLM.compute_logits(model, h)
+    drafter = object.__new__(SpecDecodeBaseProposer)
+    drafter.model, drafter.use_heterogeneous_vocab, drafter.parallel_drafting = model, False, False
+    drafter._enable_probabilistic_draft_probs, drafter.use_fp64_gumbel = True, False
+    drafter.use_local_argmax_reduction = False
+    return drafter, mapped, torch.randn(1, hidden, generator=gen) * 3
+
+
+def test_reduced_vocab_draft_is_sampled_in_its_own_vocabulary(installed):
+    """The draft-vocabulary path against vLLM's own spread-then-sample on the same drafter: the same
+    target-vocabulary probabilities (what the rejection sampler reads), tokens only from the mapped
+    ids (the draft id used as a target id fails here) and distributed as those probabilities."""
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    drafter, mapped, h = _reduced_vocab_drafter(draft_vocab=V // 2, vocab=3 * V)
+    assert SpecDecodeBaseProposer._sample_draft_tokens is vllm_compat.draft_vocab_sample_draft_tokens
+    meta = _metadata(N)
+    meta.temperature = torch.full((N,), 0.8)
+    hidden = h.expand(N, -1).contiguous()
+    tokens, probs = drafter._sample_draft_tokens(hidden, meta)
+    _, stock_probs = SpecDecodeBaseProposer._specrl_stock__sample_draft_tokens(drafter, hidden.clone(), meta)
+    assert probs.shape == stock_probs.shape == (N, 3 * V)
+    assert torch.allclose(probs, stock_probs, atol=1e-7, rtol=1e-5)
+    assert bool(torch.isin(tokens, mapped).all())
+    expected = stock_probs[0].double().numpy() * N
+    counts = np.bincount(tokens.numpy(), minlength=3 * V)[mapped.numpy()]
+    assert chisquare(counts, expected[mapped.numpy()]).pvalue > ALPHA
+
+
+def test_reduced_vocab_draft_keeps_vllms_path_where_it_is_not_sampled(installed):
+    """Greedy batches and drafts without a reduced vocabulary go through vLLM's own method."""
+    drafter, _, h = _reduced_vocab_drafter(draft_vocab=V // 2, vocab=3 * V)
+    meta = _metadata(4)
+    meta.temperature, meta.all_greedy, meta.all_random = torch.zeros(4), True, False
+    tokens, probs = drafter._sample_draft_tokens(h.expand(4, -1).contiguous(), meta)
+    assert probs is None and torch.equal(tokens, drafter.model.compute_logits(h).argmax(-1).expand(4))
+    drafter.model.draft_id_to_target_id = None
+    drafter.model.lm_head = torch.randn(3 * V, h.shape[1])
+    meta = _metadata(4)
+    tokens, probs = drafter._sample_draft_tokens(h.expand(4, -1).contiguous(), meta)
+    assert probs.shape == (4, 3 * V)

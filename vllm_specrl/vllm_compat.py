@@ -49,6 +49,12 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | ``RejectionSampler._get_logprobs_tensors``,   | only (CPU step cost)              |                   |
 | ``.sampler``, ``.is_logits_logprobs_mode``,   |                                   |                   |
 | ``SpecDecodeMetadata`` index fields           |                                   |                   |
+| ``SpecDecodeBaseProposer._sample_draft_tokens``| an EAGLE-3 draft with a reduced   | 0.32.0 (cpu)      |
+| (class attribute), ``._enable_probabilistic_``| vocabulary sampled in it (CPU     |                   |
+| ``draft_probs``/``use_heterogeneous_vocab``/  | step cost)                        |                   |
+| ``use_fp64_gumbel``; ``Eagle3LlamaForCausalLM``|                                  |                   |
+| ``.draft_id_to_target_id/logits_processor/``  |                                   |                   |
+| ``lm_head/config.vocab_size``                 |                                   |                   |
 | ``Scheduler``/``AsyncScheduler`` subclass:   | adaptive k (engine core)          | 0.32.0 (cpu)      |
 | ``dynamic_sd_lookup``, ``schedule``,          |                                   |                   |
 | ``update_from_output``, ``num_spec_tokens``,  |                                   |                   |
@@ -361,13 +367,19 @@ def install_cpu_seeded_rewind_fix() -> str:
 # sampler's phase at 16 sequences: 7.1 vs 6.5 ms at k = 1, 11.5 vs 12.7 at k = 3,
 # ``bench_step_cost.py --sampling fast,eager``); what it changes is the padded-draft
 # verdict.
+# And an EAGLE-3 draft with a reduced vocabulary is sampled in it
+# (``SpecDecodeBaseProposer._sample_draft_tokens`` -> ``draft_vocab_sample_draft_tokens``):
+# vLLM spreads its 8k logits over the target's 49k with ``-inf`` and takes the softmax
+# and the sample over all of them at every draft position.
 # Applied on CPU only, where the functions have the signatures checked here;
 # ``VLLM_SPECRL_FAST_SAMPLING=0`` keeps vLLM's (for before/after measurements),
-# ``VLLM_SPECRL_LAZY_REJECTION=0`` only the inverse-CDF samplers.
+# ``VLLM_SPECRL_LAZY_REJECTION=0`` only the inverse-CDF samplers,
+# ``VLLM_SPECRL_DRAFT_VOCAB_SAMPLING=0`` the full-vocabulary draft sampling.
 
 FAST_SAMPLING_CHECKED = {"0.32.0": "exponential race over the full vocabulary; recovered tokens and "
                                    "logprobs for every draft row (CPU)"}
 LAZY_REJECTION_ENV = "VLLM_SPECRL_LAZY_REJECTION"
+DRAFT_VOCAB_ENV = "VLLM_SPECRL_DRAFT_VOCAB_SAMPLING"
 
 
 def fast_draft_sample(logits, sampling_metadata, use_fp64_gumbel: bool = False):
@@ -467,6 +479,42 @@ def fast_logprobs_tensors(self, max_num_logprobs, metadata, logits, target_logit
     return LogprobsTensors(*full)
 
 
+def draft_vocab_sample_draft_tokens(self, hidden_states, sampling_metadata):
+    """``SpecDecodeBaseProposer._sample_draft_tokens`` that samples an EAGLE-3 draft in its own vocabulary.
+
+    An EAGLE-3 draft with a reduced vocabulary (``draft_id_to_target_id``) scores ``draft_vocab``
+    tokens; vLLM's ``compute_logits`` spreads them over the target's vocabulary with ``-inf``
+    elsewhere, then takes the softmax and samples over all of it (49k entries for SmolLM2, 6x the
+    8k the draft scores). The softmax over the draft's own logits is the same distribution on its
+    tokens (the ``-inf`` entries have probability 0), so it is sampled there and the token mapped;
+    the probabilities the rejection sampler reads are scattered into a zeroed target-vocabulary row.
+    Anything else (greedy, no reduced vocabulary, another tokenizer, parallel drafting) keeps vLLM's."""
+    import torch
+    from vllm.v1.spec_decode import llm_base_proposer
+
+    stock = type(self)._specrl_stock__sample_draft_tokens
+    model = self.model
+    offsets = getattr(model, "draft_id_to_target_id", None)
+    temperature = sampling_metadata.temperature
+    if (offsets is None or not self._enable_probabilistic_draft_probs or sampling_metadata.all_greedy
+            or self.use_heterogeneous_vocab or getattr(self, "parallel_drafting", False)
+            or temperature is None or temperature.shape[0] != hidden_states.shape[0]
+            or not hasattr(model, "logits_processor") or not hasattr(model, "lm_head")):
+        return stock(self, hidden_states, sampling_metadata)
+    logits = model.logits_processor(model.lm_head, hidden_states)
+    if logits is None or logits.shape[-1] != offsets.shape[0]:
+        return stock(self, hidden_states, sampling_metadata)
+    targets = getattr(self, "_specrl_draft_targets", None)
+    if targets is None or targets.shape != offsets.shape or targets.device != offsets.device:
+        targets = torch.arange(offsets.shape[0], device=offsets.device) + offsets
+        self._specrl_draft_targets = targets
+    ids, probs = llm_base_proposer.compute_probs_and_sample_next_token(logits, sampling_metadata,
+                                                                       self.use_fp64_gumbel)
+    full = probs.new_zeros((probs.shape[0], model.config.vocab_size))
+    full[:, targets] = probs
+    return targets[ids], full
+
+
 def _signature_names(fn) -> list[str]:
     import inspect
 
@@ -507,6 +555,10 @@ def install_cpu_fast_sampling() -> str:
     patches = [*expected.items()]
     if os.environ.get(LAZY_REJECTION_ENV, "1") != "0":
         patches += [(rejection_sampler, lazy), (sampler_cls, logprobs)]
+    if os.environ.get(DRAFT_VOCAB_ENV, "1") != "0":
+        patches.append((llm_base_proposer.SpecDecodeBaseProposer,
+                        ("_sample_draft_tokens", draft_vocab_sample_draft_tokens,
+                         ["self", "hidden_states", "sampling_metadata"])))
     for owner, (name, _, params) in patches:
         stock = getattr(owner, name, None)
         if stock is None or _signature_names(stock) != params:
@@ -525,7 +577,8 @@ def uninstall_cpu_fast_sampling() -> None:
 
     for owner, name in ((llm_base_proposer, "compute_probs_and_sample_next_token"),
                         (rejection_sampler, "sample_recovered_tokens"), (rejection_sampler, "rejection_sample"),
-                        (rejection_sampler.RejectionSampler, "_get_logprobs_tensors")):
+                        (rejection_sampler.RejectionSampler, "_get_logprobs_tensors"),
+                        (llm_base_proposer.SpecDecodeBaseProposer, "_sample_draft_tokens")):
         stock = owner.__dict__.get(f"_specrl_stock_{name}")
         if stock is not None:
             setattr(owner, name, stock)

@@ -329,3 +329,24 @@ def test_noise_outside_the_runner_does_not_move_the_choice():
 def test_unknown_knob_is_refused_by_name():
     with pytest.raises(ValueError, match="explor"):
         AdaptiveKConfig.from_dict({"exploration": 0.1})
+
+
+def test_a_bucket_calibrated_before_any_draft_does_not_serve_a_k_that_cannot_pay_at_the_prior():
+    """Start-up calibration ends before any real draft: each position's acceptance is the prior 0.5
+    plus the optimism bonus (0.85). At 16 sequences with the costs ``make demo`` measured (k = 1..3:
+    1.8, 2.3, 3.0 k = 0 steps) that bonus made k = 1-3 look worth serving (the demo's bucket chose
+    0, 2, 0, 3 in four runs); none pays at the prior, so the bonus is withheld and k = 0 served.
+    With it given (``optimism_where_paying=False``) the same sweeps serve k > 0."""
+    demo = {0: 1.0, 1: 1.8, 2: 2.3, 3: 3.0}
+
+    def demo_cost(batch, kv, kd):
+        return 0.026 * (demo[kv] + demo[kd]) / 2
+
+    def chosen(where_paying: bool, seed: int) -> int:
+        ctl = AdaptiveKController(3, 16, AdaptiveKConfig(optimism_where_paying=where_paying))
+        simulate(ctl, batch=16, accept=0.0, cost=demo_cost, steps=200, seed=seed, calibrating=True)
+        assert ctl.state()["buckets"]["16-16"]["swept"]
+        return ctl.k_for(16)
+
+    assert [chosen(True, seed) for seed in range(10)] == [0] * 10
+    assert sum(chosen(False, seed) > 0 for seed in range(10)) >= 5

@@ -70,6 +70,7 @@ class AdaptiveKConfig:
     prior_accept: float = 0.5      # prior conditional acceptance of a position with no data
     prior_weight: float = 2.0      # its weight, in drafts
     optimism: float = 1.0          # standard errors added to each position's acceptance when choosing
+    optimism_where_paying: bool = True  # ... only for a k that beats k = 0 at the mean acceptance
     share_calibration: bool = True  # a new bucket starts at a calibrated neighbour's k and climbs
     switch_margin: float = 0.02    # a k must promise this much more throughput (plus the standard error
                                    # of its measured cost ratio) to be served instead
@@ -364,11 +365,29 @@ class AdaptiveKController:
 
     def _choose(self, bucket: int) -> None:
         """Serve the k with the most expected tokens per unit of step time, if it beats the served
-        one by more than ``switch_margin`` (measured ratios are noisy: no flapping on noise)."""
+        one by more than ``switch_margin`` (measured ratios are noisy: no flapping on noise).
+
+        The optimism bonus (``optimism`` standard errors on each position's acceptance) goes only
+        to a k that pays at the *mean* estimate, i.e. beats k = 0 without it (``optimism_where_paying``):
+        where a k costs more k = 0 steps than it can return tokens at today's acceptance, being
+        wrong about it is expensive, so it is not served on hope; bursts at the served k's
+        neighbours keep measuring it. Without this, a bucket calibrated before any real draft
+        (every position at the prior 0.5 plus one standard error of a weight-2 prior: 0.85, so
+        E[tokens | k = 3] = 3.2) served k = 2-3 at 16 sequences, where they cost 2.1-3.0 k = 0
+        steps, until the first real drafts pulled it down (the chosen k there was 0, 2, 0, 3
+        over four demo runs with the same measured costs). Where a k is cheap (one sequence:
+        k = 3 costs 1.4 k = 0 steps) the bonus still explores it."""
         state = self.buckets[bucket]
         tokens = self.acceptance.expected_tokens(self.cfg.optimism)
-        rates = [tokens[k] / self._step_ratio(state.cost, k) if state.cost.samples(k) >= min(3, self.cfg.min_samples)
-                 else -1.0 for k in range(self.max_k + 1)]
+        measured = [state.cost.samples(k) >= min(3, self.cfg.min_samples) for k in range(self.max_k + 1)]
+        if self.cfg.optimism_where_paying and measured[0]:
+            mean = self.acceptance.expected_tokens()
+            plain_rate = 1.0 / self._step_ratio(state.cost, 0)
+            tokens = np.array([tokens[k] if k == 0 or not measured[k]
+                               or mean[k] / self._step_ratio(state.cost, k) >= plain_rate else mean[k]
+                               for k in range(self.max_k + 1)])
+        rates = [tokens[k] / self._step_ratio(state.cost, k) if measured[k] else -1.0
+                 for k in range(self.max_k + 1)]
         rates[state.best] = tokens[state.best]
         best = int(np.argmax(rates))
         needed = 1 + self.cfg.switch_margin + state.cost.ratio_stderr(best)
