@@ -119,7 +119,9 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,4,16")
     ap.add_argument("--sampling", default="fast,stock",
                     help="fast (plugin), eager (the plugin's inverse-CDF samplers with vLLM's recovered token "
-                         "for every draft row and its logprobs of every row) and/or stock (vLLM's), or none "
+                         "for every draft row and its logprobs of every row), fullvocab (the plugin's, with a "
+                         "reduced-vocabulary draft sampled over the target's whole vocabulary, as vLLM does) "
+                         "and/or stock (vLLM's), or none "
                          "(no fixed-k engines)")
     ap.add_argument("--logprobs", type=int, default=None,
                     help="request this many logprobs per token (the RL rollout client asks for 0)")
@@ -160,7 +162,8 @@ def main() -> None:
             spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": k,
                     "draft_sample_method": "probabilistic"}
             env = {"fast": {}, "stock": {"VLLM_SPECRL_FAST_SAMPLING": "0"},
-                   "eager": {"VLLM_SPECRL_LAZY_REJECTION": "0"}}[sampling]
+                   "eager": {"VLLM_SPECRL_LAZY_REJECTION": "0"},
+                   "fullvocab": {"VLLM_SPECRL_DRAFT_VOCAB_SAMPLING": "0"}}[sampling]
             configs.append((f"eagle3_k{k}_{sampling}", spec, env, None))
     if args.adaptive:
         spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": max(ks),

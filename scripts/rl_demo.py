@@ -53,6 +53,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_specrl import cpu_malloc
 from vllm_specrl.adaptive import SCHEDULER_CLS
 from vllm_specrl.adaptive.calibrate import WARM_UP_TOKENS
 from vllm_specrl.bench_engine import host_info
@@ -453,6 +454,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("results/rl_demo.json"))
     args = ap.parse_args()
+    cpu_malloc.tune_glibc_malloc()  # the policy's phases allocate large tensors too (vllm_specrl.cpu_malloc)
     args.dtype = args.dtype or ("bfloat16" if resolve_mixed_precision("auto") == "bf16" else "float32")
     if args.proposer:
         args.runs = {"history": "history,plain", "mtp": "mtp,plain"}.get(args.proposer, "spec,plain")

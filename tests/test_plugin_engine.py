@@ -33,3 +33,4 @@ def test_supported_vllm_activates_in_process(tiny_model):
     res = result_json(out)
     assert res["state"]["status"] == "active"
     assert res["worker"]["plugin"]["status"] == "active" and res["worker"]["model"] == "LlamaForCausalLM"
+    assert "cpu_malloc_tuning: installed" in res["worker"]["plugin"]["registrations"], res["worker"]["plugin"]

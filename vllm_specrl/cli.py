@@ -140,6 +140,9 @@ def _cmd_train_online(args: argparse.Namespace) -> int:
 
 
 def _cmd_train_draft(args: argparse.Namespace) -> int:
+    from vllm_specrl.cpu_malloc import tune_glibc_malloc
+
+    tune_glibc_malloc()
     if args.capture:
         return _cmd_train_online(args)
     if args.mtp and not args.capture:

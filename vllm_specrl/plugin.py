@@ -15,7 +15,7 @@ import os
 import threading
 from typing import Any
 
-from vllm_specrl import vllm_compat
+from vllm_specrl import cpu_malloc, vllm_compat
 from vllm_specrl._log import log_early
 from vllm_specrl._version import __version__
 
@@ -45,6 +45,7 @@ def _install_registrations() -> list[str]:
              ("weight_transfer_backend", "specrl_shm weight-transfer backend",
               vllm_compat.register_shm_weight_transfer_backend)]
     if _runs_model_here():
+        steps.append(("cpu_malloc_tuning", "glibc malloc thresholds (CPU)", _tune_malloc_on_cpu))
         steps.append(("cpu_seeded_rewind_fix", "CPU seeded-rewind fix",
                       vllm_compat.install_cpu_seeded_rewind_fix))
         steps.append(("cpu_fast_sampling", "CPU inverse-CDF spec-decode sampling",
@@ -65,6 +66,14 @@ def _install_registrations() -> list[str]:
             log_early(logging.WARNING, "vllm-specrl: %s not installed: %r", what, exc)
             done.append(f"{key}: failed ({exc!r})")
     return done
+
+
+def _tune_malloc_on_cpu() -> str:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return "not needed (not the CPU platform)"
+    return cpu_malloc.tune_glibc_malloc()
 
 
 def _runs_model_here() -> bool:

@@ -1,0 +1,58 @@
+"""glibc malloc tuning: large blocks come from the heap and its pages stay mapped once freed.
+
+Each case runs in a fresh interpreter (the thresholds are process state), reading glibc's own
+accounting (``mallinfo2``): ``hblkhd`` is memory served by fresh mmaps, ``arena`` the heap."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+PROBE = r"""
+import ctypes, json, sys
+from vllm_specrl import cpu_malloc
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype = ctypes.c_void_p
+result = cpu_malloc.tune_glibc_malloc() if sys.argv[1] == "tune" else "untouched"
+size = 20 << 20
+block = libc.malloc(size)
+ctypes.memset(block, 1, size)
+during = libc.mallinfo2()
+libc.free(ctypes.c_void_p(block))
+after = libc.mallinfo2()
+print(json.dumps({"result": result, "again": cpu_malloc.tune_glibc_malloc() if sys.argv[1] == "tune" else None,
+                  "mmapped_during": during.hblkhd, "heap_during": during.arena, "heap_after_free": after.arena}))
+"""
+
+
+def probe(mode: str, **env) -> dict:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "VLLM_SPECRL_MALLOC_TUNING"}
+    out = subprocess.run([sys.executable, "-c", PROBE, mode], env={**clean, **env}, capture_output=True, text=True,
+                         check=True, timeout=60)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_20_mib_block_is_served_from_the_heap_and_stays_mapped_after_free():
+    untouched, tuned = probe("untouched"), probe("tune")
+    assert untouched["mmapped_during"] >= 20 << 20, untouched       # glibc's default: a fresh mmap
+    assert tuned["result"] == tuned["again"] == "installed", tuned
+    assert tuned["mmapped_during"] < 1 << 20 and tuned["heap_during"] >= 20 << 20, tuned
+    assert tuned["heap_after_free"] >= 20 << 20, tuned                # not trimmed: no fresh pages next time
+
+
+@pytest.mark.parametrize("env, says", [({"VLLM_SPECRL_MALLOC_TUNING": "0"}, "off"),
+                                       ({"MALLOC_MMAP_THRESHOLD_": "131072"}, "left to the environment"),
+                                       ({"LD_PRELOAD": "/nonexistent/libtcmalloc_minimal.so.4"}, "not needed")])
+def test_left_alone_where_the_user_chose(env, says):
+    got = probe("tune", **env)
+    assert got["result"].startswith(says), got
+    assert got["mmapped_during"] >= 20 << 20, got
