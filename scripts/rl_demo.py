@@ -72,6 +72,7 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
     shutil.rmtree(policy_dir, ignore_errors=True)
     shutil.rmtree(work / f"draft-online-{mode}", ignore_errors=True)
     shutil.rmtree(work / f"policy_head_{mode}", ignore_errors=True)
+    trainer_pause_file(work, mode).unlink(missing_ok=True)
     shutil.copytree(target, policy_dir)
     server_args = ["--dtype", args.dtype, "--max-model-len", "1024", "--seed", str(args.seed)]
     trainer = None
@@ -152,6 +153,9 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
                 t_exposed = time.perf_counter() - t0
                 after = client.status()
                 check_rollouts(samples, step, args.prompts, args.group)
+                pause = trainer_pause_file(work, mode)
+                if trainer is not None and args.draft_trainer_yields and not asynchronous:
+                    pause.touch()  # the policy phases get the cores; removed before the next rollouts
                 t0 = time.perf_counter()
                 logps = policy.token_logprobs(samples)
                 t_logp = time.perf_counter() - t0
@@ -172,6 +176,7 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
                 # Nothing to write for the draft trainer: capture_topk sends it the policy's own
                 # next-token distributions with every captured row.
                 t_sync = time.perf_counter() - t0
+                pause.unlink(missing_ok=True)
                 sd0, sd1 = before["spec_decode"], after["spec_decode"]
                 drafts = sd1["num_drafts"] - sd0["num_drafts"]
                 versions = sorted({(s["policy_version_start"], s["policy_version_end"]) for s in samples})
@@ -272,6 +277,7 @@ def start_draft_trainer(args: argparse.Namespace, work: Path, mode: str, capture
          "--publish-every", str(args.draft_publish_every), "--checkpoint-every", "50", "--batch-size", "4",
          "--lr", "1e-3", "--idle-s", "0.5", "--replay-ratio", str(args.draft_replay_ratio),
          "--mixed-precision", args.draft_mixed_precision,
+         *(["--pause-file", str(trainer_pause_file(work, mode))] if args.draft_trainer_yields else []),
          "--log", str(work / f"online_draft_{mode}.jsonl")],
         stdout=open(out, "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
         env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"),
@@ -283,6 +289,11 @@ def start_draft_trainer(args: argparse.Namespace, work: Path, mode: str, capture
     # rollouts and be counted as their cost.
     wait_for_trainer_start(trainer, out)
     return trainer
+
+
+def trainer_pause_file(work: Path, mode: str) -> Path:
+    """While it exists the online draft trainer ingests but does not train (``--pause-file``)."""
+    return work / f"draft_trainer_{mode}.pause"
 
 
 def wait_for_trainer_start(trainer: subprocess.Popen, out: Path, timeout_s: float = 300.0) -> None:
@@ -444,6 +455,10 @@ def main() -> None:
     ap.add_argument("--draft-mixed-precision", choices=["no", "bf16", "auto"], default="auto",
                     help="online draft trainer's precision (auto: bf16 autocast where the CPU multiplies bf16 "
                          "natively, half the cycles it takes from the engine and this loop)")
+    ap.add_argument("--draft-trainer-yields", action=argparse.BooleanOptionalAction, default=True,
+                    help="pause the online draft trainer's training (not its capture) during the policy's logprob, "
+                         "update and sync phases: on a shared CPU it took 5-10%% of the cores the policy used "
+                         "even at nice 19 (on a GPU cluster it has its own device)")
     ap.add_argument("--draft-nice", type=int, default=19,
                     help="niceness of the online draft trainer process: it shares this machine's cores with the "
                          "engine and the policy update, so by default it only takes the cycles they leave")

@@ -117,6 +117,7 @@ def _cmd_train_online(args: argparse.Namespace) -> int:
                        checkpoint_every=args.checkpoint_every, max_steps=args.max_steps,
                        max_seconds=args.max_seconds, idle_s=args.idle_s, seed=args.seed,
                        replay_ratio=args.replay_ratio, capture_allow_remote=args.capture_allow_remote,
+                       pause_file=str(args.pause_file) if args.pause_file else None,
                        drafter="mtp" if args.mtp else "eagle3")
     trainer = OnlineDraftTrainer(args.draft, args.target, cfg, _train_config(args), args.checkpoint_dir, args.log)
     print(json.dumps({"event": "started", "resumed_from_step": trainer.resumed_from_step,
@@ -224,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--replay-ratio", type=float, default=None,
                     help="online: train on at most this many samples per captured sequence, then idle "
                          "until new ones arrive (default: train continuously on the replay buffer)")
+    tr.add_argument("--pause-file", type=Path, default=None,
+                    help="online: while this file exists, ingest captured frames but neither train nor publish "
+                         "(an RL loop sharing the machine creates it for its policy phases)")
     tr.add_argument("--mtp", action="store_true",
                     help="online: train the policy's own MTP layer (an engine serving \"method\": \"mtp\"); "
                          "--draft is then the checkpoint holding the MTP layer to start from (the policy's)")

@@ -63,3 +63,25 @@ def test_without_a_cap_it_trains_continuously(tiny_model, tmp_path):
         tx.close()
     finally:
         trainer.close()
+
+
+def test_a_pause_file_stops_training_but_not_ingest(tiny_model, tmp_path):
+    """While the RL loop's pause file exists the trainer takes in frames and makes no step; once it is
+    gone, the same run trains on what arrived meanwhile."""
+    init_draft(tiny_model, tmp_path / "draft", 1024, seed=0)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    pause = tmp_path / "trainer.pause"
+    pause.touch()
+    cfg = OnlineConfig(capture=address, batch_size=4, min_sequences=4, idle_s=0.2, publish_every=1000,
+                       checkpoint_every=1000, max_seconds=2.0, pause_file=str(pause))
+    trainer = OnlineDraftTrainer(tmp_path / "draft", tiny_model, cfg, checkpoint_dir=tmp_path / "ckpt")
+    try:
+        tx = send_sequences(address, 8, 12, 256)
+        paused = trainer.run()
+        assert trainer.ingested == 8 and paused["steps"] == 0, paused
+        pause.unlink()
+        resumed = trainer.run()
+        assert resumed["steps"] > 2, resumed
+        tx.close()
+    finally:
+        trainer.close()

@@ -23,6 +23,7 @@ retried at the next publish.
 from __future__ import annotations
 
 import json
+import os
 import random
 import threading
 import time
@@ -61,6 +62,9 @@ class OnlineConfig:
     # trainer shares with the engine and the RL loop (a CPU box), a cap keeps it from taking cycles
     # that rollouts and the policy update need.
     replay_ratio: float | None = None
+    # While this file exists the trainer ingests frames but neither trains nor publishes: an RL loop
+    # that shares the machine with it creates the file for its own policy phases (logprobs, update).
+    pause_file: str | None = None
     # "eagle3": train the EAGLE-3 draft at --draft; "mtp": train the policy's own MTP layer, starting
     # from the one in --draft (the policy checkpoint), on an engine serving "method": "mtp".
     drafter: str = "eagle3"
@@ -180,6 +184,9 @@ class OnlineDraftTrainer:
         self.trainer.refresh_target(self.target_dir)
 
     # -- training ----------------------------------------------------------------------------
+    def paused(self) -> bool:
+        return self.cfg.pause_file is not None and os.path.exists(self.cfg.pause_file)
+
     def replay_exhausted(self) -> bool:
         ratio = self.cfg.replay_ratio
         return ratio is not None and self.trained_samples >= ratio * self.ingested
@@ -229,9 +236,9 @@ class OnlineDraftTrainer:
                     break
                 if cfg.max_seconds is not None and time.time() - t0 >= cfg.max_seconds:
                     break
-                ready = len(self.buffer) >= cfg.min_sequences and not self.replay_exhausted()
+                ready = len(self.buffer) >= cfg.min_sequences and not self.replay_exhausted() and not self.paused()
                 self.pump(timeout_ms=10 if ready else 200)
-                if len(self.buffer) < cfg.min_sequences or self.replay_exhausted():
+                if len(self.buffer) < cfg.min_sequences or self.replay_exhausted() or self.paused():
                     continue
                 last_metrics = self.train_step()
                 bar.update(1)
