@@ -275,7 +275,7 @@ def start_draft_trainer(args: argparse.Namespace, work: Path, mode: str, capture
         [sys.executable, "-m", "vllm_specrl.cli", "train-draft", "--capture", capture, "--engine", engine_url,
          *model_args, "--checkpoint-dir", str(work / f"draft-online-{mode}"),
          "--publish-every", str(args.draft_publish_every), "--checkpoint-every", "50", "--batch-size", "4",
-         "--lr", "1e-3", "--idle-s", "0.5", "--replay-ratio", str(args.draft_replay_ratio),
+         "--lr", str(args.draft_lr), "--idle-s", "0.5", "--replay-ratio", str(args.draft_replay_ratio),
          "--mixed-precision", args.draft_mixed_precision,
          *(["--pause-file", str(trainer_pause_file(work, mode))] if args.draft_trainer_yields else []),
          "--log", str(work / f"online_draft_{mode}.jsonl")],
@@ -450,6 +450,8 @@ def main() -> None:
     ap.add_argument("--online-draft", action=argparse.BooleanOptionalAction, default=True,
                     help="capture the policy's states and train the draft online; --no-online-draft serves the "
                          "starting draft frozen (no capture, no trainer)")
+    ap.add_argument("--draft-lr", type=float, default=1e-3,
+                    help="online draft trainer's learning rate")
     ap.add_argument("--draft-publish-every", type=int, default=4,
                     help="online draft trainer: publish the draft to the engine every N training steps")
     ap.add_argument("--draft-mixed-precision", choices=["no", "bf16", "auto"], default="auto",
