@@ -8,6 +8,7 @@ HF forward of the body; a planted mismatch (the second-to-last body layer's stat
 MTP's hidden input) fails the same comparison.
 """
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -39,10 +40,13 @@ def greedy_plain(mimo_model):
 def test_mtp_greedy_equals_plain(mimo_model, greedy_plain, k):
     spec = greedy_generate(mimo_model, code_prompts(24)[:16], 40, speculative_config=mtp_config(k))
     assert spec["tokens"] == greedy_plain["tokens"]
-    # The trained layer drafts something the body accepts (the fixture's own estimate: ~0.58 greedy).
+    # The trained layer drafts what the body accepts, near the fixture's own greedy agreement measured
+    # at build time (0.53-0.58 by machine; served here on other prompts: 0.39-0.45). A layer that is not
+    # the trained one (wrong weights, a dropped reload) accepts almost nothing.
     stats = spec["spec_decode"]
+    built = json.loads((mimo_model / "specrl_fixture.json").read_text())["metrics"]["greedy_agreement"]
     assert stats["num_drafts"] > 50
-    assert stats["per_position_acceptance"][0] > 0.4, stats
+    assert stats["per_position_acceptance"][0] > 0.6 * built, (stats, built)
 
 
 @pytest.fixture(scope="module")
