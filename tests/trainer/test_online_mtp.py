@@ -84,6 +84,7 @@ def aligned(mimo_model, tmp_path_factory):
 
         def served(prompts, seed, n):
             trainer.buffer.clear()
+            dropped = sum(trainer.drops.values())
             before = metrics.from_llm_metrics(llm.get_metrics())
             llm.generate(prompts, SamplingParams(n=n, temperature=1.0, max_tokens=48, seed=seed), use_tqdm=False)
             stats = metrics.from_llm_metrics(llm.get_metrics()).minus(before).summary()
@@ -92,7 +93,8 @@ def aligned(mimo_model, tmp_path_factory):
             return {{"served": stats["per_position_acceptance"][0], "drafts": stats["num_drafts"],
                     "estimate": est["per_position"][0], "estimate_drafts": est["drafts"],
                     "served_per_position": stats["per_position_acceptance"], "estimate_per_position": est["per_position"],
-                    "sequences": len(trainer.buffer)}}
+                    "sequences": len(trainer.buffer), "dropped": sum(trainer.drops.values()) - dropped,
+                    "drops": dict(trainer.drops)}}
 
         def greedy():
             outs = llm.generate(json.loads({json.dumps(json.dumps(held_out[:4]))}),
@@ -130,7 +132,9 @@ def test_online_training_realigns_a_stale_mtp_layer(aligned):
 def test_the_trainers_estimate_agrees_with_the_served_counters(aligned):
     for run in ("stale", "aligned"):
         r = aligned[run]
-        assert r["sequences"] == 128, r
+        # Every sample is kept, or dropped for a counted reason (one that hits EOS within a token or two
+        # has too few rows to train on: 0 or 1 of 128, by the machine the fixture was built on).
+        assert r["sequences"] + r["dropped"] == 128 and r["dropped"] <= 2, r
         assert len(r["served_per_position"]) == len(r["estimate_per_position"]) == K, r
         # Measured: within 0.013 at position 0, 0.027 at the chained positions (fewer accepted there).
         for j, (served, estimate) in enumerate(zip(r["served_per_position"], r["estimate_per_position"])):
