@@ -504,10 +504,7 @@ def draft_vocab_sample_draft_tokens(self, hidden_states, sampling_metadata):
     logits = model.logits_processor(model.lm_head, hidden_states)
     if logits is None or logits.shape[-1] != offsets.shape[0]:
         return stock(self, hidden_states, sampling_metadata)
-    targets = getattr(self, "_specrl_draft_targets", None)
-    if targets is None or targets.shape != offsets.shape or targets.device != offsets.device:
-        targets = torch.arange(offsets.shape[0], device=offsets.device) + offsets
-        self._specrl_draft_targets = targets
+    targets = torch.arange(offsets.shape[0], device=offsets.device) + offsets
     ids, probs = llm_base_proposer.compute_probs_and_sample_next_token(logits, sampling_metadata,
                                                                        self.use_fp64_gumbel)
     full = probs.new_zeros((probs.shape[0], model.config.vocab_size))

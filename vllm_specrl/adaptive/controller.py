@@ -380,14 +380,12 @@ class AdaptiveKController:
         state = self.buckets[bucket]
         tokens = self.acceptance.expected_tokens(self.cfg.optimism)
         measured = [state.cost.samples(k) >= min(3, self.cfg.min_samples) for k in range(self.max_k + 1)]
+        ratios = [self._step_ratio(state.cost, k) if measured[k] else float("nan") for k in range(self.max_k + 1)]
         if self.cfg.optimism_where_paying and measured[0]:
             mean = self.acceptance.expected_tokens()
-            plain_rate = 1.0 / self._step_ratio(state.cost, 0)
-            tokens = np.array([tokens[k] if k == 0 or not measured[k]
-                               or mean[k] / self._step_ratio(state.cost, k) >= plain_rate else mean[k]
-                               for k in range(self.max_k + 1)])
-        rates = [tokens[k] / self._step_ratio(state.cost, k) if measured[k] else -1.0
-                 for k in range(self.max_k + 1)]
+            tokens = np.array([mean[k] if k > 0 and measured[k] and mean[k] / ratios[k] < 1.0 / ratios[0]
+                               else tokens[k] for k in range(self.max_k + 1)])
+        rates = [tokens[k] / ratios[k] if measured[k] else -1.0 for k in range(self.max_k + 1)]
         rates[state.best] = tokens[state.best]
         best = int(np.argmax(rates))
         needed = 1 + self.cfg.switch_margin + state.cost.ratio_stderr(best)
