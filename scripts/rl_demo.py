@@ -217,7 +217,21 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
                     print(f"[rl:{mode}] draft trainer did not exit in 120 s after SIGINT: killed", flush=True)
                     trainer.kill()
                     trainer.wait()
-    return {"mode": mode, "steps": steps, "calibration": calibration}
+    return {"mode": mode, "steps": steps, "calibration": calibration,
+            "draft_publish_gate": publish_gate_verdicts(work / f"online_draft_{mode}.jsonl")}
+
+
+def publish_gate_verdicts(log: Path) -> list[dict]:
+    """The online trainer's publish decisions (held-out estimates of the candidate and the served draft)."""
+    if not log.exists():
+        return []
+    out = []
+    for line in log.read_text().splitlines():
+        record = json.loads(line)
+        if record.get("gate"):
+            out.append({"time": record["time"], "trainer_step": record["step"],
+                        "policy_version": record["policy_version"], **record["gate"]})
+    return out
 
 
 STAGES = ("exposed_generation_s", "logprob_s", "training_s", "sync_s")
@@ -276,6 +290,7 @@ def start_draft_trainer(args: argparse.Namespace, work: Path, mode: str, capture
          *model_args, "--checkpoint-dir", str(work / f"draft-online-{mode}"),
          "--publish-every", str(args.draft_publish_every), "--checkpoint-every", "50", "--batch-size", "4",
          "--lr", str(args.draft_lr), "--idle-s", "0.5", "--replay-ratio", str(args.draft_replay_ratio),
+         "--holdout-every", str(args.draft_holdout_every),
          "--mixed-precision", args.draft_mixed_precision,
          *(["--pause-file", str(trainer_pause_file(work, mode))] if args.draft_trainer_yields else []),
          "--log", str(work / f"online_draft_{mode}.jsonl")],
@@ -454,6 +469,9 @@ def main() -> None:
                     help="online draft trainer's learning rate")
     ap.add_argument("--draft-publish-every", type=int, default=4,
                     help="online draft trainer: publish the draft to the engine every N training steps")
+    ap.add_argument("--draft-holdout-every", type=int, default=4,
+                    help="online draft trainer: hold every n-th rollout out of training and publish only drafts "
+                         "whose estimated acceptance on them beats the served draft's (0: publish on schedule)")
     ap.add_argument("--draft-mixed-precision", choices=["no", "bf16", "auto"], default="auto",
                     help="online draft trainer's precision (auto: bf16 autocast where the CPU multiplies bf16 "
                          "natively, half the cycles it takes from the engine and this loop)")

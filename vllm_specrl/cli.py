@@ -118,6 +118,7 @@ def _cmd_train_online(args: argparse.Namespace) -> int:
                        max_seconds=args.max_seconds, idle_s=args.idle_s, seed=args.seed,
                        replay_ratio=args.replay_ratio, capture_allow_remote=args.capture_allow_remote,
                        pause_file=str(args.pause_file) if args.pause_file else None,
+                       holdout_every=args.holdout_every, publish_margin=args.publish_margin,
                        drafter="mtp" if args.mtp else "eagle3")
     trainer = OnlineDraftTrainer(args.draft, args.target, cfg, _train_config(args), args.checkpoint_dir, args.log)
     print(json.dumps({"event": "started", "resumed_from_step": trainer.resumed_from_step,
@@ -228,6 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--pause-file", type=Path, default=None,
                     help="online: while this file exists, ingest captured frames but neither train nor publish "
                          "(an RL loop sharing the machine creates it for its policy phases)")
+    tr.add_argument("--holdout-every", type=int, default=4,
+                    help="online: hold every n-th captured rollout out of training and publish a draft only "
+                         "when its estimated acceptance on them beats the served draft's (0: publish every "
+                         "--publish-every steps unconditionally)")
+    tr.add_argument("--publish-margin", type=float, default=0.0,
+                    help="online: acceptance length a draft must gain on the held-out rollouts to be published")
     tr.add_argument("--mtp", action="store_true",
                     help="online: train the policy's own MTP layer (an engine serving \"method\": \"mtp\"); "
                          "--draft is then the checkpoint holding the MTP layer to start from (the policy's)")

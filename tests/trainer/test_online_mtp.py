@@ -67,7 +67,8 @@ def aligned(mimo_model, tmp_path_factory):
                   additional_config={{"specrl": {{"capture_topk": 0, "capture_queue_frames": 65536,
                                                  "capture_send_timeout_s": 60.0, "capture_dtype": "float32"}}}})
         trainer = OnlineDraftTrainer(policy, policy, OnlineConfig(capture=address, drafter="mtp", idle_s=0.3,
-                                                                  batch_size=8, min_sequences=1),
+                                                                  batch_size=8, min_sequences=1,
+                                                                  holdout_every=0),
                                      TrainConfig(lr=1e-3), checkpoint_dir={str(root / "ckpt")!r})
         rpc = lambda name, *args: llm.collective_rpc(name, args=args)[0]
         assert rpc("specrl_capture_start", address)["ok"]

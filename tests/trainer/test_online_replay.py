@@ -32,7 +32,7 @@ def test_replay_ratio_caps_training_then_new_data_resumes_it(tiny_model, tmp_pat
     init_draft(tiny_model, tmp_path / "draft", 1024, seed=0)
     address = f"tcp://127.0.0.1:{free_port()}"
     cfg = OnlineConfig(capture=address, batch_size=4, min_sequences=4, idle_s=0.2, publish_every=1000,
-                       checkpoint_every=1000, replay_ratio=1.0, max_seconds=4.0)
+                       checkpoint_every=1000, holdout_every=0, replay_ratio=1.0, max_seconds=4.0)
     trainer = OnlineDraftTrainer(tmp_path / "draft", tiny_model, cfg, checkpoint_dir=tmp_path / "ckpt")
     try:
         tx = send_sequences(address, 8, 12, 256)
@@ -53,7 +53,7 @@ def test_without_a_cap_it_trains_continuously(tiny_model, tmp_path):
     init_draft(tiny_model, tmp_path / "draft", 1024, seed=0)
     address = f"tcp://127.0.0.1:{free_port()}"
     cfg = OnlineConfig(capture=address, batch_size=4, min_sequences=4, idle_s=0.2, publish_every=1000,
-                       checkpoint_every=1000, max_seconds=4.0)
+                       checkpoint_every=1000, holdout_every=0, max_seconds=4.0)
     trainer = OnlineDraftTrainer(tmp_path / "draft", tiny_model, cfg, checkpoint_dir=tmp_path / "ckpt")
     try:
         tx = send_sequences(address, 8, 12, 256)
@@ -73,7 +73,7 @@ def test_a_pause_file_stops_training_but_not_ingest(tiny_model, tmp_path):
     pause = tmp_path / "trainer.pause"
     pause.touch()
     cfg = OnlineConfig(capture=address, batch_size=4, min_sequences=4, idle_s=0.2, publish_every=1000,
-                       checkpoint_every=1000, max_seconds=2.0, pause_file=str(pause))
+                       checkpoint_every=1000, holdout_every=0, max_seconds=2.0, pause_file=str(pause))
     trainer = OnlineDraftTrainer(tmp_path / "draft", tiny_model, cfg, checkpoint_dir=tmp_path / "ckpt")
     try:
         tx = send_sequences(address, 8, 12, 256)

@@ -189,6 +189,15 @@ class DraftTrainer:
         return self.accelerator.unwrap_model(self.draft)
 
     @property
+    def drafter_module(self) -> torch.nn.Module:
+        """The module whose weights a publish sends (the publish gate swaps them to compare drafts)."""
+        return self.unwrapped
+
+    def held_out_acceptance(self, sequences: list[dict[str, torch.Tensor]]) -> float:
+        """vLLM's expected acceptance length for this draft on rollouts it was not trained on."""
+        return float(self.evaluate_many(sequences)["served_acceptance_length"])
+
+    @property
     def loss_config(self) -> LossConfig:
         c = self.config
         return LossConfig(decay=c.decay, tv_weight=c.tv_weight, accept_weighted=c.accept_weighted)

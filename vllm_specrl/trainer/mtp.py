@@ -207,6 +207,15 @@ class MTPTrainer:
             parts.append(served_acceptance(StepAcceptance(valid, weights), first))
         return pool(parts)
 
+    @property
+    def drafter_module(self) -> torch.nn.Module:
+        """The module whose weights a publish sends (the publish gate swaps them to compare drafts)."""
+        return self.layer
+
+    def held_out_acceptance(self, sequences: list[dict[str, Any]]) -> float:
+        """vLLM's expected acceptance length at one draft position (what this layer is trained for)."""
+        return float(self.estimate_served(sequences, k=1)["acceptance_length"])
+
     # -- publishing and checkpoints -------------------------------------------------------------
     def publishable_state(self) -> dict[str, torch.Tensor]:
         """The MTP layer under the checkpoint's names, as ``update_draft`` takes it."""

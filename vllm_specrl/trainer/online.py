@@ -10,7 +10,9 @@ shared training core on completion positions only (soft targets from the
 engine's top-K logprobs when the engine captures them, ``capture_topk``;
 otherwise from the captured final hidden state through the target's LM
 head). Every ``--publish-every`` steps it pushes the
-draft into the engine in place (``EngineClient.update_draft``); every
+draft into the engine in place (``EngineClient.update_draft``) if the publish
+gate (``trainer.publish_gate``) finds it ahead of the served draft on held-out
+rollouts (every ``--holdout-every``-th one is never trained on); every
 ``--checkpoint-every`` steps it saves a resumable checkpoint, from which it
 restarts. When frames carry a new policy version it drops older sequences
 (and, without top-K targets, reloads the LM head and embedding from
@@ -40,6 +42,7 @@ from vllm_specrl.proposer.checkpoint import load_draft, target_lm_head
 from vllm_specrl.sync.client import WeightSyncError
 from vllm_specrl.trainer.core import TRAINER_STATE, DraftTrainer, TrainConfig
 from vllm_specrl.trainer.mtp import MTPTrainer
+from vllm_specrl.trainer.publish_gate import GateConfig, PublishGate
 
 
 @dataclass
@@ -62,6 +65,13 @@ class OnlineConfig:
     # trainer shares with the engine and the RL loop (a CPU box), a cap keeps it from taking cycles
     # that rollouts and the policy update need.
     replay_ratio: float | None = None
+    # Publish gate (``trainer.publish_gate``): every n-th captured rollout is held out of training, and
+    # a draft is published only if its estimate on the held-out rollouts beats the served draft's by
+    # more than ``publish_margin``. 0 publishes every ``publish_every`` steps unconditionally.
+    holdout_every: int = 4
+    holdout_sequences: int = 32
+    holdout_min: int = 4
+    publish_margin: float = 0.0
     # While this file exists the trainer ingests frames but neither trains nor publishes: an RL loop
     # that shares the machine with it creates the file for its own policy phases (logprobs, update).
     pause_file: str | None = None
@@ -101,6 +111,13 @@ class OnlineDraftTrainer:
         self.partial = 0
         self.prefix_cached = 0
         self.trained_samples = 0
+        # The replay budget counts the current policy version only: a budget left over from the last
+        # version (rollouts that finished while training was paused) must not be spent replaying the
+        # new version's first few rollouts over and over.
+        self.version_buffered = 0
+        self.version_trained = 0
+        self.gate = PublishGate(self.trainer, GateConfig(every=cfg.holdout_every, capacity=cfg.holdout_sequences,
+                                                         min_sequences=cfg.holdout_min, margin=cfg.publish_margin))
         self.policy_version: int | None = None
         self.topk_targets = False  # whether captured sequences carry the engine's top-K logprobs
         self.draft_version = 0
@@ -156,9 +173,12 @@ class OnlineDraftTrainer:
             return False
         self.partial += int(kept < total_rows)
         self.prefix_cached += int(seq["start"] > 0)
-        self.buffer.append({k: v[: self.cfg.max_len] if torch.is_tensor(v) else v for k, v in seq.items()})
+        seq = {k: v[: self.cfg.max_len] if torch.is_tensor(v) else v for k, v in seq.items()}
         self.ingested += 1
         self.topk_targets = "topk_logprobs" in seq
+        if not self.gate.take(seq, self.policy_version):
+            self.buffer.append(seq)
+            self.version_buffered += 1
         return True
 
     def capture_counts(self) -> dict[str, Any]:
@@ -179,6 +199,8 @@ class OnlineDraftTrainer:
         if first:
             return
         self.buffer.clear()
+        self.version_buffered = self.version_trained = 0
+        self.gate.on_policy_version(version)
         if self.topk_targets and self.trainer.drafter == "eagle3":
             return  # (the MTP trainer's targets always come from the head and norm: it re-reads them)
         self.trainer.refresh_target(self.target_dir)
@@ -189,12 +211,25 @@ class OnlineDraftTrainer:
 
     def replay_exhausted(self) -> bool:
         ratio = self.cfg.replay_ratio
-        return ratio is not None and self.trained_samples >= ratio * self.ingested
+        return ratio is not None and self.version_trained >= ratio * self.version_buffered
 
     def train_step(self) -> dict[str, Any]:
         picked = self.rng.sample(list(self.buffer), min(self.cfg.batch_size, len(self.buffer)))
         self.trained_samples += len(picked)
+        self.version_trained += len(picked)
         return self.trainer.train_on(picked)
+
+    def engine_lost_draft(self) -> bool:
+        """Whether a replica serves an older draft than the last one published (it restarted from
+        the checkpoint on disk): the gate's reference is then not what it serves, so it gets the
+        trainer's draft whatever the gate says."""
+        if self.client is None or self.draft_version == 0:
+            return False
+        try:
+            served = [status["versions"]["draft"] for ok, status in self.client.statuses().values() if ok]
+        except Exception:  # noqa: BLE001 - unreachable: publish() will find out and count it
+            return False
+        return any(version < self.draft_version for version in served)
 
     def publish(self) -> tuple[dict[str, Any] | None, dict | None]:
         """Push the draft into the engine; returns the commit record and the engine's
@@ -214,7 +249,8 @@ class OnlineDraftTrainer:
             served = [status["versions"]["draft"] for ok, status in statuses.values() if ok]
             self.draft_version = max([self.draft_version, *served]) + 1
             state = self.trainer.publishable_state()
-            report = {"capture": self.capture_counts(), "steps": self.trainer.step_count}
+            report = {"capture": self.capture_counts(), "steps": self.trainer.step_count,
+                      "publish_gate": self.gate.status()}
             result = self.client.update_draft(state, version=self.draft_version, trainer_report=report)
             if result["quarantined"]:
                 self.publish_errors += 1
@@ -247,7 +283,13 @@ class OnlineDraftTrainer:
                           "frames": dict(self.receiver.counters), "capture": self.capture_counts()}
                 step = self.trainer.step_count
                 if step % cfg.publish_every == 0:
-                    record["publish"], record["engine_spec_decode"] = self.publish()
+                    verdict = record["gate"] = self.gate.decide() if self.gate.enabled else None
+                    if verdict is not None and not verdict["publish"] and self.engine_lost_draft():
+                        verdict.update(publish=True, reason="engine_lost_draft")
+                    if verdict is None or verdict["publish"]:
+                        record["publish"], record["engine_spec_decode"] = self.publish()
+                        if record["publish"] is None or "error" not in record["publish"]:
+                            self.gate.published(verdict)
                     record["draft_version"] = self.draft_version
                 if step % cfg.checkpoint_every == 0:
                     self.trainer.save(self.checkpoint_dir, extra={"draft_version": self.draft_version})
@@ -260,7 +302,7 @@ class OnlineDraftTrainer:
         return {"event": "stopped" if self.stop_requested.is_set() else "finished",
                 "steps": self.trainer.step_count, "resumed_from_step": self.resumed_from_step,
                 "frames": dict(self.receiver.counters), "capture": self.capture_counts(),
-                "publish_errors": self.publish_errors,
+                "publish_errors": self.publish_errors, "publish_gate": self.gate.status(),
                 "draft_version": self.draft_version, "last": last_metrics}
 
     def close(self) -> None:

@@ -1,0 +1,135 @@
+"""The publish gate: a draft reaches the engine only if held-out rollouts say it serves better.
+
+Estimates are the trainer's exact expectation of vLLM's counters (checked against
+the engine in test_calibration.py), computed here on the warm draft's held-out
+rollouts of the tiny target (HF features, float32), and compared with the same
+estimate made by an independent trainer holding the expected weights. The
+online trainer's side (which rollouts are held out, ageing by policy version, an
+engine that lost the published draft) runs on frames sent through a real
+ZeroMQ socket, as the worker tap sends them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from test_online_replay import send_sequences
+from vllm_specrl.proposer.checkpoint import init_draft, load_draft, target_lm_head
+from vllm_specrl.server import free_port
+from vllm_specrl.trainer.core import DraftTrainer, TrainConfig
+from vllm_specrl.trainer.features import sequence_features
+from vllm_specrl.trainer.online import OnlineConfig, OnlineDraftTrainer
+from vllm_specrl.trainer.publish_gate import GateConfig, PublishGate
+
+
+@pytest.fixture(scope="module")
+def rollouts(tiny_model, warm_draft):
+    """The warm start's held-out rollouts (prompts it never trained on) and two of its training
+    rollouts, with the target's features."""
+    from transformers import AutoModelForCausalLM
+
+    saved = json.loads((warm_draft / "warm_start_rollouts.json").read_text())
+    eval_prompts = set(saved["eval_prompts"])
+    held = [i for i, p in enumerate(saved["prompt_index"]) if p in eval_prompts][:16]
+    trained = [i for i, p in enumerate(saved["prompt_index"]) if p not in eval_prompts][:2]
+    target = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    features = sequence_features(target, [saved["sequences"][i] for i in held + trained],
+                                 load_draft(warm_draft, tiny_model).shape.aux_layer_ids, dtype=torch.float32,
+                                 prompt_lengths=[saved["prompt_lengths"][i] for i in held + trained])
+    return features[:len(held)], features[len(held):]
+
+
+def trainer_for(draft_dir, tiny_model, lr: float = 1e-3) -> DraftTrainer:
+    return DraftTrainer(load_draft(draft_dir, tiny_model), target_lm_head(tiny_model), TrainConfig(lr=lr, ttt_steps=3))
+
+
+def gate_over(trainer, sequences) -> PublishGate:
+    gate = PublishGate(trainer, GateConfig(every=1, min_sequences=4))
+    for seq in sequences:
+        assert gate.take(seq, policy_version=0)
+    return gate
+
+
+def test_an_overfitted_candidate_is_held_and_the_served_estimate_is_the_served_drafts(tiny_model, warm_draft,
+                                                                                     rollouts):
+    held_out, few = rollouts
+    trainer = trainer_for(warm_draft, tiny_model, lr=1e-2)
+    gate = gate_over(trainer, held_out)
+    for _ in range(30):  # the online failure: a warm draft fine-tuned hard on a handful of rollouts
+        trainer.train_on(few)
+    overfitted = {k: v.clone() for k, v in trainer.drafter_module.state_dict().items()}
+    verdict = gate.decide()
+    reference = trainer_for(warm_draft, tiny_model).held_out_acceptance(held_out)
+    assert verdict["served_acceptance_length"] == pytest.approx(reference, abs=1e-5), verdict
+    assert verdict["candidate_acceptance_length"] < reference - 0.1, (verdict, reference)
+    assert verdict["publish"] is False and verdict["reason"] == "not_better"
+    # The served weights were swapped in for their estimate and the candidate's put back.
+    for k, v in trainer.drafter_module.state_dict().items():
+        assert torch.equal(v, overfitted[k]), k
+    assert trainer.held_out_acceptance(held_out) == pytest.approx(verdict["candidate_acceptance_length"], abs=1e-6)
+
+
+def test_a_better_candidate_is_published_and_becomes_the_draft_to_beat(tiny_model, warm_draft, rollouts, tmp_path):
+    held_out, _ = rollouts
+    init_draft(tiny_model, tmp_path / "fresh", 1024, seed=3)
+    trainer = trainer_for(tmp_path / "fresh", tiny_model)
+    gate = gate_over(trainer, held_out)  # serves the fresh draft
+    trainer.drafter_module.load_state_dict(load_draft(warm_draft, tiny_model).state_dict())
+    verdict = gate.decide()
+    assert verdict["publish"] is True, verdict
+    assert verdict["served_acceptance_length"] == pytest.approx(
+        trainer_for(tmp_path / "fresh", tiny_model).held_out_acceptance(held_out), abs=1e-5)
+    assert verdict["candidate_acceptance_length"] > verdict["served_acceptance_length"] + 0.3, verdict
+    gate.published(verdict)
+    again = gate.decide()  # the same draft is not better than itself
+    assert again["publish"] is False and again["served_acceptance_length"] == verdict["candidate_acceptance_length"]
+    assert gate.status() == {"held_out": len(held_out), "offered": len(held_out), "better": 1, "not_better": 1,
+                             "too_few_held_out": 0}
+
+
+def test_too_few_held_out_rollouts_keep_the_served_draft(tiny_model, warm_draft, rollouts):
+    held_out, _ = rollouts
+    gate = PublishGate(trainer_for(warm_draft, tiny_model), GateConfig(every=2, min_sequences=4))
+    taken = [gate.take(seq, policy_version=0) for seq in held_out[:7]]
+    assert taken == [False, True, False, True, False, True, False]
+    assert gate.decide() == {"held_out": 3, "publish": False, "reason": "too_few_held_out"}
+
+
+def fake_engine(draft_versions: list[int]):
+    class Client:
+        def statuses(self):
+            return {f"http://replica-{i}": (True, {"versions": {"draft": v}}) for i, v in enumerate(draft_versions)}
+    return Client()
+
+
+def test_the_online_trainer_holds_out_every_nth_rollout_and_ages_them_by_policy_version(tiny_model, tmp_path):
+    init_draft(tiny_model, tmp_path / "draft", 1024, seed=0)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    cfg = OnlineConfig(capture=address, batch_size=4, min_sequences=4, idle_s=0.2, publish_every=1000,
+                       checkpoint_every=1000, replay_ratio=1.0, max_seconds=3.0, holdout_every=4)
+    trainer = OnlineDraftTrainer(tmp_path / "draft", tiny_model, cfg, checkpoint_dir=tmp_path / "ckpt")
+    try:
+        tx = send_sequences(address, 12, 12, 256)
+        trainer.run()
+        assert trainer.ingested == 12 and len(trainer.gate.held_out) == 3 and len(trainer.buffer) == 9
+        held = {id(s) for _, s in trainer.gate.held_out}
+        assert not held & {id(s) for s in trainer.buffer}
+        # Training drew only from the buffer: the replay budget is 9 samples (ratio 1), 3 steps of 4.
+        assert trainer.trainer.step_count == 3 and trainer.version_trained == 12
+        trainer.on_policy_version(1)
+        assert len(trainer.gate.held_out) == 3 and trainer.version_buffered == 0  # the previous version stays
+        trainer.on_policy_version(2)
+        assert len(trainer.gate.held_out) == 0  # two versions back: gone
+        tx.close()
+        assert not trainer.engine_lost_draft()  # nothing published yet
+        trainer.draft_version = 3
+        trainer.client = fake_engine([3, 3])
+        assert not trainer.engine_lost_draft()
+        trainer.client = fake_engine([3, 0])  # one replica restarted from the checkpoint on disk
+        assert trainer.engine_lost_draft()
+    finally:
+        trainer.client = None
+        trainer.close()
