@@ -186,6 +186,8 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
                        "generation_tail_s": timing["tail_s"],
                        "completion_tokens": sorted(len(s["completion_ids"]) for s in samples),
                        "mean_k": mean_k(before.get("adaptive_k"), after.get("adaptive_k")),
+                       # per batch-size bucket: the k served, step costs, live per-position acceptance
+                       "adaptive_k_state": after.get("adaptive_k"),
                        "exposed_generation_s": t_exposed, "logprob_s": t_logp,
                        "training_s": t_train, "sync_s": t_sync, "step_s": time.perf_counter() - t_step,
                        "rollouts": len(samples), "tokens": sum(len(s["completion_ids"]) for s in samples),

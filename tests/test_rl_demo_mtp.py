@@ -24,8 +24,10 @@ STEPS, PROMPTS, GROUP = 3, 2, 4
 def report(mimo_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("rl_demo_mtp") / "rl_demo.json"
     # The trainer publishes after its first step and is not niced: a slow machine still sees a publish.
+    # Unconditionally (no publish gate): this checks the two writers' mechanics, and the fixture's MTP
+    # layer is already aligned, so a gated trainer rightly keeps it (tests/trainer/test_publish_gate.py).
     data, stdout = run_rl_demo(mimo_model, "mtp,plain", out, STEPS, PROMPTS, GROUP,
-                               "--draft-publish-every", "1", "--draft-nice", "0")
+                               "--draft-publish-every", "1", "--draft-nice", "0", "--draft-holdout-every", "0")
     work = out.parent / "rl_demo_work"
     trainer_log = [json.loads(line) for line in (work / "online_draft_mtp.jsonl").read_text().splitlines() if line]
     return data, stdout, trainer_log
