@@ -133,3 +133,23 @@ def test_plugin_ran_in_api_server_engine_core_and_worker(server):
     assert set(roles) == {"main", "engine_core", "worker"}, roles
     assert len(set(roles.values())) == 3, f"three distinct processes expected: {roles}"
     assert roles["main"] == server.status()["api_server"]["pid"]
+
+
+def test_a_trainer_report_without_an_update_reaches_status_and_metrics(server):
+    """What the online trainer sends when its publish gate keeps the served draft."""
+    from vllm_specrl.sync.client import EngineClient
+
+    url = server.url + "/specrl/draft_trainer"
+    assert requests.post(url, json={"capture": {}}, timeout=30).status_code == 401  # the key is required
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    assert requests.post(url, json=[1, 2], headers=auth, timeout=30).status_code == 400
+    report = {"capture": {"ingested": 12, "drops": {"other_policy_version": 2}}, "steps": 20,
+              "publish_gate": {"held_out": 4, "offered": 16, "better": 1, "not_better": 3, "too_few_held_out": 2}}
+    EngineClient(server.url, api_key=API_KEY, progress=False).report_trainer(report)
+    status = requests.get(server.url + "/specrl/status", headers=auth, timeout=30).json()
+    assert {k: v for k, v in status["draft_trainer"].items() if k != "received_at"} == report
+    text = requests.get(server.url + "/metrics", timeout=30).text
+    for line in ('specrl_draft_publish_gate{verdict="not_better"} 3.0',
+                 'specrl_draft_publish_gate{verdict="too_few_held_out"} 2.0',
+                 'specrl_draft_trainer_requests{outcome="dropped_other_policy_version"} 2.0'):
+        assert line in text, [m for m in text.splitlines() if m.startswith("specrl_draft")]

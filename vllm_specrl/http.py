@@ -140,6 +140,12 @@ class SpecRLHttpState:
         for outcome, value in outcomes.items():
             if isinstance(value, (int, float)):
                 gauge.labels(outcome=str(outcome)).set(float(value))
+        gate = report.get("publish_gate") if isinstance(report.get("publish_gate"), dict) else {}
+        gate_gauge = _gauge("specrl_draft_publish_gate", "the online trainer's publish-gate verdicts: "
+                            "better (published), not_better and too_few_held_out (served draft kept)", ("verdict",))
+        for verdict in ("better", "not_better", "too_few_held_out"):
+            if isinstance(gate.get(verdict), (int, float)):
+                gate_gauge.labels(verdict=verdict).set(float(gate[verdict]))
 
     def stale_draft(self) -> dict:
         return self.guard.assess(self.versions["policy"], self.versions["draft"], self.has_draft,
@@ -230,6 +236,17 @@ def build_router() -> APIRouter:
     @router.get("/status")
     async def status(request: Request) -> JSONResponse:
         return JSONResponse(await gather_status(_specrl_state(request)))
+
+    @router.post("/draft_trainer")
+    async def draft_trainer(request: Request) -> JSONResponse:
+        """The online trainer's report between publishes: a publish gate that keeps the served draft
+        sends no update, so its counts would otherwise never reach /status and /metrics."""
+        state = _specrl_state(request)
+        body = await request.json() if await request.body() else None
+        if not isinstance(body, dict):
+            return JSONResponse({"error": "the trainer report must be a JSON object"}, status_code=400)
+        state.trainer_reported(body)
+        return JSONResponse({"ok": True})
 
     @router.post("/capture")
     async def capture(request: Request) -> JSONResponse:

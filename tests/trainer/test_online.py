@@ -105,11 +105,15 @@ def test_online_training_raises_acceptance_and_stays_lossless(setup):
     assert curve[-1]["draft_version"] >= 2, curve
     assert sum(lengths[-3:]) / 3 > sum(lengths[:2]) / 2 + 0.1, lengths
     assert curve[-1]["capture"]["frames_sent"] > 0 and curve[-1]["capture"]["trainer_connected"]
-    # The trainer's own account of every captured request reached the engine with its publishes,
-    # and equals what its log says at that publish.
+    # The trainer's own account of every captured request reached the engine with its publishes (or,
+    # where the publish gate kept the served draft, with a report alone), and equals what its log says
+    # at the last of those.
     report = status(srv)["draft_trainer"]
-    logged = [r for r in records(setup["work"] / "online.jsonl") if r.get("publish") and "error" not in r["publish"]]
+    logged = [r for r in records(setup["work"] / "online.jsonl")
+              if (r.get("publish") and "error" not in r["publish"]) or (r.get("gate") and not r["gate"]["publish"])]
     assert report["capture"] == logged[-1]["capture"] and report["capture"]["ingested"] > 0, (report, logged[-1])
+    verdicts = [r["gate"] for r in records(setup["work"] / "online.jsonl") if r.get("gate")]
+    assert report["publish_gate"]["better"] == sum(v["reason"] == "better" for v in verdicts) >= 2, verdicts
     text = requests.get(srv.url + "/metrics", timeout=30).text
     assert f'specrl_draft_trainer_requests{{outcome="ingested"}} {float(report["capture"]["ingested"])}' in text
 

@@ -146,6 +146,10 @@ class EngineClient:
         return result
 
     # -- the phases, for callers that coordinate several engines (``FleetClient``) ----------------
+    def report_trainer(self, report: dict) -> dict:
+        """Show an online trainer's report in ``/specrl/status`` and ``/metrics`` without an update."""
+        return self._post("/specrl/draft_trainer", json=report)
+
     def stage(self, target: str, named_tensors: Any, version: int, trainer_report: dict | None = None,
               keep_mtp: bool = False) -> dict:
         """Begin an update and upload every tensor (validated by the engine, nothing applied).

@@ -99,6 +99,10 @@ class FleetClient:
         """Take a quarantined replica back (after updating it directly, e.g. ``replicas[url].update_policy``)."""
         self.quarantined.pop(url.rstrip("/"), None)
 
+    def report_trainer(self, report: dict) -> dict[str, tuple[bool, Any]]:
+        """An online trainer's report to every replica (quarantined ones included)."""
+        return self._each(lambda url, c: c.report_trainer(report), self.replicas)
+
     def statuses(self) -> dict[str, tuple[bool, Any]]:
         """Each replica's ``/specrl/status`` (quarantined ones included): ``url -> (ok, status or error)``."""
         return self._each(lambda url, c: c.status(), self.replicas)

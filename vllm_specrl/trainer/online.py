@@ -219,6 +219,20 @@ class OnlineDraftTrainer:
         self.version_trained += len(picked)
         return self.trainer.train_on(picked)
 
+    def report(self) -> dict[str, Any]:
+        """What the engine shows of this trainer (``/specrl/status`` ``draft_trainer``, ``/metrics``)."""
+        return {"capture": self.capture_counts(), "steps": self.trainer.step_count,
+                "publish_gate": self.gate.status()}
+
+    def send_report(self) -> None:
+        """The report alone, when the gate kept the served draft (a publish carries it otherwise)."""
+        if self.client is None:
+            return
+        try:
+            self.client.report_trainer(self.report())
+        except Exception:  # noqa: BLE001 - an unreachable engine hears at the next publish or report
+            pass
+
     def engine_lost_draft(self) -> bool:
         """Whether a replica serves an older draft than the last one published (it restarted from
         the checkpoint on disk): the gate's reference is then not what it serves, so it gets the
@@ -249,9 +263,7 @@ class OnlineDraftTrainer:
             served = [status["versions"]["draft"] for ok, status in statuses.values() if ok]
             self.draft_version = max([self.draft_version, *served]) + 1
             state = self.trainer.publishable_state()
-            report = {"capture": self.capture_counts(), "steps": self.trainer.step_count,
-                      "publish_gate": self.gate.status()}
-            result = self.client.update_draft(state, version=self.draft_version, trainer_report=report)
+            result = self.client.update_draft(state, version=self.draft_version, trainer_report=self.report())
             if result["quarantined"]:
                 self.publish_errors += 1
                 result["error"] = f"not applied on {sorted(result['quarantined'])}"
@@ -290,6 +302,8 @@ class OnlineDraftTrainer:
                         record["publish"], record["engine_spec_decode"] = self.publish()
                         if record["publish"] is None or "error" not in record["publish"]:
                             self.gate.published(verdict)
+                    else:
+                        self.send_report()
                     record["draft_version"] = self.draft_version
                 if step % cfg.checkpoint_every == 0:
                     self.trainer.save(self.checkpoint_dir, extra={"draft_version": self.draft_version})
