@@ -45,6 +45,11 @@ from vllm_specrl.trainer.mtp import MTPTrainer
 from vllm_specrl.trainer.publish_gate import GateConfig, PublishGate
 
 
+def served_draft_versions(statuses: dict[str, tuple[bool, Any]]) -> list[int]:
+    """The draft version each reachable replica serves (``FleetClient.statuses()``)."""
+    return [status["versions"]["draft"] for ok, status in statuses.values() if ok]
+
+
 @dataclass
 class OnlineConfig:
     capture: str = "tcp://127.0.0.1:5557"
@@ -240,7 +245,7 @@ class OnlineDraftTrainer:
         if self.client is None or self.draft_version == 0:
             return False
         try:
-            served = [status["versions"]["draft"] for ok, status in self.client.statuses().values() if ok]
+            served = served_draft_versions(self.client.statuses())
         except Exception:  # noqa: BLE001 - unreachable: publish() will find out and count it
             return False
         return any(version < self.draft_version for version in served)
@@ -260,8 +265,7 @@ class OnlineDraftTrainer:
             if not ok:
                 raise WeightSyncError(first)
             spec_decode = first["spec_decode"]
-            served = [status["versions"]["draft"] for ok, status in statuses.values() if ok]
-            self.draft_version = max([self.draft_version, *served]) + 1
+            self.draft_version = max([self.draft_version, *served_draft_versions(statuses)]) + 1
             state = self.trainer.publishable_state()
             result = self.client.update_draft(state, version=self.draft_version, trainer_report=self.report())
             if result["quarantined"]:

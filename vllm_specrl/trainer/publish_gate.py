@@ -58,7 +58,12 @@ class PublishGate:
         return self.config.every > 0
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.trainer.drafter_module.state_dict().items()}
+        """The module's state but its frozen parameters (EAGLE-3's embedding is the target's, the same
+        in both drafts: an 8B target's would be gigabytes to copy for nothing); buffers such as the
+        draft-vocabulary map are kept."""
+        module = self.trainer.drafter_module
+        frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
+        return {k: v.detach().clone() for k, v in module.state_dict().items() if k not in frozen}
 
     def take(self, sequence: dict[str, Any], policy_version: int | None) -> bool:
         """Offer a rollout; True when the gate keeps it (it must then not be trained on)."""
@@ -85,10 +90,10 @@ class PublishGate:
         module = self.trainer.drafter_module
         candidate = self._snapshot()
         try:
-            module.load_state_dict(self.served_state)
+            module.load_state_dict(self.served_state, strict=False)
             estimate = self.trainer.held_out_acceptance(sequences)
         finally:
-            module.load_state_dict(candidate)
+            module.load_state_dict(candidate, strict=False)
         self._served_estimate = (self._revision, estimate)
         return estimate
 
