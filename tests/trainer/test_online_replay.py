@@ -28,12 +28,18 @@ def send_sequences(address: str, n: int, rows: int, hidden: int) -> CaptureSende
     return tx
 
 
-def test_replay_ratio_caps_training_then_new_data_resumes_it(tiny_model, tmp_path):
+def trainer_on_frames(tiny_model, tmp_path, **config) -> tuple[OnlineDraftTrainer, str]:
+    """An online trainer on a fresh tiny-target draft, listening on a free port (its address returned);
+    quick settings: batch 4, a sequence is done after 0.2 s quiet, no publish or checkpoint."""
     init_draft(tiny_model, tmp_path / "draft", 1024, seed=0)
     address = f"tcp://127.0.0.1:{free_port()}"
     cfg = OnlineConfig(capture=address, batch_size=4, min_sequences=4, idle_s=0.2, publish_every=1000,
-                       checkpoint_every=1000, holdout_every=0, replay_ratio=1.0, max_seconds=4.0)
-    trainer = OnlineDraftTrainer(tmp_path / "draft", tiny_model, cfg, checkpoint_dir=tmp_path / "ckpt")
+                       checkpoint_every=1000, **config)
+    return OnlineDraftTrainer(tmp_path / "draft", tiny_model, cfg, checkpoint_dir=tmp_path / "ckpt"), address
+
+
+def test_replay_ratio_caps_training_then_new_data_resumes_it(tiny_model, tmp_path):
+    trainer, address = trainer_on_frames(tiny_model, tmp_path, holdout_every=0, replay_ratio=1.0, max_seconds=4.0)
     try:
         tx = send_sequences(address, 8, 12, 256)
         first = trainer.run()
@@ -50,11 +56,7 @@ def test_replay_ratio_caps_training_then_new_data_resumes_it(tiny_model, tmp_pat
 
 
 def test_without_a_cap_it_trains_continuously(tiny_model, tmp_path):
-    init_draft(tiny_model, tmp_path / "draft", 1024, seed=0)
-    address = f"tcp://127.0.0.1:{free_port()}"
-    cfg = OnlineConfig(capture=address, batch_size=4, min_sequences=4, idle_s=0.2, publish_every=1000,
-                       checkpoint_every=1000, holdout_every=0, max_seconds=4.0)
-    trainer = OnlineDraftTrainer(tmp_path / "draft", tiny_model, cfg, checkpoint_dir=tmp_path / "ckpt")
+    trainer, address = trainer_on_frames(tiny_model, tmp_path, holdout_every=0, max_seconds=4.0)
     try:
         tx = send_sequences(address, 8, 12, 256)
         t0 = time.time()
@@ -68,13 +70,10 @@ def test_without_a_cap_it_trains_continuously(tiny_model, tmp_path):
 def test_a_pause_file_stops_training_but_not_ingest(tiny_model, tmp_path):
     """While the RL loop's pause file exists the trainer takes in frames and makes no step; once it is
     gone, the same run trains on what arrived meanwhile."""
-    init_draft(tiny_model, tmp_path / "draft", 1024, seed=0)
-    address = f"tcp://127.0.0.1:{free_port()}"
     pause = tmp_path / "trainer.pause"
     pause.touch()
-    cfg = OnlineConfig(capture=address, batch_size=4, min_sequences=4, idle_s=0.2, publish_every=1000,
-                       checkpoint_every=1000, holdout_every=0, max_seconds=2.0, pause_file=str(pause))
-    trainer = OnlineDraftTrainer(tmp_path / "draft", tiny_model, cfg, checkpoint_dir=tmp_path / "ckpt")
+    trainer, address = trainer_on_frames(tiny_model, tmp_path, holdout_every=0, max_seconds=2.0,
+                                         pause_file=str(pause))
     try:
         tx = send_sequences(address, 8, 12, 256)
         paused = trainer.run()

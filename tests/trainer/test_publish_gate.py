@@ -16,12 +16,10 @@ import json
 import pytest
 import torch
 
-from test_online_replay import send_sequences
+from test_online_replay import send_sequences, trainer_on_frames
 from vllm_specrl.proposer.checkpoint import init_draft, load_draft, target_lm_head
-from vllm_specrl.server import free_port
 from vllm_specrl.trainer.core import DraftTrainer, TrainConfig
 from vllm_specrl.trainer.features import sequence_features
-from vllm_specrl.trainer.online import OnlineConfig, OnlineDraftTrainer
 from vllm_specrl.trainer.publish_gate import GateConfig, PublishGate
 
 
@@ -106,11 +104,7 @@ def fake_engine(draft_versions: list[int]):
 
 
 def test_the_online_trainer_holds_out_every_nth_rollout_and_ages_them_by_policy_version(tiny_model, tmp_path):
-    init_draft(tiny_model, tmp_path / "draft", 1024, seed=0)
-    address = f"tcp://127.0.0.1:{free_port()}"
-    cfg = OnlineConfig(capture=address, batch_size=4, min_sequences=4, idle_s=0.2, publish_every=1000,
-                       checkpoint_every=1000, replay_ratio=1.0, max_seconds=3.0, holdout_every=4)
-    trainer = OnlineDraftTrainer(tmp_path / "draft", tiny_model, cfg, checkpoint_dir=tmp_path / "ckpt")
+    trainer, address = trainer_on_frames(tiny_model, tmp_path, replay_ratio=1.0, max_seconds=3.0, holdout_every=4)
     try:
         tx = send_sequences(address, 12, 12, 256)
         trainer.run()
