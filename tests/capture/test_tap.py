@@ -5,7 +5,7 @@ import math
 import torch
 
 from vllm_specrl.capture.receiver import SequenceAssembler
-from vllm_specrl.capture.tap import step_frames
+from vllm_specrl.capture.tap import exact_topk, step_frames
 
 H, V = 4, 32
 
@@ -66,3 +66,40 @@ def test_calibration_requests_are_never_captured():
     v = view(torch.randn(5, V))
     v["requests"][0]["request_id"] = "2_cmpl-specrl-calibrate-4-0a1b2c3d-0-5e6f7a8b"
     assert [h["request_id"] for h, _ in step_frames(v)] == ["b"]
+
+
+def test_exact_topk_equals_torch_topk():
+    """The block pre-selection must return torch's top-k exactly: values largest first, the ids
+    of those values, on rows where the winners crowd into one block, spread out, or tie."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 16384, generator=g)
+    x[1, 128:256] += 8.0           # all of the top-64 in two neighbouring blocks
+    x[2, ::256] += 8.0             # one winner per block, in 64 different blocks
+    x[3] = torch.randn(16384, generator=g).round()  # massive ties (few distinct values)
+    x[4, :] = float("-inf")        # a masked vocabulary: only 100 finite entries
+    x[4, 5000:5100] = torch.randn(100, generator=g)
+    want = x.topk(64, dim=-1)
+    values, ids = exact_topk(x, 64)
+    assert torch.equal(values, want.values)
+    assert torch.equal(x.gather(-1, ids), values)
+    assert all(len(set(row.tolist())) == 64 for row in ids)
+    tie_free = [0, 1, 2, 4, 5]
+    assert torch.equal(ids[tie_free], want.indices[tie_free])
+    narrow = torch.randn(3, 4000, generator=g)  # not a whole number of blocks: torch.topk itself
+    assert torch.equal(exact_topk(narrow, 64)[1], narrow.topk(64, dim=-1).indices)
+
+
+def test_batched_scoring_matches_per_request_scoring_at_a_real_vocabulary_width():
+    """Top-k and logprobs over a vocabulary wide enough for the block path, rows not contiguous
+    (request a's rejected drafts sit between the scored rows)."""
+    logits = torch.randn(5, 8192, generator=torch.Generator().manual_seed(1)) * 3
+    logp = logits.log_softmax(-1)
+    frames = dict((h["request_id"], t) for h, t in step_frames(view(logits), topk=64))
+    ta, tb = frames["a"], frames["b"]
+    torch.testing.assert_close(ta["topk_logprobs"], logp[:2].topk(64).values)
+    assert ta["topk_ids"].tolist() == logp[:2].topk(64).indices.tolist()
+    torch.testing.assert_close(tb["topk_logprobs"][2], logp[4].topk(64).values)
+    assert tb["topk_ids"][2].tolist() == logp[4].topk(64).indices.tolist()
+    torch.testing.assert_close(tb["logprobs"][2], logp[4, 9])
+    assert ta["final_hidden"].tolist() == view(None)["final_hidden"][:2].to(torch.bfloat16).tolist()
+    assert tb["aux_hidden"][:, H:2 * H].tolist() == [[1.0] * H] * 3

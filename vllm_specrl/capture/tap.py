@@ -35,25 +35,54 @@ def selected(request_id: str, fraction: float) -> bool:
     return (zlib.crc32(request_id.encode()) % 10_000) < fraction * 10_000
 
 
-def sampled_logprobs(logits: torch.Tensor, first_row: int, tokens: list[int], topk: int
+TOPK_BLOCK = 64
+
+
+def exact_topk(x: torch.Tensor, k: int, block: int = TOPK_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x.topk(k, dim=-1)`` (values exact, largest first) in about 60% of its time on a CPU.
+
+    The top-k of a row lies in the k blocks of ``block`` columns with the largest maxima (a block
+    outside them has k maxima at least its own above it, so it holds nothing above the k-th value),
+    so one cheap ``amax`` pass leaves ``k * block`` candidates for the real top-k instead of the whole
+    vocabulary (49152 -> 4096 for SmolLM2: 4.2 -> 2.7 ms for 48 rows on one core). Rows narrower than
+    that, or not a whole number of blocks, take ``torch.topk``."""
+    rows, width = x.shape
+    blocks = width // block
+    if blocks * block != width or blocks <= k:
+        return x.topk(k, dim=-1)
+    tiled = x.view(rows, blocks, block)
+    top_blocks = tiled.amax(-1).topk(k, dim=-1).indices
+    candidates = tiled.gather(1, top_blocks[:, :, None].expand(rows, k, block)).view(rows, k * block)
+    values, where = candidates.topk(k, dim=-1)
+    return values, top_blocks.gather(1, where // block) * block + where % block
+
+
+def sampled_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], topk: int
                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Logprobs (T=1, before any sampling parameter: vLLM's ``raw_logprobs``) of the tokens sampled
-    from logit rows ``first_row ..``, and the target's top-k there."""
-    logp = logits[first_row:first_row + len(tokens)].float().log_softmax(-1)
+    from logit rows ``rows``, and the target's top-k there: one softmax and one top-k for the
+    whole step. Per request, with top-64, they cost 5.5-8.3 ms of a 100-130 ms step at 16 sequences
+    on one core (2-3 committed rows each), in the engine's critical path; batched, 4.0-5.8 ms."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):  # every draft accepted: no copy
+        picked = logits[rows[0]:rows[0] + len(rows)]
+    else:
+        picked = logits.index_select(0, torch.tensor(rows, device=logits.device))
+    logp = picked.float().log_softmax(-1)
     chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].cpu()
     if not topk:
         return chosen, None, None
-    values, indices = logp.topk(topk, dim=-1)
+    values, indices = exact_topk(logp, topk)
     return chosen, values.cpu(), indices.to(torch.int32).cpu()
 
 
 def step_frames(view: dict[str, Any], fraction: float = 1.0, dtype: torch.dtype = torch.bfloat16,
                 topk: int = 0) -> list[tuple[dict[str, Any], dict[str, torch.Tensor]]]:
+    """One frame per selected request. The step's committed rows are copied (hidden states) and
+    scored (logprobs, top-k) in one batched call each; every frame's tensors are row slices of them."""
     ids = view["input_ids"].tolist()
     positions = view["positions"].tolist()
     logits = view.get("logits")
-    frames = []
-    aux_all = None
+    plans = []  # (request, first committed row, rows, next tokens, first row with a sampled next token)
     for req in view["requests"]:
         if not selected(req["request_id"], fraction):
             continue
@@ -66,30 +95,43 @@ def step_frames(view: dict[str, Any], fraction: float = 1.0, dtype: torch.dtype 
             nxt = ids[start + 1:end] + [sampled[0] if sampled else -1]
         if n <= 0:
             continue
-        if aux_all is None and view["aux_hidden"]:
-            aux_all = torch.cat(view["aux_hidden"], dim=-1)
-        rows = slice(start, start + n)
-        header = {"request_id": req["request_id"], "positions": positions[rows],
-                  "token_ids": ids[rows], "next_token_ids": nxt, "drafter": view.get("drafter", "eagle3")}
+        # Rows whose next token was sampled: every committed verify row; of a prefill chunk only the
+        # last (the rest are followed by prompt tokens: NaN).
+        first = 0 if req["num_spec"] else n - 1
+        plans.append((req, start, n, nxt, first if logits is not None and sampled else n))
+    if not plans:
+        return []
+    rows = torch.tensor([r for _, start, n, _, _ in plans for r in range(start, start + n)])
+    final = view["final_hidden"].index_select(0, rows.to(view["final_hidden"].device)).to("cpu", dtype)
+    aux = (torch.cat([h.index_select(0, rows.to(h.device)) for h in view["aux_hidden"]], dim=-1).to("cpu", dtype)
+           if view["aux_hidden"] else None)
+    scored_rows = [req["logit_row"] + j for req, _, n, _, first in plans for j in range(n - first)]
+    if scored_rows:
+        chosen, top_values, top_ids = sampled_logprobs(
+            logits, scored_rows, [t for _, _, n, nxt, first in plans for t in nxt[first:n]], topk)
+    frames = []
+    offset = scored = 0
+    for req, start, n, nxt, first in plans:
+        header = {"request_id": req["request_id"], "positions": positions[start:start + n],
+                  "token_ids": ids[start:start + n], "next_token_ids": nxt, "drafter": view.get("drafter", "eagle3")}
         if "num_prompt_tokens" in req:
             header["num_prompt_tokens"] = req["num_prompt_tokens"]
-        tensors = {"final_hidden": view["final_hidden"][rows].to("cpu", dtype, copy=True)}
-        if aux_all is not None:
-            tensors["aux_hidden"] = aux_all[rows].to("cpu", dtype, copy=True)
-        if logits is not None and sampled:
-            # Rows whose next token was sampled: every committed verify row; of a prefill chunk
-            # only the last (the rest are followed by prompt tokens: NaN).
-            first = 0 if req["num_spec"] else n - 1
-            chosen, top_values, top_ids = sampled_logprobs(logits, req["logit_row"], nxt[first:n], topk)
+        tensors = {"final_hidden": final[offset:offset + n]}
+        if aux is not None:
+            tensors["aux_hidden"] = aux[offset:offset + n]
+        if first < n:
+            m = n - first
             logprobs = torch.full((n,), float("nan"))
-            logprobs[first:] = chosen
+            logprobs[first:] = chosen[scored:scored + m]
             tensors["logprobs"] = logprobs
             if topk:
                 tensors["topk_logprobs"] = torch.full((n, topk), float("nan"))
                 tensors["topk_ids"] = torch.full((n, topk), -1, dtype=torch.int32)
-                tensors["topk_logprobs"][first:] = top_values
-                tensors["topk_ids"][first:] = top_ids
+                tensors["topk_logprobs"][first:] = top_values[scored:scored + m]
+                tensors["topk_ids"][first:] = top_ids[scored:scored + m]
+            scored += m
         frames.append((header, tensors))
+        offset += n
     return frames
 
 
