@@ -24,8 +24,9 @@ every run of the invocation then serves that checkpoint, plain included): the po
 carries the body alone (``keep_mtp``) and ``train-draft --mtp`` keeps the layer aligned from
 the captured states, reading the policy's embedding and final norm from a small directory
 this loop rewrites before each update. Before step 0, each engine's adaptive k is calibrated
-(``vllm_specrl.adaptive.calibrate``; the same requests warm a plain engine up) and the
-trainer side runs one throwaway step, so no run pays a start-up cost in its timed steps.
+(``vllm_specrl.adaptive.calibrate``; the same requests warm a plain engine up), the
+trainer side runs one throwaway step, and each run takes ``--warm-up-steps`` real RL steps
+(default 1) that are recorded apart, so no run pays a start-up cost in its timed steps.
 Per step it records generation (split into
 bulk and tail: until half of the prompts' requests finished, and the rest),
 logprob recomputation, training and sync times, acceptance length, the mean k
@@ -105,7 +106,7 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
     policy = Policy(policy_dir, args.lr, args.seed)
     if mtp and args.online_draft:
         write_policy_head(policy, policy_dir, policy_head)
-    steps = []
+    steps, warm_up = [], []
     with VLLMServer(policy_dir, server_args, log_path=work / f"serve_{mode}.log") as srv:
         client = EngineClient(srv.url, progress=False)
         calibration = None
@@ -141,18 +142,22 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
             # Acceptance per step from the engine's counters between consecutive snapshots taken
             # after each step's rollouts arrive (in async mode they ran during the previous step).
             before = client.status()
-            for step in range(args.steps):
+            total = args.warm_up_steps + args.steps
+            # Step i samples task set i and leaves policy version i + 1; the first warm_up_steps are
+            # recorded apart (steps -N..-1) and left out of the summary.
+            for i in range(total):
+                step = i - args.warm_up_steps
                 t_step = time.perf_counter()
                 t0 = time.perf_counter()
                 if asynchronous:
                     samples, timing = pending.result()
-                    pending = pool.submit(rollouts, step + 1) if step + 1 < args.steps else None
+                    pending = pool.submit(rollouts, i + 1) if i + 1 < total else None
                 else:
-                    samples, timing = rollouts(step)
+                    samples, timing = rollouts(i)
                 t_gen = timing["generation_s"]
                 t_exposed = time.perf_counter() - t0
                 after = client.status()
-                check_rollouts(samples, step, args.prompts, args.group)
+                check_rollouts(samples, i, args.prompts, args.group)
                 pause = trainer_pause_file(work, mode)
                 if trainer is not None and args.draft_trainer_yields and not asynchronous:
                     pause.touch()  # the policy phases get the cores; removed before the next rollouts
@@ -170,9 +175,9 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
                     write_policy_head(policy, policy_dir, policy_head)  # before the commit the trainer sees
                 # An MTP run sends the body alone: the served MTP layer is the online trainer's (or,
                 # with --no-online-draft, the checkpoint's, frozen).
-                client.update_policy(policy.model.named_parameters(), version=step + 1,
+                client.update_policy(policy.model.named_parameters(), version=i + 1,
                                      pause="keep" if asynchronous else "wait", keep_mtp=mtp)
-                policy.version = step + 1
+                policy.version = i + 1
                 # Nothing to write for the draft trainer: capture_topk sends it the policy's own
                 # next-token distributions with every captured row.
                 t_sync = time.perf_counter() - t0
@@ -200,9 +205,9 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
                 # Same sequences, recomputed by the trainer: only on-policy rollouts can match vLLM exactly.
                 same = [d for d, on in zip(abs_diffs, on_policy) if on]
                 rec["on_policy_logprob_abs_diff_max"] = float(torch.cat(same).max()) if same else None
-                steps.append(rec)
+                (steps if step >= 0 else warm_up).append(rec)
                 before = after
-                print(f"[rl:{mode}] step {step}: reward {rec['mean_reward']:.2f}, gen {t_gen:.1f}s "
+                print(f"[rl:{mode}] {'warm-up ' if step < 0 else ''}step {step}: reward {rec['mean_reward']:.2f}, gen {t_gen:.1f}s "
                       f"(bulk {timing['bulk_s']:.1f}s, tail {timing['tail_s']:.1f}s"
                       + (f", mean k {rec['mean_k']:.2f}" if rec["mean_k"] is not None else "") + ") "
                       f"(exposed {t_exposed:.1f}s), logp {t_logp:.1f}s, train {t_train:.1f}s, sync {t_sync:.1f}s, "
@@ -219,7 +224,7 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
                     print(f"[rl:{mode}] draft trainer did not exit in 120 s after SIGINT: killed", flush=True)
                     trainer.kill()
                     trainer.wait()
-    return {"mode": mode, "steps": steps, "calibration": calibration,
+    return {"mode": mode, "steps": steps, "warm_up_steps": warm_up, "calibration": calibration,
             "draft_publish_gate": publish_gate_verdicts(work / f"online_draft_{mode}.jsonl")}
 
 
@@ -442,6 +447,10 @@ def main() -> None:
     ap.add_argument("--dataset-size", type=int, default=None,
                     help="draw prompts from a fixed set of this many tasks, in epochs (default: new ones each step)")
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warm-up-steps", type=int, default=1,
+                    help="RL steps each run takes before its timed ones (a long RL job's steady state): the "
+                         "first step paid 1.3-1.6x the later ones' generation and log-prob time in whichever "
+                         "run went first; recorded under warm_up_steps, left out of the summary")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--task", default="explain", choices=TASKS,

@@ -134,13 +134,15 @@ def sequence_of(outputs: dict, request_id: str) -> list[int]:
     raise KeyError(request_id)
 
 
-def run_rl_demo(target, runs: str, out: Path, steps: int, prompts: int, group: int, *extra: str) -> tuple[dict, str]:
+def run_rl_demo(target, runs: str, out: Path, steps: int, prompts: int, group: int, *extra: str,
+                warm_up_steps: int = 0) -> tuple[dict, str]:
     """``scripts/rl_demo.py`` in short float32 runs of the arithmetic task over a fixed set of ``prompts``
     tasks (the same prompts every step); fails the test if it fails. Returns (its JSON report, stdout)."""
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "rl_demo.py"), "--target", str(target), "--runs", runs,
          "--dataset-size", str(prompts), "--steps", str(steps), "--prompts", str(prompts), "--group", str(group),
-         "--max-tokens", "8", "--task", "arithmetic", "--dtype", "float32", "--lr", "1e-3", *extra,
+         "--max-tokens", "8", "--task", "arithmetic", "--dtype", "float32", "--lr", "1e-3",
+         "--warm-up-steps", str(warm_up_steps), *extra,
          "--out", str(out)],
         capture_output=True, text=True, timeout=1200, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

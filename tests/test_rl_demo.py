@@ -17,37 +17,41 @@ from helpers import run_rl_demo
 
 pytestmark = pytest.mark.server
 STEPS, PROMPTS, GROUP = 3, 2, 4
+WARM_UP = 1  # one untimed step per run first, as make demo takes
 
 
 @pytest.fixture(scope="module")
 def report(tiny_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("rl_demo") / "rl_demo.json"
     return run_rl_demo(tiny_model, "spec-async,history,plain", out, STEPS, PROMPTS, GROUP,
-                       "--draft-vocab-size", str(WARM_DRAFT_VOCAB))
+                       "--draft-vocab-size", str(WARM_DRAFT_VOCAB), warm_up_steps=WARM_UP)
 
 
 def test_every_rollout_once_with_its_versions(report):
     data, _ = report
     for mode, run in data["runs"].items():
+        assert [s["step"] for s in run["warm_up_steps"]] == list(range(-WARM_UP, 0))
         assert [s["step"] for s in run["steps"]] == list(range(STEPS))
-        for s in run["steps"]:
+        for s in run["warm_up_steps"] + run["steps"]:
             assert s["rollouts"] == PROMPTS * GROUP
             assert s["rollout_policy_versions"], s
-            assert s["policy_version"] == s["step"]  # the engine served version `step` when it was sampled
+            # the engine served version `step` (counted from the first warm-up step) when it was sampled
+            assert s["policy_version"] == s["step"] + WARM_UP
 
 
 def test_async_rollouts_lag_at_most_one_version(report):
     data, _ = report
     for s in data["runs"]["spec-async"]["steps"]:
+        version = s["step"] + WARM_UP
         for start, end in s["rollout_policy_versions"]:
-            assert s["step"] - 1 <= start <= end <= s["step"], s
+            assert version - 1 <= start <= end <= version, s
         assert s["exposed_generation_s"] <= s["generation_s"] + 0.5
 
 
 def test_sync_rollouts_are_on_policy_and_logprobs_match(report):
     data, _ = report
     for s in data["runs"]["plain"]["steps"]:
-        assert s["rollout_policy_versions"] == [[s["step"], s["step"]]]
+        assert s["rollout_policy_versions"] == [[s["step"] + WARM_UP] * 2]
         assert s["rollouts_from_trained_version"] == PROMPTS * GROUP
         assert s["on_policy_logprob_abs_diff_max"] < 1e-3, s
 
