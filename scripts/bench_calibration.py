@@ -26,7 +26,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True)
     ap.add_argument("--draft", required=True)
-    ap.add_argument("--prompt-set", default="arithmetic", choices=["chat", "arithmetic", "code"])
+    ap.add_argument("--prompt-set", default="arithmetic", choices=["chat", "arithmetic", "code", "explain"])
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")

@@ -20,6 +20,7 @@ from vllm_specrl.trainer.features import sequence_features
 
 PROMPTS = ["def f(x):\n    return", "import os\nimport sys\n", "class A:\n    def __init__(self):",
            "for i in range(10):\n    print("]
+PROMPTS.append(PROMPTS[0])  # a prompt seen twice must get fresh samples (random streams per prompt)
 SAMPLES = 3
 
 
@@ -55,6 +56,16 @@ def test_every_rollout_is_captured_whole(captured):
     for i in range(len(PROMPTS)):
         group = [tuple(s) for s, j in zip(meta["sequences"], meta["prompt_index"]) if j == i]
         assert len(set(group)) > 1, group
+
+
+def test_a_repeated_prompt_gets_its_own_samples(captured):
+    """vLLM seeds a request's n samples seed, seed + 1, ...: one seed shared by every prompt made each
+    prompt's rollouts follow the same random streams, so prompts that differ in a few tokens (the demo's
+    "What is a + b?") got near-copies of each other's answers (tests/trainer/test_rollout_seeds.py)."""
+    meta, _, _ = captured
+    first, again = ({tuple(s) for s, j in zip(meta["sequences"], meta["prompt_index"]) if j == i}
+                    for i in (0, len(PROMPTS) - 1))
+    assert len(first) == len(again) == SAMPLES and not first & again, (first, again)
 
 
 def test_captured_features_equal_an_hf_forward(captured, tiny_model):

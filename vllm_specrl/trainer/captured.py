@@ -28,6 +28,7 @@ import torch
 
 from vllm_specrl.capture.receiver import CaptureReceiver, SequenceAssembler
 from vllm_specrl.proposer.checkpoint import init_draft, target_lm_head
+from vllm_specrl.trainer.rollout_seeds import per_prompt_sampling_params
 
 
 class _Drain(threading.Thread):
@@ -102,7 +103,7 @@ def captured_rollouts(target_dir: Path, texts: list[str], samples: int, max_toke
     the vehicle (held at k = 0 the same way), and the features are the assembled captured
     sequences as ``trainer.mtp.MTPTrainer`` takes them (the MTP input state of every row).
     """
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     from vllm_specrl.server import free_port
 
@@ -133,7 +134,7 @@ def captured_rollouts(target_dir: Path, texts: list[str], samples: int, max_toke
             started = llm.collective_rpc("specrl_capture_start", args=(address,))[0]
             if not started.get("ok"):
                 raise RuntimeError(f"capture did not start: {started}")
-            params = SamplingParams(n=samples, temperature=temperature, max_tokens=max_tokens, seed=seed)
+            params = per_prompt_sampling_params(len(texts), samples, temperature, max_tokens, seed)
             outs = llm.generate(texts, params)
             sender = _wait_for_flush(llm, drain)
         finally:

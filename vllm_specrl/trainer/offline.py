@@ -26,6 +26,7 @@ from vllm_specrl.proposer.checkpoint import init_draft, load_draft, target_lm_he
 from vllm_specrl.proposer.eagle3_config import default_aux_layer_ids, read_config
 from vllm_specrl.trainer.core import TRAINER_STATE, DraftTrainer, TrainConfig, collate
 from vllm_specrl.trainer.features import sequence_features
+from vllm_specrl.trainer.rollout_seeds import per_prompt_sampling_params
 
 DEFAULT_CHAT_PROMPTS = [
     "What is {a} + {b}? Answer with the number.",
@@ -108,13 +109,13 @@ def generate_rollouts(target_dir: Path, prompts: list[str], cfg: OfflineConfig
                       ) -> tuple[list[list[int]], list[int], list[int]]:
     """Prompt + completion token ids of ``samples_per_prompt`` T=1 rollouts per prompt, with each
     rollout's prompt length and prompt index."""
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     texts = prompt_texts(target_dir, prompts, cfg.chat)
     llm = LLM(model=str(target_dir), dtype=cfg.dtype, enforce_eager=True, seed=cfg.seed,
               max_model_len=2048)
-    params = SamplingParams(n=cfg.samples_per_prompt, temperature=cfg.temperature,
-                            max_tokens=cfg.max_tokens, seed=cfg.seed)
+    params = per_prompt_sampling_params(len(texts), cfg.samples_per_prompt, cfg.temperature, cfg.max_tokens,
+                                        cfg.seed)
     outs = llm.generate(texts, params)
     sequences, prompt_lengths, prompt_index = [], [], []
     for i, o in enumerate(outs):

@@ -1,0 +1,23 @@
+"""Sampling parameters for warm-start rollouts: one seed per prompt, never shared across prompts.
+
+vLLM derives the seeds of a request's ``n`` samples from its own (``seed + index``), so one
+``SamplingParams(n=..., seed=s)`` for every prompt gives every prompt the same ``n`` random streams.
+On a task whose prompts differ in a few tokens (``What is 3 + 7? ...`` / ``What is 9 + 9? ...``) the
+rollouts then repeat each other nearly word for word across prompts: the draft trained on ``n``
+answers instead of ``prompts x n``, and a held-out prompt's rollouts were near-copies of training
+ones (the demo draft's held-out estimate read acceptance length 2.02 where vLLM served 1.63 on
+fresh rollouts of other prompts).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def per_prompt_sampling_params(prompts: int, samples: int, temperature: float, max_tokens: int, seed: int,
+                               **extra: Any) -> list[Any]:
+    """``prompts`` ``SamplingParams`` whose ``samples x prompts`` sample seeds are all distinct."""
+    from vllm import SamplingParams
+
+    return [SamplingParams(n=samples, temperature=temperature, max_tokens=max_tokens,
+                           seed=(seed * 1_000_003 + i) * samples, **extra) for i in range(prompts)]
