@@ -18,6 +18,10 @@ DRAFT_ARGS ?= --task arithmetic --num-prompts 128 --samples 8 --max-tokens 96 --
 DEMO_DRAFT ?= $(FIXTURES)/real/drafts/demo-explain
 DEMO_DRAFT_ARGS ?= --task explain --num-prompts 64 --samples 4 --max-tokens 256 --steps 300 --batch-size 8 --lr 2e-3 \
 	--draft-vocab-size 8192 --dtype float32 --eval-every 50 --mixed-precision auto
+# Bumped when the draft recipe changes under the same arguments (2: warm-start rollouts seeded per
+# prompt), so a cached draft built the old way is rebuilt.
+DRAFT_RECIPE := 2
+DEMO_DRAFT_STAMP := $(strip $(DEMO_DRAFT_ARGS)) recipe=$(DRAFT_RECIPE)
 TRAIN_DRAFT = VLLM_PLUGINS=specrl VLLM_CPU_KVCACHE_SPACE=2 $(VENV)/bin/vllm-specrl train-draft --offline \
 	--target $(FIXTURES)/real/target
 
@@ -31,7 +35,9 @@ fixtures: setup
 
 draft: setup
 	@$(VENV)/bin/vllm-specrl fixtures --out $(FIXTURES) --only real
-	@test -f $(DRAFT)/trainer_meta.json || $(TRAIN_DRAFT) --draft $(DRAFT) $(DRAFT_ARGS)
+	@if [ ! -f $(DRAFT)/trainer_meta.json ] || [ "$$(cat $(DRAFT)/make_args 2>/dev/null)" != "$(strip $(DRAFT_ARGS)) recipe=$(DRAFT_RECIPE)" ]; then \
+		rm -rf $(DRAFT) && $(TRAIN_DRAFT) --draft $(DRAFT) $(DRAFT_ARGS) && \
+		echo "$(strip $(DRAFT_ARGS)) recipe=$(DRAFT_RECIPE)" > $(DRAFT)/make_args; fi
 
 demo: setup
 	@$(VENV)/bin/vllm-specrl fixtures --out $(FIXTURES) --only real
@@ -39,10 +45,10 @@ ifeq ($(PROPOSER),mtp)
 	@$(VENV)/bin/vllm-specrl fixtures --out $(FIXTURES) --only real-mimo
 	@$(PY) scripts/rl_demo.py --fixtures $(FIXTURES) --proposer mtp $(DEMO_ARGS)
 else
-	@if [ ! -f $(DEMO_DRAFT)/trainer_meta.json ] || [ "$$(cat $(DEMO_DRAFT)/make_args 2>/dev/null)" != "$(strip $(DEMO_DRAFT_ARGS))" ]; then \
-		echo "[demo] building the demo draft ($(DEMO_DRAFT): missing, or built with other DEMO_DRAFT_ARGS)"; \
+	@if [ ! -f $(DEMO_DRAFT)/trainer_meta.json ] || [ "$$(cat $(DEMO_DRAFT)/make_args 2>/dev/null)" != "$(DEMO_DRAFT_STAMP)" ]; then \
+		echo "[demo] building the demo draft ($(DEMO_DRAFT): missing, or built with other DEMO_DRAFT_ARGS or recipe)"; \
 		rm -rf $(DEMO_DRAFT) && $(TRAIN_DRAFT) --draft $(DEMO_DRAFT) $(DEMO_DRAFT_ARGS) && \
-		echo "$(strip $(DEMO_DRAFT_ARGS))" > $(DEMO_DRAFT)/make_args; fi
+		echo "$(DEMO_DRAFT_STAMP)" > $(DEMO_DRAFT)/make_args; fi
 	@$(PY) scripts/rl_demo.py --fixtures $(FIXTURES) --draft $(DEMO_DRAFT) $(if $(PROPOSER),--proposer $(PROPOSER)) $(DEMO_ARGS)
 endif
 
