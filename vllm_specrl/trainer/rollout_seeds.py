@@ -13,6 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
+# Warm-start seeds start here: an RL loop seeding its own requests from small numbers (the demo's
+# ``(seed * 7919 + step) * prompts * group + ...``) must not replay the streams the draft trained on,
+# or its first steps' rollouts of a trained prompt would be the training rollouts themselves.
+WARM_START_SEED_BASE = 1 << 30
+
 
 def per_prompt_sampling_params(prompts: int, samples: int, temperature: float, max_tokens: int, seed: int,
                                **extra: Any) -> list[Any]:
@@ -20,4 +25,5 @@ def per_prompt_sampling_params(prompts: int, samples: int, temperature: float, m
     from vllm import SamplingParams
 
     return [SamplingParams(n=samples, temperature=temperature, max_tokens=max_tokens,
-                           seed=(seed * 1_000_003 + i) * samples, **extra) for i in range(prompts)]
+                           seed=WARM_START_SEED_BASE + (seed * 100_003 + i) * samples, **extra)
+            for i in range(prompts)]
