@@ -19,8 +19,9 @@ DEMO_DRAFT ?= $(FIXTURES)/real/drafts/demo-explain
 DEMO_DRAFT_ARGS ?= --task explain --num-prompts 64 --samples 4 --max-tokens 256 --steps 300 --batch-size 8 --lr 2e-3 \
 	--draft-vocab-size 8192 --dtype float32 --eval-every 50 --mixed-precision auto
 # Bumped when the draft recipe changes under the same arguments (2: warm-start rollouts seeded per
-# prompt), so a cached draft built the old way is rebuilt.
-DRAFT_RECIPE := 2
+# prompt; 3: from seed 2^30 up, apart from the RL loop's own seeds), so a cached draft built the old way
+# is rebuilt.
+DRAFT_RECIPE := 3
 DEMO_DRAFT_STAMP := $(strip $(DEMO_DRAFT_ARGS)) recipe=$(DRAFT_RECIPE)
 TRAIN_DRAFT = VLLM_PLUGINS=specrl VLLM_CPU_KVCACHE_SPACE=2 $(VENV)/bin/vllm-specrl train-draft --offline \
 	--target $(FIXTURES)/real/target

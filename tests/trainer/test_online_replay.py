@@ -16,13 +16,13 @@ from vllm_specrl.server import free_port
 from vllm_specrl.trainer.online import OnlineConfig, OnlineDraftTrainer
 
 
-def send_sequences(address: str, n: int, rows: int, hidden: int) -> CaptureSender:
+def send_sequences(address: str, n: int, rows: int, hidden: int, policy_version: int = 0) -> CaptureSender:
     tx = CaptureSender(address)
     gen = torch.Generator().manual_seed(0)
     for i in range(n):
         tokens = torch.randint(0, 1000, (rows + 1,), generator=gen).tolist()
         tx.offer({"request_id": f"req-{i}", "positions": list(range(rows)), "token_ids": tokens[:-1],
-                  "next_token_ids": tokens[1:], "policy_version": 0, "step": 0},
+                  "next_token_ids": tokens[1:], "policy_version": policy_version, "step": 0},
                  {"aux_hidden": torch.randn(rows, 3 * hidden, generator=gen).to(torch.bfloat16),
                   "final_hidden": torch.randn(rows, hidden, generator=gen).to(torch.bfloat16)})
     return tx
@@ -30,11 +30,12 @@ def send_sequences(address: str, n: int, rows: int, hidden: int) -> CaptureSende
 
 def trainer_on_frames(tiny_model, tmp_path, **config) -> tuple[OnlineDraftTrainer, str]:
     """An online trainer on a fresh tiny-target draft, listening on a free port (its address returned);
-    quick settings: batch 4, a sequence is done after 0.2 s quiet, no publish or checkpoint."""
+    quick settings (``config`` overrides them): batch 4, a sequence is done after 0.2 s quiet, no publish or
+    checkpoint."""
     init_draft(tiny_model, tmp_path / "draft", 1024, seed=0)
     address = f"tcp://127.0.0.1:{free_port()}"
-    cfg = OnlineConfig(capture=address, batch_size=4, min_sequences=4, idle_s=0.2, publish_every=1000,
-                       checkpoint_every=1000, **config)
+    cfg = OnlineConfig(**{"capture": address, "batch_size": 4, "min_sequences": 4, "idle_s": 0.2,
+                          "publish_every": 1000, "checkpoint_every": 1000, **config})
     return OnlineDraftTrainer(tmp_path / "draft", tiny_model, cfg, checkpoint_dir=tmp_path / "ckpt"), address
 
 

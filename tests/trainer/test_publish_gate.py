@@ -127,3 +127,41 @@ def test_the_online_trainer_holds_out_every_nth_rollout_and_ages_them_by_policy_
     finally:
         trainer.client = None
         trainer.close()
+
+
+@pytest.mark.parametrize("rest_after_hold", [True, False])
+def test_a_held_candidate_is_dropped_and_the_trainer_rests_until_the_policy_moves(tiny_model, tmp_path,
+                                                                                   rest_after_hold):
+    """After a "not better" verdict the trainer serves nothing new, so it goes back to the served weights
+    (fresh optimizer) and makes no step until a new policy version; without rest it trains on."""
+    trainer, address = trainer_on_frames(tiny_model, tmp_path, holdout_every=4, publish_every=2, max_seconds=3.0,
+                                         rest_after_hold=rest_after_hold)
+    served = {k: v.clone() for k, v in trainer.gate.served_state.items()}
+    verdicts = []
+
+    def not_better() -> dict:
+        verdicts.append(trainer.trainer.step_count)
+        return {"publish": False, "reason": "not_better", "held_out": 4}
+
+    trainer.gate.decide = not_better
+    try:
+        tx = send_sequences(address, 12, 12, 256)
+        result = trainer.run()  # no replay cap: it would train for all 3 s
+        state = trainer.gate._snapshot()
+        if not rest_after_hold:
+            assert result["steps"] > 2 and len(verdicts) > 1
+            assert any(not torch.equal(state[k], served[k]) for k in served)
+            return
+        assert result["steps"] == 2 and verdicts == [2] and trainer.rests == 1 and trainer.resting()
+        assert all(torch.equal(state[k], served[k]) for k in served)  # the held candidate is gone
+        assert not trainer.trainer.optimizer.state
+        assert trainer.report()["rests"] == 1
+        trainer.on_policy_version(1)  # the policy moved: training resumes from the served weights
+        assert not trainer.resting()
+        tx.close()
+        tx = send_sequences(address, 8, 12, 256, policy_version=1)
+        trainer.cfg.max_seconds = 2.0
+        assert trainer.run()["steps"] == 4 and verdicts == [2, 4] and trainer.rests == 2
+    finally:
+        tx.close()
+        trainer.close()

@@ -77,6 +77,12 @@ class OnlineConfig:
     holdout_sequences: int = 32
     holdout_min: int = 4
     publish_margin: float = 0.0
+    # When the gate holds a candidate as no better than the served draft, go back to the served
+    # draft's weights (fresh optimizer state) and rest, ingesting only, until the next policy version:
+    # in `make demo` every candidate of a policy version was held (the warm start was not beaten on
+    # the next rollouts), and training on regardless cost ~9% of the rollouts' time on shared cores
+    # while drifting further from the draft being served.
+    rest_after_hold: bool = True
     # While this file exists the trainer ingests frames but neither trains nor publishes: an RL loop
     # that shares the machine with it creates the file for its own policy phases (logprobs, update).
     pause_file: str | None = None
@@ -124,6 +130,8 @@ class OnlineDraftTrainer:
         self.gate = PublishGate(self.trainer, GateConfig(every=cfg.holdout_every, capacity=cfg.holdout_sequences,
                                                          min_sequences=cfg.holdout_min, margin=cfg.publish_margin))
         self.policy_version: int | None = None
+        self.resting_version: int | None = None  # policy version the trainer rests through (rest_after_hold)
+        self.rests = 0
         self.topk_targets = False  # whether captured sequences carry the engine's top-K logprobs
         self.draft_version = 0
         self.publish_errors = 0
@@ -214,6 +222,17 @@ class OnlineDraftTrainer:
     def paused(self) -> bool:
         return self.cfg.pause_file is not None and os.path.exists(self.cfg.pause_file)
 
+    def resting(self) -> bool:
+        return self.resting_version is not None and self.resting_version == self.policy_version
+
+    def rest(self) -> None:
+        """Drop the held candidate: the served draft's weights, a fresh optimizer, no training until the
+        policy moves (``on_policy_version`` changes ``policy_version``)."""
+        self.gate.revert()
+        self.trainer.optimizer.state.clear()
+        self.resting_version = self.policy_version
+        self.rests += 1
+
     def replay_exhausted(self) -> bool:
         ratio = self.cfg.replay_ratio
         return ratio is not None and self.version_trained >= ratio * self.version_buffered
@@ -227,7 +246,7 @@ class OnlineDraftTrainer:
     def report(self) -> dict[str, Any]:
         """What the engine shows of this trainer (``/specrl/status`` ``draft_trainer``, ``/metrics``)."""
         return {"capture": self.capture_counts(), "steps": self.trainer.step_count,
-                "publish_gate": self.gate.status()}
+                "publish_gate": self.gate.status(), "rests": self.rests}
 
     def send_report(self) -> None:
         """The report alone, when the gate kept the served draft (a publish carries it otherwise)."""
@@ -288,9 +307,11 @@ class OnlineDraftTrainer:
                     break
                 if cfg.max_seconds is not None and time.time() - t0 >= cfg.max_seconds:
                     break
-                ready = len(self.buffer) >= cfg.min_sequences and not self.replay_exhausted() and not self.paused()
+                ready = (len(self.buffer) >= cfg.min_sequences and not self.replay_exhausted() and not self.paused()
+                         and not self.resting())
                 self.pump(timeout_ms=10 if ready else 200)
-                if len(self.buffer) < cfg.min_sequences or self.replay_exhausted() or self.paused():
+                if (len(self.buffer) < cfg.min_sequences or self.replay_exhausted() or self.paused()
+                        or self.resting()):
                     continue
                 last_metrics = self.train_step()
                 bar.update(1)
@@ -307,6 +328,9 @@ class OnlineDraftTrainer:
                         if record["publish"] is None or "error" not in record["publish"]:
                             self.gate.published(verdict)
                     else:
+                        if cfg.rest_after_hold and verdict["reason"] == "not_better":
+                            self.rest()
+                            record["rest"] = True
                         self.send_report()
                     record["draft_version"] = self.draft_version
                 if step % cfg.checkpoint_every == 0:

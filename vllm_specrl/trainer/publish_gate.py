@@ -122,5 +122,9 @@ class PublishGate:
         else:
             self._served_estimate = None
 
+    def revert(self) -> None:
+        """Put the served draft's weights back into the trainer's module (a held candidate is dropped)."""
+        self.trainer.drafter_module.load_state_dict(self.served_state, strict=False)
+
     def status(self) -> dict[str, Any]:
         return {"held_out": len(self.held_out), "offered": self.offered, **self.decisions}
