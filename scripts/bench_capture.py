@@ -8,6 +8,7 @@ on/off ratio, and the frames/s and bytes/s the receiver sustained while on.
 Output: JSON.
 
     python scripts/bench_capture.py --fixture real --draft results/drafts/real-warm
+    python scripts/bench_capture.py --fixture real --tap-only     # the worker's cost per step, no engine
 """
 
 from __future__ import annotations
@@ -84,6 +85,36 @@ def receiver_ceiling(hidden: int, aux_layers: int, rows: int, seconds: float) ->
             "rejected": rx.counters["rejected"]}
 
 
+def tap_cost(hidden: int, vocab: int, batch: int, rows: int, topk: int, reps: int = 30) -> dict:
+    """What building one engine step's capture frames costs the worker (``capture.tap.step_frames``: hidden
+    states copied, sampled-token logprobs and the top-k scored), on a synthetic step of ``batch`` requests
+    that each verified ``rows - 1`` drafts and committed all ``rows``. One torch thread and glibc's
+    raised malloc thresholds, as in the engine's worker. Median of ``reps`` steps."""
+    import torch
+
+    from vllm_specrl import cpu_malloc
+    from vllm_specrl.capture.tap import step_frames
+
+    cpu_malloc.tune_glibc_malloc()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    n = batch * rows
+    gen = torch.Generator().manual_seed(0)
+    view = {"input_ids": torch.arange(n), "positions": torch.arange(n), "logits": torch.randn(n, vocab, generator=gen),
+            "aux_hidden": [torch.randn(n, hidden, generator=gen).to(torch.bfloat16) for _ in range(3)],
+            "final_hidden": torch.randn(n, hidden, generator=gen).to(torch.bfloat16),
+            "requests": [{"request_id": f"r{i}", "start": i * rows, "end": (i + 1) * rows, "num_spec": rows - 1,
+                          "sampled": [5] * rows, "logit_row": i * rows} for i in range(batch)]}
+    times = []
+    for _ in range(reps + 3):
+        t0 = time.perf_counter()
+        step_frames(view, topk=topk)
+        times.append(time.perf_counter() - t0)
+    torch.set_num_threads(threads)
+    return {"batch": batch, "committed_rows_per_request": rows, "topk": topk, "vocab": vocab,
+            "ms_per_step": 1e3 * statistics.median(times[3:])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fixtures", type=Path, default=None)
@@ -99,6 +130,8 @@ def main() -> None:
     ap.add_argument("--ceiling-only", action="store_true",
                     help="only measure the receiver's ceiling (no engine; synthetic frames of the model's shape)")
     ap.add_argument("--ceiling-seconds", type=float, default=10.0)
+    ap.add_argument("--tap-only", action="store_true",
+                    help="only measure what building a step's frames costs the worker (no engine, no receiver)")
     args = ap.parse_args()
 
     from vllm_specrl.capture.receiver import CaptureReceiver, SequenceAssembler
@@ -109,6 +142,16 @@ def main() -> None:
     model = Path(fixture_target(args.fixture, args.fixtures))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     config = json.loads((model / "config.json").read_text())
+    if args.tap_only:
+        cells = [tap_cost(config["hidden_size"], config["vocab_size"], b, r, k)
+                 for b, r in ((1, 3), (4, 3), (16, 2), (16, 3)) for k in (0, 64)]
+        for c in cells:
+            print(f"[capture] tap: {c['batch']} requests x {c['committed_rows_per_request']} rows, top-{c['topk']}: "
+                  f"{c['ms_per_step']:.2f} ms per step", flush=True)
+        args.out.write_text(json.dumps({"benchmark": "capture_tap_cost", "model": str(model), "host": host_info(),
+                                        "tap": cells}, indent=2))
+        print(f"wrote {args.out}")
+        return
     ceiling = [receiver_ceiling(config["hidden_size"], 3, rows, args.ceiling_seconds) for rows in (1, 4, 64)]
     for c in ceiling:
         print(f"[capture] receiver ceiling, {c['rows_per_frame']} rows/frame: {c['frames_per_s']:.0f} frames/s, "
