@@ -22,9 +22,13 @@ DEMO_DRAFT_ARGS ?= --task explain --num-prompts 64 --samples 4 --max-tokens 256 
 # prompt; 3: from seed 2^30 up, apart from the RL loop's own seeds), so a cached draft built the old way
 # is rebuilt.
 DRAFT_RECIPE := 3
-DEMO_DRAFT_STAMP := $(strip $(DEMO_DRAFT_ARGS)) recipe=$(DRAFT_RECIPE)
 TRAIN_DRAFT = VLLM_PLUGINS=specrl VLLM_CPU_KVCACHE_SPACE=2 $(VENV)/bin/vllm-specrl train-draft --offline \
 	--target $(FIXTURES)/real/target
+# $(call build_draft,DIR,ARGS): (re)build the draft at DIR unless its stamp says it was built with ARGS
+# under this DRAFT_RECIPE.
+build_draft = if [ ! -f $(1)/trainer_meta.json ] || [ "$$(cat $(1)/make_args 2>/dev/null)" != "$(strip $(2)) recipe=$(DRAFT_RECIPE)" ]; then \
+	echo "[draft] building $(1) (missing, or built with other arguments or recipe)"; \
+	rm -rf $(1) && $(TRAIN_DRAFT) --draft $(1) $(2) && echo "$(strip $(2)) recipe=$(DRAFT_RECIPE)" > $(1)/make_args; fi
 
 .PHONY: setup fixtures draft demo demo-rollouts test bench clean-fixtures
 
@@ -36,9 +40,7 @@ fixtures: setup
 
 draft: setup
 	@$(VENV)/bin/vllm-specrl fixtures --out $(FIXTURES) --only real
-	@if [ ! -f $(DRAFT)/trainer_meta.json ] || [ "$$(cat $(DRAFT)/make_args 2>/dev/null)" != "$(strip $(DRAFT_ARGS)) recipe=$(DRAFT_RECIPE)" ]; then \
-		rm -rf $(DRAFT) && $(TRAIN_DRAFT) --draft $(DRAFT) $(DRAFT_ARGS) && \
-		echo "$(strip $(DRAFT_ARGS)) recipe=$(DRAFT_RECIPE)" > $(DRAFT)/make_args; fi
+	@$(call build_draft,$(DRAFT),$(DRAFT_ARGS))
 
 demo: setup
 	@$(VENV)/bin/vllm-specrl fixtures --out $(FIXTURES) --only real
@@ -46,10 +48,7 @@ ifeq ($(PROPOSER),mtp)
 	@$(VENV)/bin/vllm-specrl fixtures --out $(FIXTURES) --only real-mimo
 	@$(PY) scripts/rl_demo.py --fixtures $(FIXTURES) --proposer mtp $(DEMO_ARGS)
 else
-	@if [ ! -f $(DEMO_DRAFT)/trainer_meta.json ] || [ "$$(cat $(DEMO_DRAFT)/make_args 2>/dev/null)" != "$(DEMO_DRAFT_STAMP)" ]; then \
-		echo "[demo] building the demo draft ($(DEMO_DRAFT): missing, or built with other DEMO_DRAFT_ARGS or recipe)"; \
-		rm -rf $(DEMO_DRAFT) && $(TRAIN_DRAFT) --draft $(DEMO_DRAFT) $(DEMO_DRAFT_ARGS) && \
-		echo "$(DEMO_DRAFT_STAMP)" > $(DEMO_DRAFT)/make_args; fi
+	@$(call build_draft,$(DEMO_DRAFT),$(DEMO_DRAFT_ARGS))
 	@$(PY) scripts/rl_demo.py --fixtures $(FIXTURES) --draft $(DEMO_DRAFT) $(if $(PROPOSER),--proposer $(PROPOSER)) $(DEMO_ARGS)
 endif
 

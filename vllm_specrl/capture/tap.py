@@ -62,7 +62,8 @@ def sampled_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], t
     """Logprobs (T=1, before any sampling parameter: vLLM's ``raw_logprobs``) of the tokens sampled
     from logit rows ``rows``, and the target's top-k there: one softmax and one top-k for the
     whole step. Per request, with top-64, they cost 5.5-8.3 ms of a 100-130 ms step at 16 sequences
-    on one core (2-3 committed rows each), in the engine's critical path; batched, 4.0-5.8 ms."""
+    on one core (2-3 committed rows each), in the engine's critical path; batched, 3.9-5.7 ms
+    (``bench_capture.py --tap-only``)."""
     if rows == list(range(rows[0], rows[0] + len(rows))):  # every draft accepted: no copy
         picked = logits[rows[0]:rows[0] + len(rows)]
     else:
@@ -101,9 +102,10 @@ def step_frames(view: dict[str, Any], fraction: float = 1.0, dtype: torch.dtype 
         plans.append((req, start, n, nxt, first if logits is not None and sampled else n))
     if not plans:
         return []
-    rows = torch.tensor([r for _, start, n, _, _ in plans for r in range(start, start + n)])
-    final = view["final_hidden"].index_select(0, rows.to(view["final_hidden"].device)).to("cpu", dtype)
-    aux = (torch.cat([h.index_select(0, rows.to(h.device)) for h in view["aux_hidden"]], dim=-1).to("cpu", dtype)
+    rows = torch.tensor([r for _, start, n, _, _ in plans for r in range(start, start + n)],
+                        device=view["final_hidden"].device)
+    final = view["final_hidden"].index_select(0, rows).to("cpu", dtype)
+    aux = (torch.cat([h.index_select(0, rows) for h in view["aux_hidden"]], dim=-1).to("cpu", dtype)
            if view["aux_hidden"] else None)
     scored_rows = [req["logit_row"] + j for req, _, n, _, first in plans for j in range(n - first)]
     if scored_rows:

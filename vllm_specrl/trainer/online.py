@@ -233,6 +233,11 @@ class OnlineDraftTrainer:
         self.resting_version = self.policy_version
         self.rests += 1
 
+    def can_train(self) -> bool:
+        """Enough sequences, replay budget left, and neither paused by the RL loop nor resting."""
+        return (len(self.buffer) >= self.cfg.min_sequences and not self.replay_exhausted() and not self.paused()
+                and not self.resting())
+
     def replay_exhausted(self) -> bool:
         ratio = self.cfg.replay_ratio
         return ratio is not None and self.version_trained >= ratio * self.version_buffered
@@ -307,11 +312,8 @@ class OnlineDraftTrainer:
                     break
                 if cfg.max_seconds is not None and time.time() - t0 >= cfg.max_seconds:
                     break
-                ready = (len(self.buffer) >= cfg.min_sequences and not self.replay_exhausted() and not self.paused()
-                         and not self.resting())
-                self.pump(timeout_ms=10 if ready else 200)
-                if (len(self.buffer) < cfg.min_sequences or self.replay_exhausted() or self.paused()
-                        or self.resting()):
+                self.pump(timeout_ms=10 if self.can_train() else 200)
+                if not self.can_train():  # re-read: the pump may have brought sequences or a new version
                     continue
                 last_metrics = self.train_step()
                 bar.update(1)

@@ -19,11 +19,11 @@ from typing import Any
 WARM_START_SEED_BASE = 1 << 30
 
 
-def per_prompt_sampling_params(prompts: int, samples: int, temperature: float, max_tokens: int, seed: int,
-                               **extra: Any) -> list[Any]:
+def per_prompt_sampling_params(prompts: int, samples: int, temperature: float, max_tokens: int,
+                               seed: int) -> list[Any]:
     """``prompts`` ``SamplingParams`` whose ``samples x prompts`` sample seeds are all distinct."""
     from vllm import SamplingParams
 
     return [SamplingParams(n=samples, temperature=temperature, max_tokens=max_tokens,
-                           seed=WARM_START_SEED_BASE + (seed * 100_003 + i) * samples, **extra)
+                           seed=WARM_START_SEED_BASE + (seed * 100_003 + i) * samples)
             for i in range(prompts)]
