@@ -500,7 +500,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("results/rl_demo.json"))
     args = ap.parse_args()
-    cpu_malloc.tune_glibc_malloc()  # the policy's phases allocate large tensors too (vllm_specrl.cpu_malloc)
+    cpu_malloc.keep_every_block_on_heap()  # the policy's log-prob pass and update (vllm_specrl.cpu_malloc)
     args.dtype = args.dtype or ("bfloat16" if resolve_mixed_precision("auto") == "bf16" else "float32")
     if args.proposer:
         args.runs = {"history": "history,plain", "mtp": "mtp,plain"}.get(args.proposer, "spec,plain")

@@ -56,3 +56,48 @@ def test_left_alone_where_the_user_chose(env, says):
     got = probe("tune", **env)
     assert got["result"].startswith(says), got
     assert got["mmapped_during"] >= 20 << 20, got
+
+
+REUSE_PROBE = r"""
+import ctypes, json, resource, sys
+from vllm_specrl import cpu_malloc
+
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+result = cpu_malloc.keep_every_block_on_heap() if sys.argv[1] == "heap" else cpu_malloc.tune_glibc_malloc()
+size = int(sys.argv[2]) << 20
+faults = []
+for _ in range(2):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    block = libc.malloc(size)
+    ctypes.memset(block, 1, size)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    libc.free(ctypes.c_void_p(block))
+print(json.dumps({"result": result, "again": cpu_malloc.keep_every_block_on_heap(), "faults": faults}))
+"""
+
+
+def reuse_probe(mode: str, mib: int = 256, **env) -> dict:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "VLLM_SPECRL_MALLOC_TUNING"}
+    out = subprocess.run([sys.executable, "-c", REUSE_PROBE, mode, str(mib)], env={**clean, **env}, capture_output=True,
+                         text=True, check=True, timeout=60)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_training_process_reuses_the_pages_of_a_block_above_the_mmap_ceiling():
+    # Above 32 MiB, glibc maps every block afresh even with the thresholds raised: each use faults it in
+    # (a policy log-prob pass's logits are about 256 MiB).
+    tuned = reuse_probe("tune", 256)
+    assert all(f >= (256 << 20) // 4096 * 0.9 for f in tuned["faults"]), tuned
+    # 1.1 GiB: freed at the heap's top it is also above the raised trim threshold, so it must not be trimmed.
+    pages = (1152 << 20) // 4096
+    heap = reuse_probe("heap", 1152)
+    assert heap["result"] == heap["again"] == "installed, every block on the heap", heap
+    assert heap["faults"][0] >= pages * 0.9, heap                   # the first use grows the heap
+    assert heap["faults"][1] < pages * 0.01, heap                   # the next one reuses its pages
+
+
+def test_the_heap_mode_is_left_alone_where_the_user_chose():
+    got = reuse_probe("heap", VLLM_SPECRL_MALLOC_TUNING="0")
+    assert got["result"].startswith("off"), got
+    assert min(got["faults"]) >= (256 << 20) // 4096 * 0.9, got

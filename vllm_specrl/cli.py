@@ -142,9 +142,9 @@ def _cmd_train_online(args: argparse.Namespace) -> int:
 
 
 def _cmd_train_draft(args: argparse.Namespace) -> int:
-    from vllm_specrl.cpu_malloc import tune_glibc_malloc
+    from vllm_specrl.cpu_malloc import keep_every_block_on_heap
 
-    tune_glibc_malloc()
+    keep_every_block_on_heap()  # a training process: its pages are reused step after step
     if args.capture:
         return _cmd_train_online(args)
     if args.mtp and not args.capture:
