@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -161,15 +162,15 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
                 pause = trainer_pause_file(work, mode)
                 if trainer is not None and args.draft_trainer_yields and not asynchronous:
                     pause.touch()  # the policy phases get the cores; removed before the next rollouts
-                t0 = time.perf_counter()
+                t0, f0 = time.perf_counter(), page_faults()
                 logps = policy.token_logprobs(samples)
-                t_logp = time.perf_counter() - t0
+                t_logp, f_logp = time.perf_counter() - t0, page_faults() - f0
                 abs_diffs = [(lp.detach() - torch.tensor(s["vllm_logprobs"])).abs() for lp, s in zip(logps, samples)]
                 diffs = torch.cat(abs_diffs)
                 on_policy = [s["policy_version_start"] == s["policy_version_end"] == policy.version for s in samples]
-                t0 = time.perf_counter()
+                t0, f0 = time.perf_counter(), page_faults()
                 loss = policy.grpo_step(samples, logps, args.group, args.clip)
-                t_train = time.perf_counter() - t0
+                t_train, f_train = time.perf_counter() - t0, page_faults() - f0
                 t0 = time.perf_counter()
                 if mtp and args.online_draft:
                     write_policy_head(policy, policy_dir, policy_head)  # before the commit the trainer sees
@@ -195,6 +196,8 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path) -> dict:
                        "adaptive_k_state": after.get("adaptive_k"),
                        "exposed_generation_s": t_exposed, "logprob_s": t_logp,
                        "training_s": t_train, "sync_s": t_sync, "step_s": time.perf_counter() - t_step,
+                       # this process's page faults in the policy phases (vllm_specrl.cpu_malloc)
+                       "logprob_page_faults": f_logp, "training_page_faults": f_train,
                        "rollouts": len(samples), "tokens": sum(len(s["completion_ids"]) for s in samples),
                        "acceptance_length": (1 + (sd1["num_accepted_tokens"] - sd0["num_accepted_tokens"]) / drafts)
                        if drafts else None,
@@ -277,6 +280,11 @@ def write_policy_head(policy: Policy, policy_dir: Path, out: Path) -> None:
     params = dict(policy.model.named_parameters())
     keep = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
     save_file({k: params[k].detach().contiguous() for k in keep if k in params}, out / "model.safetensors")
+
+
+def page_faults() -> int:
+    """Minor page faults of this process so far: the policy phases' cost in fresh pages."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def mean_k(before: dict | None, after: dict | None) -> float | None:
