@@ -60,6 +60,7 @@ from vllm_specrl.adaptive import SCHEDULER_CLS
 from vllm_specrl.adaptive.calibrate import WARM_UP_TOKENS
 from vllm_specrl.bench_engine import host_info
 from vllm_specrl.rl.policy import Policy
+from vllm_specrl.rl.processes import start_niced
 from vllm_specrl.rl.rollouts import check_rollouts, sample_groups
 from vllm_specrl.rl.tasks import TASKS, make_tasks, reward
 from vllm_specrl.trainer.core import resolve_mixed_precision
@@ -300,7 +301,7 @@ def start_draft_trainer(args: argparse.Namespace, work: Path, mode: str, capture
                         model_args: list[str]) -> subprocess.Popen:
     """``vllm-specrl train-draft`` on the engine's capture stream, started before step 0."""
     out = work / f"draft_trainer_{mode}.out"
-    trainer = subprocess.Popen(
+    trainer = start_niced(
         [sys.executable, "-m", "vllm_specrl.cli", "train-draft", "--capture", capture, "--engine", engine_url,
          *model_args, "--checkpoint-dir", str(work / f"draft-online-{mode}"),
          "--publish-every", str(args.draft_publish_every), "--checkpoint-every", "50", "--batch-size", "4",
@@ -310,10 +311,9 @@ def start_draft_trainer(args: argparse.Namespace, work: Path, mode: str, capture
          *(["--pause-file", str(trainer_pause_file(work, mode))] if args.draft_trainer_yields else []),
          "--log", str(work / f"online_draft_{mode}.jsonl")],
         stdout=open(out, "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
-        env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"),
         # The draft trainer shares these 2 cores with the engine and this loop (on a GPU
         # cluster it has its own device): it takes cycles they leave, and a bounded number.
-        preexec_fn=lambda: os.nice(args.draft_nice))
+        niceness=args.draft_nice, env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
     # In an RL job the draft trainer starts once, before the first step; here its start-up
     # (imports, loading the draft and the policy's head) would otherwise land in step 0's
     # rollouts and be counted as their cost.
