@@ -60,8 +60,10 @@ print(json.dumps({"mode": mode, "allocator": result, "steps": out,
 
 
 def run_mode(mode: str, target: Path, args: argparse.Namespace) -> dict:
-    env_clean = {k: v for k, v in os.environ.items()
-                 if not k.startswith("MALLOC_") and k != "VLLM_SPECRL_MALLOC_TUNING"}
+    from vllm_specrl.cpu_malloc import ENV
+
+    # each mode is what it names: no malloc settings of the caller's, no switch turning the tuning off
+    env_clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != ENV}
     out = subprocess.run([sys.executable, "-c", CHILD, mode, str(target), str(args.steps), str(args.samples),
                           str(args.max_tokens)], env=env_clean, capture_output=True, text=True)
     if out.returncode:

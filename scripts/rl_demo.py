@@ -263,9 +263,9 @@ def warm_up_trainer(target: Path, args: argparse.Namespace) -> float:
     policy = Policy(target, args.lr, args.seed)
     prompt = policy.tok(policy.chat(make_tasks(0, 1, args.seed, args.task)[0][0]))["input_ids"]
     n = args.prompts * args.group
-    lengths = [args.max_tokens] * n
-    samples = [{"prompt_ids": prompt, "completion_ids": (prompt * (length // len(prompt) + 1))[:length],
-                "vllm_logprobs": [0.0] * length, "reward": float(i % 2)} for i, length in enumerate(lengths)]
+    completion = (prompt * (args.max_tokens // len(prompt) + 1))[:args.max_tokens]  # every sample at the cap
+    samples = [{"prompt_ids": prompt, "completion_ids": completion, "vllm_logprobs": [0.0] * len(completion),
+                "reward": float(i % 2)} for i in range(n)]
     policy.grpo_step(samples, policy.token_logprobs(samples), args.group, args.clip)
     del policy
     seconds = time.perf_counter() - t0

@@ -34,11 +34,16 @@ print(json.dumps({"result": result, "again": cpu_malloc.tune_glibc_malloc() if s
 """
 
 
-def probe(mode: str, **env) -> dict:
+def run_probe(script: str, *argv: str, **env: str) -> dict:
+    """``script`` in a fresh interpreter, without the caller's malloc settings (plus ``env``); its last line."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "VLLM_SPECRL_MALLOC_TUNING"}
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], env={**clean, **env}, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", script, *argv], env={**clean, **env}, capture_output=True, text=True,
                          check=True, timeout=60)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def probe(mode: str, **env) -> dict:
+    return run_probe(PROBE, mode, **env)
 
 
 def test_a_20_mib_block_is_served_from_the_heap_and_stays_mapped_after_free():
@@ -78,10 +83,7 @@ print(json.dumps({"result": result, "again": cpu_malloc.keep_every_block_on_heap
 
 
 def reuse_probe(mode: str, mib: int = 256, **env) -> dict:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "VLLM_SPECRL_MALLOC_TUNING"}
-    out = subprocess.run([sys.executable, "-c", REUSE_PROBE, mode, str(mib)], env={**clean, **env}, capture_output=True,
-                         text=True, check=True, timeout=60)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_probe(REUSE_PROBE, mode, str(mib), **env)
 
 
 def test_a_training_process_reuses_the_pages_of_a_block_above_the_mmap_ceiling():
