@@ -165,7 +165,7 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
                         max_tokens=args.max_tokens, steps=args.steps, batch_size=args.batch_size,
                         seed=args.seed, chat=not args.raw_prompts, dtype=args.dtype,
                         eval_fraction=args.eval_fraction, eval_every=args.eval_every, task=args.task,
-                        features=args.features)
+                        features=args.features, group_by_length=args.group_by_length)
     summary = warm_start(args.target, args.draft, prompts, cfg, _train_config(args), args.draft_vocab_size,
                          args.init_from, args.log, args.rollouts)
     print(json.dumps(summary, indent=2))
@@ -258,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--max-tokens", type=int, default=128)
     tr.add_argument("--steps", type=int, default=300)
     tr.add_argument("--batch-size", type=int, default=8)
+    tr.add_argument("--group-by-length", action="store_true",
+                    help="offline: batch rollouts of similar length (less padding; see length_grouped_batches)")
     tr.add_argument("--lr", type=float, default=1e-3)
     tr.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
                     help="offline: cosine decays to 0.1 lr over --steps after --warmup-steps "
