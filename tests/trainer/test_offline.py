@@ -1,5 +1,5 @@
-"""The warm start's length-grouped batches: every rollout trained on once per epoch, full batches,
-and far less padding than random batches of the same rollouts."""
+"""The warm start's length-grouped batches: every rollout trained on once per epoch, batches of
+equal token budgets, and far less padding than random batches of the same rollouts."""
 
 from __future__ import annotations
 
@@ -24,13 +24,40 @@ def _padding(batches: list[list[dict]]) -> float:
     return 1 - sum(len(f["token_ids"]) for b in batches for f in b) / rows
 
 
-def test_one_epoch_trains_every_rollout_once_in_full_batches() -> None:
-    items = _rollouts(300)  # 300 = 37 batches of 8 and 4 left over
-    batches = list(islice(length_grouped_batches(items, 8, random.Random(1)), 38))
-    assert all(len(b) == 8 for b in batches)
-    counts = Counter(int(f["id"]) for b in batches for f in b)
-    assert set(counts) == set(range(300))
-    assert sum(c - 1 for c in counts.values()) == 4  # only the filled last batch repeats items
+def _epochs(items: list[dict], batches) -> list[list[list[dict]]]:
+    """Split the endless stream into epochs (each epoch covers every item once)."""
+    out, epoch, seen = [], [], 0
+    for b in batches:
+        epoch.append(b)
+        seen += len(b)
+        if seen == len(items):
+            out.append(epoch)
+            if len(out) == 2:
+                return out
+            epoch, seen = [], 0
+        assert seen <= len(items), "a batch spans two epochs"
+    return out
+
+
+def test_every_epoch_trains_every_rollout_once() -> None:
+    items = _rollouts(300)
+    for epoch in _epochs(items, length_grouped_batches(items, 8, random.Random(1))):
+        counts = Counter(int(f["id"]) for b in epoch for f in b)
+        assert set(counts) == set(range(300)) and max(counts.values()) == 1
+
+
+def test_batches_hold_equal_token_budgets() -> None:
+    """Long answers come fewer to a batch, short ones more, so a token weighs about the same in
+    every step's mean loss, as in random batches of the same count."""
+    items = _rollouts(648)
+    mean = sum(len(f["token_ids"]) for f in items) / len(items)
+    batches = list(islice(length_grouped_batches(items, 8, random.Random(4)), 200))
+    padded = [len(b) * max(len(f["token_ids"]) for f in b) for b in batches]
+    assert max(padded) <= 8 * mean
+    assert sum(padded) / len(padded) > 0.85 * 8 * mean  # no crowd of small batches
+    sizes = [len(b) for b in batches]
+    assert min(sizes) <= 5 and max(sizes) >= 12
+    assert 7 <= sum(sizes) / len(sizes) <= 9.5
 
 
 def test_grouped_batches_pad_far_less_than_random_ones() -> None:

@@ -243,28 +243,35 @@ def warm_start(target_dir: Path | str, draft_dir: Path | str, prompts: list[str]
 
 def length_grouped_batches(items: list[dict[str, torch.Tensor]], batch_size: int, rng: random.Random,
                            megabatch: int = 16) -> Iterator[list[dict[str, torch.Tensor]]]:
-    """Endless batches whose members have similar lengths: each epoch shuffles the items, sorts
-    every run of ``megabatch`` batches by length, cuts it into batches and shuffles their order
-    (the megabatch scheme of transformers' ``LengthGroupedSampler``). A batch is padded to its
-    longest member, and RL answers run from a few tokens to the cap: random batches of the demo's
-    task were 45% padding, which the draft's first layer and attention still compute; grouped, 1-2%.
+    """Endless batches of similar lengths and equal token budgets: each epoch shuffles the items,
+    sorts every run of ``megabatch * batch_size`` of them by length (the megabatch scheme of
+    transformers' ``LengthGroupedSampler``), cuts it into batches of at most ``batch_size`` times
+    the mean length in padded tokens, and shuffles their order.
+
+    A batch is padded to its longest member, and RL answers run from a few tokens to the cap:
+    random batches of the demo's task were 45% padding, which the draft's first layer and
+    attention still compute; grouped, 1-2%. The token budget (more short sequences per batch,
+    fewer long ones) keeps every token's weight in the step's mean loss what it is in a random
+    batch: with a fixed count of 8, batches of long answers diluted their tokens, and the demo
+    draft ended 0.055 lower in acceptance length than with random batches.
     """
     if not items:
         raise ValueError("no training sequences")
-    batch_size = min(batch_size, len(items))
+    lengths = {id(f): len(f["token_ids"]) for f in items}
+    budget = min(batch_size, len(items)) * sum(lengths.values()) / len(items)
     while True:
         order = list(items)
         rng.shuffle(order)
-        span = batch_size * megabatch
-        batches = []
-        for start in range(0, len(order), span):
-            pool = sorted(order[start:start + span], key=lambda f: len(f["token_ids"]), reverse=True)
-            batches += [pool[i:i + batch_size] for i in range(0, len(pool), batch_size)]
-        # A short last batch would be a smaller step; fill it from the epoch's other items.
-        if len(batches[-1]) < batch_size:
-            short = batches.pop()
-            rest = [f for b in batches for f in b]
-            batches.append(short + rng.sample(rest, min(batch_size - len(short), len(rest))))
+        batches: list[list[dict[str, torch.Tensor]]] = []
+        for start in range(0, len(order), batch_size * megabatch):
+            pool = sorted(order[start:start + batch_size * megabatch], key=lambda f: lengths[id(f)], reverse=True)
+            batch: list[dict[str, torch.Tensor]] = []
+            for f in pool:  # longest first: a batch's padded size is its first member's length x its count
+                if batch and (len(batch) + 1) * lengths[id(batch[0])] > budget:
+                    batches.append(batch)
+                    batch = []
+                batch.append(f)
+            batches.append(batch)
         rng.shuffle(batches)
         yield from batches
 
