@@ -259,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--steps", type=int, default=300)
     tr.add_argument("--batch-size", type=int, default=8)
     tr.add_argument("--group-by-length", action="store_true",
-                    help="offline: batch rollouts of similar length (less padding; see length_grouped_batches)")
+                    help="offline: batch rollouts of similar length, --batch-size x the mean length in "
+                         "padded tokens per batch (RL answers vary: random batches are mostly padding)")
     tr.add_argument("--lr", type=float, default=1e-3)
     tr.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
                     help="offline: cosine decays to 0.1 lr over --steps after --warmup-steps "
