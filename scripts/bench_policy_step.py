@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -60,10 +59,9 @@ print(json.dumps({"mode": mode, "allocator": result, "steps": out,
 
 
 def run_mode(mode: str, target: Path, args: argparse.Namespace) -> dict:
-    from vllm_specrl.cpu_malloc import ENV
+    from vllm_specrl.cpu_malloc import environ_without_malloc_settings
 
-    # each mode is what it names: no malloc settings of the caller's, no switch turning the tuning off
-    env_clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != ENV}
+    env_clean = environ_without_malloc_settings()
     out = subprocess.run([sys.executable, "-c", CHILD, mode, str(target), str(args.steps), str(args.samples),
                           str(args.max_tokens)], env=env_clean, capture_output=True, text=True)
     if out.returncode:

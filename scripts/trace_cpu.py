@@ -84,10 +84,10 @@ def summarize(rows: list[dict]) -> list[dict]:
         gen = re.search(r"gen ([0-9.]+)s", ending)
         if not phase.startswith("[rl") or not gen:
             continue
-        t0 = samples[0]["t"]
-        step = {"step": ending.split(":", 2)[0] + ":" + ending.split(":", 2)[1]}
-        for part, chosen in (("generation", [s for s in samples if s["t"] - t0 < float(gen.group(1))]),
-                             ("policy", [s for s in samples if s["t"] - t0 >= float(gen.group(1))])):
+        t0, gen_s = samples[0]["t"], float(gen.group(1))
+        step = {"step": ":".join(ending.split(":", 2)[:2])}
+        for part, chosen in (("generation", [s for s in samples if s["t"] - t0 < gen_s]),
+                             ("policy", [s for s in samples if s["t"] - t0 >= gen_s])):
             ticks = Counter()
             for s in chosen:
                 for kind, t, _faults in s["procs"].values():

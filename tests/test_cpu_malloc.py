@@ -4,11 +4,12 @@ Each case runs in a fresh interpreter (the thresholds are process state), readin
 accounting (``mallinfo2``): ``hblkhd`` is memory served by fresh mmaps, ``arena`` the heap."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
+
+from vllm_specrl import cpu_malloc
 
 PROBE = r"""
 import ctypes, json, sys
@@ -36,10 +37,14 @@ print(json.dumps({"result": result, "again": cpu_malloc.tune_glibc_malloc() if s
 
 def run_probe(script: str, *argv: str, **env: str) -> dict:
     """``script`` in a fresh interpreter, without the caller's malloc settings (plus ``env``); its last line."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "VLLM_SPECRL_MALLOC_TUNING"}
-    out = subprocess.run([sys.executable, "-c", script, *argv], env={**clean, **env}, capture_output=True, text=True,
-                         check=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", script, *argv], env={**cpu_malloc.environ_without_malloc_settings(), **env},
+                         capture_output=True, text=True, check=True, timeout=60)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_child_environment_drops_the_callers_malloc_settings_and_switch():
+    env = {"PATH": "/bin", "MALLOC_ARENA_MAX": "2", "MALLOC_TRIM_THRESHOLD_": "1", cpu_malloc.ENV: "0", "X": "MALLOC_"}
+    assert cpu_malloc.environ_without_malloc_settings(env) == {"PATH": "/bin", "X": "MALLOC_"}
 
 
 def probe(mode: str, **env) -> dict:

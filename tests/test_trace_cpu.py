@@ -1,5 +1,5 @@
 """``scripts/trace_cpu.py``: a step's samples split into generation and policy at the step's own
-``gen`` seconds, and a live recording sees a busy child process as one core."""
+``gen`` seconds, and a live recording counts a process's CPU time as the process itself does."""
 
 from __future__ import annotations
 

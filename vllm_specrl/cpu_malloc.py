@@ -44,6 +44,14 @@ _result: str | None = None
 _heap_result: str | None = None
 
 
+def environ_without_malloc_settings(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """``environ`` (default: this process's) less glibc's ``MALLOC_*`` knobs and ``ENV``: a child
+    started with it gets exactly the allocator settings it installs itself (a benchmark's or a
+    test's mode is then what it names)."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items() if not k.startswith("MALLOC_") and k != ENV}
+
+
 def _glibc() -> ctypes.CDLL | None:
     """The C library, if it is glibc (musl and others have no ``mallopt`` thresholds)."""
     name = ctypes.util.find_library("c")
