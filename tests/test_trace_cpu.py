@@ -50,7 +50,9 @@ def test_recording_counts_a_process_cpu_time(tmp_path) -> None:
                             "--out", str(out), "--interval", "0.25"])
     busy = None
     try:
-        time.sleep(1.0)
+        deadline = time.time() + 60
+        while time.time() < deadline and not (out.exists() and out.read_text().strip()):
+            time.sleep(0.05)  # the recorder's first sweep is done: the process below is new to it
         busy = subprocess.Popen([sys.executable, "-c", "import sys, time\nt = time.time()\n"
                                  "while time.time() - t < 2: pass\n"
                                  "print(time.process_time(), flush=True)\nsys.stdin.read()", "train-draft"],
