@@ -273,6 +273,30 @@ def warm_up_trainer(target: Path, args: argparse.Namespace) -> float:
     return seconds
 
 
+def run_in_own_process(mode: str, target: Path, work: Path) -> dict:
+    """One run in a fresh copy of this script (same arguments, ``--runs mode``), its report's run read back.
+
+    In one process the first run grows the heap that the ones after it reuse: with every run in
+    the same process, spec's log-prob passes (first) still faulted 109-175 thousand fresh pages a
+    step (0.7-1.5 s) where plain's (second) faulted none, after the trainer warm-up. Each run now
+    starts as the first does: its own process, its own trainer warm-up, its own heap."""
+    out = work / f"run_{mode}.json"
+    # The same arguments with this run alone (later options win in argparse); --proposer would
+    # override --runs, and the target it chose is passed as such (an mtp invocation serves real-mimo
+    # in every run, plain included).
+    argv, skip = [], False
+    for a in sys.argv[1:]:
+        if skip or a.startswith("--proposer="):
+            skip = False
+            continue
+        skip = a == "--proposer"
+        if not skip:
+            argv.append(a)
+    subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--runs", mode, "--target", str(target),
+                    "--no-isolate-runs", "--work-dir", str(work), "--out", str(out)], check=True)
+    return json.loads(out.read_text())["runs"][mode]
+
+
 def write_policy_head(policy: Policy, policy_dir: Path, out: Path) -> None:
     """The tensors ``train-draft --mtp`` reads of the current policy (embedding, final norm, an
     untied LM head) with its config: a few hundred MB less to write per step than the checkpoint."""
@@ -477,6 +501,12 @@ def main() -> None:
     ap.add_argument("--warm-up-trainer", action=argparse.BooleanOptionalAction, default=True,
                     help="one throwaway logprob pass and GRPO step before the first run, so the first run does "
                          "not pay torch's start-up costs in its timed steps")
+    ap.add_argument("--isolate-runs", action=argparse.BooleanOptionalAction, default=True,
+                    help="each run in its own process (a fresh copy of this script with its own trainer warm-up), "
+                         "so no run reuses the heap a run before it grew; --no-isolate-runs: all runs in this "
+                         "process, one trainer warm-up before the first")
+    ap.add_argument("--work-dir", type=Path, default=None,
+                    help="where the runs keep policies, drafts and logs (default: <out stem>_work beside --out)")
     ap.add_argument("--lr", type=float, default=2e-6)
     ap.add_argument("--clip", type=float, default=0.2, help="PPO clip of the importance ratio")
     ap.add_argument("--k", type=int, default=3)
@@ -520,15 +550,21 @@ def main() -> None:
 
     wants_mtp = any(m.startswith("mtp") for m in args.runs.split(","))
     target = args.target or Path(fixture_target("real-mimo" if wants_mtp else "real", args.fixtures))
-    work = args.out.parent / (args.out.stem + "_work")
+    work = args.work_dir or args.out.parent / (args.out.stem + "_work")
     work.mkdir(parents=True, exist_ok=True)
     report = {"demo": "grpo_speculative_rollouts", "host": host_info(), "settings": {k: str(v) for k, v in vars(args).items()},
-              "runs": {}}
-    if args.warm_up_trainer:
-        report["trainer_warm_up_s"] = warm_up_trainer(target, args)
-    for mode in args.runs.split(","):
-        report["runs"][mode] = run(mode, args, target, work)
-        args.out.write_text(json.dumps(report, indent=2))
+              "pid": os.getpid(), "runs": {}}
+    modes = args.runs.split(",")
+    if args.isolate_runs and len(modes) > 1:
+        for mode in modes:
+            report["runs"][mode] = run_in_own_process(mode, target, work)
+            args.out.write_text(json.dumps(report, indent=2))
+    else:
+        warm_up_s = warm_up_trainer(target, args) if args.warm_up_trainer else None
+        for mode in modes:
+            report["runs"][mode] = {**run(mode, args, target, work), "pid": os.getpid(),
+                                    "trainer_warm_up_s": warm_up_s}
+            args.out.write_text(json.dumps(report, indent=2))
     report["summary"] = summarize(report["runs"])
     png = args.out.with_suffix(".png")
     plot(report, png)
