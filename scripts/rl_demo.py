@@ -340,7 +340,8 @@ def start_draft_trainer(args: argparse.Namespace, work: Path, mode: str, capture
         stdout=open(out, "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
         # The draft trainer shares these 2 cores with the engine and this loop (on a GPU
         # cluster it has its own device): it takes cycles they leave, and a bounded number.
-        niceness=args.draft_nice, env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
+        niceness=args.draft_nice, idle=args.draft_sched_idle,
+        env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
     # In an RL job the draft trainer starts once, before the first step; here its start-up
     # (imports, loading the draft and the policy's head) would otherwise land in step 0's
     # rollouts and be counted as their cost.
@@ -534,6 +535,9 @@ def main() -> None:
     ap.add_argument("--draft-nice", type=int, default=19,
                     help="niceness of the online draft trainer process: it shares this machine's cores with the "
                          "engine and the policy update, so by default it only takes the cycles they leave")
+    ap.add_argument("--draft-sched-idle", action=argparse.BooleanOptionalAction, default=True,
+                    help="run the online draft trainer under SCHED_IDLE as well: it takes only cycles the engine "
+                         "and this loop leave")
     ap.add_argument("--dtype", default=None,
                     help="serving dtype of both engines (default: bfloat16 where this CPU multiplies bf16 "
                          "natively, AVX512-BF16 or AMX, where a plain step ran 1.45x faster than float32; "

@@ -5,6 +5,7 @@ interpreter holding 256 MiB it rewrites after the start, counting its own page f
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -16,15 +17,19 @@ from vllm_specrl.rl.processes import start_niced
 
 buf = bytearray(256 << 20)
 buf[::4096] = b"\1" * len(range(0, len(buf), 4096))    # every page written once: resident, private
-child = [sys.executable, "-c", "import os, time; time.sleep(0.3); print(os.nice(0))"]
-if sys.argv[1] == "start_niced":
-    proc = start_niced(child, 19, stdout=subprocess.PIPE, text=True)
+# the child reports its niceness and scheduling policy, and those of a thread it starts afterwards
+child = [sys.executable, "-c", "import os, threading, time; time.sleep(0.3); seen = []; "
+         "t = threading.Thread(target=lambda: seen.append(os.sched_getscheduler(0))); t.start(); t.join(); "
+         "print(os.nice(0), os.sched_getscheduler(0), seen[0])"]
+if sys.argv[1].startswith("start_niced"):
+    proc = start_niced(child, 19, idle=sys.argv[1].endswith("idle"), stdout=subprocess.PIPE, text=True)
 else:  # what the demo did before: niceness from a preexec_fn, which needs fork()
     proc = subprocess.Popen(child, stdout=subprocess.PIPE, text=True, preexec_fn=lambda: os.nice(19))
-niceness = int(proc.communicate()[0])
+niceness, policy, thread_policy = map(int, proc.communicate()[0].split())
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 buf[::4096] = b"\2" * len(range(0, len(buf), 4096))
-print(json.dumps({"faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, "child_nice": niceness}))
+print(json.dumps({"faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before, "child_nice": niceness,
+                  "child_policy": policy, "child_thread_policy": thread_policy}))
 """
 PAGES = (256 << 20) // 4096
 
@@ -40,6 +45,13 @@ def test_the_trainer_starts_niced_without_write_protecting_the_callers_pages():
     assert forked["child_nice"] == 19, forked
     assert spawned["faults"] < PAGES * 0.01, spawned
     assert spawned["child_nice"] == 19, spawned
+    assert spawned["child_policy"] == spawned["child_thread_policy"] == os.SCHED_OTHER, spawned
+
+
+def test_an_idle_trainer_runs_sched_idle_threads_included():
+    idle = probe("start_niced_idle")
+    assert idle["child_policy"] == idle["child_thread_policy"] == os.SCHED_IDLE, idle
+    assert idle["child_nice"] == 19 and idle["faults"] < PAGES * 0.01, idle
 
 
 def test_a_preexec_fn_is_refused():
