@@ -23,7 +23,9 @@ policy that has one (default: the real-mimo fixture, SmolLM2's body with a MiMo 
 every run of the invocation then serves that checkpoint, plain included): the policy update
 carries the body alone (``keep_mtp``) and ``train-draft --mtp`` keeps the layer aligned from
 the captured states, reading the policy's embedding and final norm from a small directory
-this loop rewrites before each update. Before step 0, each engine's adaptive k is calibrated
+this loop rewrites before each update. Each run runs in a fresh copy of this script
+(``--no-isolate-runs``: all in this process), so none reuses a heap that a run before it grew.
+Before step 0, each engine's adaptive k is calibrated
 (``vllm_specrl.adaptive.calibrate``; the same requests warm a plain engine up), the
 trainer side runs one throwaway step, and each run takes ``--warm-up-steps`` real RL steps
 (default 1) that are recorded apart, so no run pays a start-up cost in its timed steps.
