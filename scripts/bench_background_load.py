@@ -21,36 +21,27 @@ import os
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import requests
 
-from vllm_specrl.bench_engine import host_info
+from vllm_specrl.bench_engine import completion_wave, host_info
 
 HOG = ("import torch\ntorch.set_num_threads(1)\na = torch.randn(512, 512)\n"
        "while True:\n    (a @ a).sum()\n")
 
 
 def run_wave(srv, concurrency: int, max_tokens: int, seed: int) -> tuple[int, float]:
-    def one(i: int) -> int:
-        r = requests.post(srv.url + "/v1/completions", timeout=600, json={
-            "model": srv.model, "prompt": f"Explain step by step how to add {i} and {i + 7}.",
-            "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True, "seed": seed + i})
-        r.raise_for_status()
-        return r.json()["usage"]["completion_tokens"]
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        tokens = sum(pool.map(one, range(concurrency)))
-    return tokens, time.perf_counter() - t0
+    prompts = [f"Explain step by step how to add {i} and {i + 7}." for i in range(concurrency)]
+    tokens, seconds = completion_wave(srv.url, srv.model, prompts, max_tokens,
+                                      seeds=[seed + i for i in range(concurrency)])
+    return sum(tokens), seconds
 
 
 def run_cell(model: Path, draft: Path | None, background: str, args) -> dict:
     from vllm_specrl.rl.processes import start_niced
-    from vllm_specrl.server import VLLMServer, cpu_env
+    from vllm_specrl.server import VLLMServer
 
-    env = cpu_env()
     server_args = ["--dtype", args.dtype, "--max-model-len", "1024", "--seed", "0"]
     if draft is not None:
         spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3,
@@ -58,7 +49,7 @@ def run_cell(model: Path, draft: Path | None, background: str, args) -> dict:
         server_args += ["--speculative-config", json.dumps(spec),
                         "--scheduler-cls", "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"]
     hog = None
-    with VLLMServer(model, server_args, env=env, log_path=args.out.parent / "bench_background_load_server.log") as srv:
+    with VLLMServer(model, server_args, log_path=args.out.parent / "bench_background_load_server.log") as srv:
         run_wave(srv, args.concurrency, args.warm_up_tokens, 10_000)  # warm-up (and adaptive k's first buckets)
         if background:
             hog = start_niced([sys.executable, "-c", HOG], 19, idle=True)

@@ -18,26 +18,16 @@ import json
 import statistics
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import requests
 
-from vllm_specrl.bench_engine import host_info
+from vllm_specrl.bench_engine import completion_wave, host_info
 
 
 def run_phase(srv, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
-    def one(p):
-        r = requests.post(srv.url + "/v1/completions", timeout=600, json={
-            "model": srv.model, "prompt": p, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True})
-        r.raise_for_status()
-        return r.json()["usage"]["completion_tokens"]
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        tokens = sum(pool.map(one, prompts))
-    wall = time.perf_counter() - t0
-    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
+    tokens, wall = completion_wave(srv.url, srv.model, prompts, max_tokens, concurrency=concurrency)
+    return {"tokens": sum(tokens), "wall_s": wall, "tokens_per_s": sum(tokens) / wall}
 
 
 def receiver_ceiling(hidden: int, aux_layers: int, rows: int, seconds: float) -> dict:

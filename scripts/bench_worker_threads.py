@@ -22,13 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import requests
-
-from vllm_specrl.bench_engine import host_info
+from vllm_specrl.bench_engine import completion_wave, host_info
 from vllm_specrl.server import VLLMServer, cpu_env
 
 RESERVED_CPU_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"  # vLLM's own knob (vllm/utils/ompmultiprocessing.py)
@@ -38,19 +34,12 @@ PROMPT = ("<|im_start|>user\nWhat is {i} + 3? Explain your reasoning briefly, th
 
 
 def measure(url: str, model: str, batch: int, tokens: int, waves: int) -> dict:
-    def one(i: int) -> int:
-        r = requests.post(url + "/v1/completions", timeout=900, json={
-            "model": model, "prompt": PROMPT.format(i=i), "max_tokens": tokens, "temperature": 1.0, "seed": i,
-            "ignore_eos": True})
-        r.raise_for_status()
-        return r.json()["usage"]["completion_tokens"]
-
     times = []
     for _ in range(waves):
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(batch) as pool:
-            assert sum(pool.map(one, range(batch))) == batch * tokens
-        times.append(time.perf_counter() - t0)
+        counts, seconds = completion_wave(url, model, [PROMPT.format(i=i) for i in range(batch)], tokens,
+                                          seeds=list(range(batch)), timeout_s=900)
+        assert sum(counts) == batch * tokens
+        times.append(seconds)
     return {"best_s": min(times), "waves_s": times}
 
 

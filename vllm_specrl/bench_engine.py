@@ -11,6 +11,9 @@ import os
 import platform
 import subprocess
 import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 TAG = "ENGINE_RESULT "
@@ -38,6 +41,29 @@ def host_info(cpuinfo: str = "/proc/cpuinfo") -> dict[str, Any]:
             info["isa"] = [f for f in ISA_FLAGS if f in flags]
             break
     return info
+
+
+def completion_wave(url: str, model: str, prompts: Sequence[str], max_tokens: int,
+                    seeds: Sequence[int] | None = None, concurrency: int | None = None,
+                    timeout_s: float = 600.0) -> tuple[list[int], float]:
+    """``prompts`` through ``/v1/completions``, ``concurrency`` in flight (default: all at once), T = 1
+    and ``ignore_eos`` (every request runs ``max_tokens``), seeded per request by ``seeds`` or not:
+    each request's completion tokens and the wave's wall seconds."""
+    import requests
+
+    def one(i: int) -> int:
+        body = {"model": model, "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 1.0,
+                "ignore_eos": True}
+        if seeds is not None:
+            body["seed"] = seeds[i]
+        r = requests.post(url + "/v1/completions", timeout=timeout_s, json=body)
+        r.raise_for_status()
+        return r.json()["usage"]["completion_tokens"]
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency or max(1, len(prompts))) as pool:
+        tokens = list(pool.map(one, range(len(prompts))))
+    return tokens, time.perf_counter() - t0
 
 
 def report_result(result: Any) -> None:
