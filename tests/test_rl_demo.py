@@ -109,3 +109,26 @@ def test_runs_start_calibrated_or_warmed_up_alike(report):
     runs = data["runs"].values()
     assert all(r["trainer_warm_up_s"] > 0 for r in runs)
     assert len({r["pid"] for r in runs} | {data["pid"]}) == len(data["runs"]) + 1
+
+
+def test_plain_run_replays_every_run_at_its_exact_lengths(report):
+    """After its steps the plain engine generated each timed step's rollouts of the runs before it, and
+    its own, again at exactly the lengths each sampled, and the summary's same-lengths ratios are those
+    replays' times. (The tiny fixture's answers run to the cap; that a replay ignores EOS is checked in
+    tests/rl/test_rollouts.py.)"""
+    data, stdout = report
+    replays = data["runs"]["plain"]["length_replays"]
+    assert list(replays) == ["spec-async", "history", "plain"]
+    for mode, recs in replays.items():
+        assert [r["step"] for r in recs] == list(range(STEPS))
+        for r in recs:
+            ref = next(s for s in data["runs"][mode]["steps"] if s["step"] == r["step"])
+            assert sorted(n for row in ref["completion_lengths"] for n in row) == ref["completion_tokens"]
+            assert r["completion_lengths"] == ref["completion_lengths"], (mode, r["step"])
+    for mode in ("spec-async", "history"):
+        c = data["summary"]["comparisons"][f"{mode}_vs_plain"]
+        gen = sum(s["generation_s"] for s in data["runs"][mode]["steps"])
+        assert c["rollout_time_same_lengths"] == pytest.approx(gen / sum(r["generation_s"] for r in replays[mode]))
+        own = sum(s["generation_s"] for s in data["runs"]["plain"]["steps"])
+        assert c["base_replay_over_its_loop"] == pytest.approx(sum(r["generation_s"] for r in replays["plain"]) / own)
+        assert f"against plain at the same lengths {c['rollout_time_same_lengths']:.2f}" in stdout

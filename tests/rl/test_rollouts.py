@@ -22,16 +22,19 @@ def test_lost_duplicated_or_foreign_rollouts_are_refused(ids):
 
 class _FakeEngine:
     """Answers ``/v1/completions`` like vLLM and records each request's seed, expanded the way vLLM
-    seeds the samples of an ``n > 1`` request (sample j: seed + j)."""
+    seeds the samples of an ``n > 1`` request (sample j: seed + j). Its answers end at EOS after
+    ``eos_after`` tokens unless the request ignores EOS, and never run past ``max_tokens``."""
 
-    def __init__(self):
+    def __init__(self, eos_after: int = 1):
         self.sample_seeds = []
+        self.eos_after = eos_after
 
     def post(self, url, timeout, json):
         from unittest.mock import Mock
 
         self.sample_seeds += [json["seed"] + j for j in range(json["n"])]
-        choices = [{"index": j, "prompt_token_ids": [1], "token_ids": [2], "text": "4",
+        n_tokens = json["max_tokens"] if json.get("ignore_eos") else min(json["max_tokens"], self.eos_after)
+        choices = [{"index": j, "prompt_token_ids": [1], "token_ids": [2] * n_tokens, "text": "4",
                     "logprobs": {"token_logprobs": [-0.1]}} for j in range(json["n"])]
         return Mock(headers={"x-specrl-policy-version-start": "0", "x-specrl-policy-version": "0"},
                     json=lambda: {"choices": choices}, raise_for_status=lambda: None)
@@ -52,3 +55,17 @@ def test_every_sample_of_consecutive_steps_has_its_own_random_stream(monkeypatch
         check_rollouts(samples, step, len(prompts), group)
     assert len(engine.sample_seeds) == 3 * len(prompts) * group
     assert len(set(engine.sample_seeds)) == len(engine.sample_seeds)
+
+
+def test_answers_generated_again_have_exactly_the_lengths_asked_for(monkeypatch):
+    """``generate_at_lengths`` holds sample j of prompt i to ``lengths[i][j]`` tokens even where the
+    model would stop at EOS sooner (planted: without ``ignore_eos`` the long ones come back short),
+    one request per sample, each with its own seed."""
+    from vllm_specrl.rl import rollouts
+
+    engine = _FakeEngine(eos_after=5)
+    monkeypatch.setattr(rollouts.requests, "post", engine.post)
+    lengths = [[3, 40, 7], [256, 1, 12]]
+    seconds, produced = rollouts.generate_at_lengths("http://engine", "m", ["a", "b"], lengths, seed=100)
+    assert produced == lengths and seconds >= 0
+    assert sorted(engine.sample_seeds) == list(range(100, 106))

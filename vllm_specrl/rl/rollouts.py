@@ -5,6 +5,10 @@ every sample carries its prompt and completion token ids, vLLM's sampling logpro
 and the policy versions it was sampled under (the ``x-specrl-policy-version*``
 response headers), and each request's finish time, which splits a step's generation
 into its bulk (until half of the requests are done) and its tail (the rest).
+
+``generate_at_lengths`` samples the same prompts again with every answer held to a given
+length: the time another engine takes for the very lengths a run sampled, which compares
+two engines' generation without the chance in how long their answers ran.
 """
 
 from __future__ import annotations
@@ -54,6 +58,37 @@ def sample_groups(url: str, model: str, prompts: list[str], group: int, max_toke
     bulk = finish[(len(finish) - 1) // 2]
     return [s for samples, _ in results for s in samples], {"generation_s": total, "bulk_s": bulk,
                                                             "tail_s": total - bulk}
+
+
+def generate_at_lengths(url: str, model: str, prompts: list[str], lengths: list[list[int]], seed: int,
+                        timeout_s: float = 600) -> tuple[float, list[list[int]]]:
+    """Sample ``lengths[i][j]`` tokens for sample j of prompt i (T = 1, ``ignore_eos``), all at once.
+
+    Returns (seconds until the last answer arrived, the lengths generated). A decode step's cost
+    depends on how many sequences run and how long their contexts are, not on which tokens they
+    hold, so this is what the engine would have taken for rollouts of exactly these lengths. Each
+    sample is its own request (``n`` = 1: their lengths differ); vLLM fans an ``n = G`` request out
+    into G sequences too, and its prefix cache shares the prompt's prefill among them either way.
+    Requests ask for what ``sample_groups`` asks for (a sampled token's logprob, token ids).
+    """
+    jobs = [(i, j) for i, row in enumerate(lengths) for j in range(len(row))]
+    t0 = time.perf_counter()
+
+    def one(job: tuple[int, int]) -> int:
+        i, j = job
+        r = requests.post(url + "/v1/completions", timeout=timeout_s, json={
+            "model": model, "prompt": prompts[i], "n": 1, "temperature": 1.0, "max_tokens": lengths[i][j],
+            "ignore_eos": True, "logprobs": 0, "return_token_ids": True, "seed": seed + i * len(lengths[i]) + j})
+        r.raise_for_status()
+        return len(r.json()["choices"][0]["token_ids"])
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        produced = list(pool.map(one, jobs))
+    seconds = time.perf_counter() - t0
+    out: list[list[int]] = [[] for _ in lengths]
+    for (i, _), n in zip(jobs, produced):
+        out[i].append(n)
+    return seconds, out
 
 
 def check_rollouts(samples: list[dict], step: int, tasks: int, group: int) -> None:
