@@ -37,7 +37,7 @@ def _engine(cfg: dict) -> list[dict]:
 
     from vllm_specrl import metrics, vllm_compat
 
-    llm = LLM(model=cfg["model"], dtype=cfg["dtype"], enforce_eager=True, seed=0,
+    llm = LLM(model=cfg["model"], dtype=cfg["dtype"], enforce_eager=not cfg.get("compiled"), seed=0,
               max_model_len=cfg["max_model_len"], max_num_seqs=max(cfg["batch_sizes"]),
               speculative_config=cfg["speculative_config"], disable_log_stats=False,
               **({"scheduler_cls": cfg["scheduler_cls"]} if cfg.get("scheduler_cls") else {}))
@@ -118,7 +118,9 @@ def main() -> None:
     ap.add_argument("--ks", default="1,2,3")
     ap.add_argument("--batch-sizes", default="1,4,16")
     ap.add_argument("--sampling", default="fast,stock",
-                    help="fast (plugin), eager (the plugin's inverse-CDF samplers with vLLM's recovered token "
+                    help="fast (plugin), lazy (the plugin's without its one-pass verify: vLLM's rejection "
+                         "sampler forward around the lazy recovery), "
+                         "eager (the plugin's inverse-CDF samplers with vLLM's recovered token "
                          "for every draft row and its logprobs of every row), fullvocab (the plugin's, with a "
                          "reduced-vocabulary draft sampled over the target's whole vocabulary, as vLLM does) "
                          "and/or stock (vLLM's), or none "
@@ -131,6 +133,10 @@ def main() -> None:
                          "(e.g. 0,1: what an adaptive engine's step costs at that k, without the controller)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every configuration this many times, in turn (single engines differ by 10-15%%)")
+    ap.add_argument("--compile", default="eager",
+                    help="comma list of eager (enforce_eager, as the project serves) and/or compiled (vLLM's "
+                         "torch.compile with inductor, about 50 s more per engine start): each configuration "
+                         "runs in every listed mode, named with a _compiled suffix when compiled")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--waves", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
@@ -162,6 +168,7 @@ def main() -> None:
             spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": k,
                     "draft_sample_method": "probabilistic"}
             env = {"fast": {}, "stock": {"VLLM_SPECRL_FAST_SAMPLING": "0"},
+                   "lazy": {"VLLM_SPECRL_ONE_PASS_VERIFY": "0"},
                    "eager": {"VLLM_SPECRL_LAZY_REJECTION": "0"},
                    "fullvocab": {"VLLM_SPECRL_DRAFT_VOCAB_SAMPLING": "0"}}[sampling]
             configs.append((f"eagle3_k{k}_{sampling}", spec, env, None))
@@ -178,18 +185,25 @@ def main() -> None:
             # vLLM's own k = 0 path beside it: the drafter's KV-sync pass on every step.
             configs.append((f"eagle3_k{max(ks)}_held_at_0_stock_kv_sync", spec,
                             {"VLLM_SPECRL_DEFER_DRAFT_KV": "0"}, None))
+    modes = [m for m in args.compile.split(",") if m]
+    if set(modes) - {"eager", "compiled"}:
+        sys.exit(f"--compile takes eager and/or compiled, not {args.compile}")
+    configs = [(name + ("_compiled" if m == "compiled" else ""), spec, env, sched, m == "compiled")
+               for name, spec, env, sched in configs for m in modes]
     report = {"benchmark": "step_cost", "model": model, "draft": str(draft),
               "host": host_info(),
               "settings": {k: v for k, v in base.items() if k != "prompts"}
               | {"temperature": 1.0, "intel_openmp_preloaded": not args.no_iomp},
               "rows": []}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    plain: dict[int, dict] = {}
-    for round_index, (name, spec, env, scheduler_cls) in ((r, c) for r in range(args.rounds) for c in configs):
+    plain: dict[tuple[int, bool], dict] = {}  # (batch size, compiled): the plain row in the same mode
+    for round_index, (name, spec, env, scheduler_cls, compiled) in ((r, c) for r in range(args.rounds)
+                                                                    for c in configs):
         if args.rounds > 1:
             name = f"{name}#{round_index}"
         print(f"[step-cost] {name}", flush=True)
-        res = run_engine(dict(base, speculative_config=spec, scheduler_cls=scheduler_cls), env, args.timeout,
+        res = run_engine(dict(base, speculative_config=spec, scheduler_cls=scheduler_cls, compiled=compiled), env,
+                         args.timeout,
                          iomp=not args.no_iomp)
         if isinstance(res, str):
             print(f"[step-cost]   FAILED: {res[-600:]}", flush=True)
@@ -197,10 +211,11 @@ def main() -> None:
             continue
         for row in res:
             row["name"] = name
-            if name.split("#")[0] == "plain":
-                plain[row["batch_size"]] = row
-            elif row["batch_size"] in plain:
-                ref = plain[row["batch_size"]]
+            row["compiled"] = compiled
+            if name.split("#")[0].removesuffix("_compiled") == "plain":
+                plain[(row["batch_size"], compiled)] = row
+            elif (row["batch_size"], compiled) in plain:
+                ref = plain[(row["batch_size"], compiled)]
                 row["step_cost_vs_plain"] = row["ms_per_step"]["step"] / ref["ms_per_step"]["step"]
                 row["throughput_ratio_vs_plain"] = row["tokens_per_s"] / ref["tokens_per_s"]
             report["rows"].append(row)

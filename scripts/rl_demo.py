@@ -114,7 +114,8 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path, replay: d
     if mtp and args.online_draft:
         write_policy_head(policy, policy_dir, policy_head)
     steps, warm_up = [], []
-    with VLLMServer(policy_dir, server_args, log_path=work / f"serve_{mode}.log") as srv:
+    with VLLMServer(policy_dir, server_args, log_path=work / f"serve_{mode}.log", enforce_eager=not args.compile,
+                    startup_timeout_s=900 if args.compile else 300) as srv:
         client = EngineClient(srv.url, progress=False)
         calibration = None
         if args.calibrate:
@@ -614,6 +615,9 @@ def main() -> None:
                     help="serving dtype of both engines (default: bfloat16 where this CPU multiplies bf16 "
                          "natively, AVX512-BF16 or AMX, where a plain step ran 1.45x faster than float32; "
                          "float32 elsewhere: an AVX2 CPU emulates bf16 matmuls, ~10x slower)")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                    help="serve every run with vLLM's torch.compile (its default; about a minute more per engine "
+                         "start) instead of eager mode")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("results/rl_demo.json"))
     args = ap.parse_args()

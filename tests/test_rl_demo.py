@@ -48,9 +48,12 @@ def test_async_rollouts_lag_at_most_one_version(report):
         assert s["exposed_generation_s"] <= s["generation_s"] + 0.5
 
 
-def test_sync_rollouts_are_on_policy_and_logprobs_match(report):
+@pytest.mark.parametrize("mode", ["plain", "history"])
+def test_sync_rollouts_are_on_policy_and_logprobs_match(report, mode):
+    """The sampled tokens' logprobs vLLM reported equal the trainer's recomputation, also where a
+    speculative step emitted them (the history run's accepted drafts, its recovered and bonus tokens)."""
     data, _ = report
-    for s in data["runs"]["plain"]["steps"]:
+    for s in data["runs"][mode]["steps"]:
         assert s["rollout_policy_versions"] == [[s["step"] + WARM_UP] * 2]
         assert s["rollouts_from_trained_version"] == PROMPTS * GROUP
         assert s["on_policy_logprob_abs_diff_max"] < 1e-3, s

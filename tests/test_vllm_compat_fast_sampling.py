@@ -302,3 +302,161 @@ def test_reduced_vocab_draft_keeps_vllms_path_where_it_is_not_sampled(installed)
     meta = _metadata(4)
     tokens, probs = drafter._sample_draft_tokens(h.expand(4, -1).contiguous(), meta)
     assert probs.shape == (4, 3 * V)
+
+
+def _verify_step(counts: list[int], target: torch.Tensor, bonus: torch.Tensor, q: torch.Tensor | None,
+                 seed: int, temperature: float = 1.0, logprobs: int | None = None, generators=None):
+    """A verify step through ``RejectionSampler.forward`` in vLLM's layout (each request's draft rows, then
+    its bonus row): draft rows score ``target``, bonus rows ``bonus`` (logits, ``[V]`` each), drafts are
+    drawn from ``q`` (uniformly where it is None: token-id drafts). Returns (output, logprobs, logits)."""
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    gen = torch.Generator().manual_seed(seed)
+    target_rows, bonus_rows, row = [], [], 0
+    for n in counts:
+        target_rows += list(range(row, row + n))
+        bonus_rows.append(row + n)
+        row += n + 1
+    logits = torch.empty(row, V)
+    logits[target_rows] = target
+    logits[bonus_rows] = bonus
+    drafts = torch.multinomial(q if q is not None else torch.ones(V), sum(counts), replacement=True,
+                               generator=gen).to(torch.int32)
+    i32 = torch.int32
+    meta = SpecDecodeMetadata(
+        draft_token_ids=drafts, num_draft_tokens=counts, cu_num_draft_tokens=torch.tensor(counts).cumsum(0).to(i32),
+        cu_num_sampled_tokens=(torch.tensor(counts) + 1).cumsum(0).to(i32),
+        target_logits_indices=torch.tensor(target_rows, dtype=i32),
+        bonus_logits_indices=torch.tensor(bonus_rows, dtype=i32), logits_indices=torch.arange(row, dtype=i32))
+    sampling = _metadata(len(counts), generators)
+    sampling.temperature = torch.full((len(counts),), temperature)
+    sampling.max_num_logprobs = logprobs
+    torch.manual_seed(seed + 7919)
+    out = RejectionSampler(Sampler())(meta, None if q is None else q.expand(sum(counts), V).contiguous(),
+                                      logits.clone(), sampling)
+    return out.sampled_token_ids, out.logprobs_tensors, logits
+
+
+@pytest.fixture
+def one_pass_calls(installed, monkeypatch):
+    """How many verify steps went through ``sampling.verify_in_one_pass``."""
+    calls = []
+    real = sampling.verify_in_one_pass
+    monkeypatch.setattr(sampling, "verify_in_one_pass", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("with_draft_probs", [True, False])
+def test_one_pass_verify_emits_the_target_at_every_position(one_pass_calls, with_draft_probs):
+    """One draft per request: the first token follows the draft rows' target p (accepted with sum
+    min(p, q)), the bonus token after an acceptance follows the bonus row's own distribution, which
+    differs here so that reading the wrong row fails."""
+    p, q = _distributions(5)
+    p_bonus, _ = _distributions(6)
+    out, _, _ = _verify_step([1] * N, p.log(), p_bonus.log(), q if with_draft_probs else None, seed=1)
+    assert one_pass_calls == [1]
+    assert _fit(out[:, 0].numpy(), p) > ALPHA
+    accepted = out[:, 1] >= 0
+    expected = torch.minimum(p, q).sum().item() if with_draft_probs else p.mean().item()
+    rate = accepted.double().mean().item()
+    assert abs(rate - expected) < 4 * (expected * (1 - expected) / N) ** 0.5, (rate, expected)
+    assert _fit(out[accepted, 1].numpy(), p_bonus) > ALPHA
+    assert _fit(out[accepted, 1].numpy(), p) < POWER_ALPHA  # power: the draft rows' p is told apart
+
+
+def test_one_pass_verify_applies_the_temperature(one_pass_calls):
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(V, generator=gen) * 2
+    _, q = _distributions(9)
+    out, _, _ = _verify_step([1] * N, logits, logits, q, seed=2, temperature=0.7)
+    assert one_pass_calls == [1]
+    assert _fit(out[:, 0].numpy(), (logits / 0.7).softmax(-1)) > ALPHA
+    assert _fit(out[:, 0].numpy(), logits.softmax(-1)) < POWER_ALPHA
+
+
+def test_one_pass_verify_lossy_recovery_is_caught(one_pass_calls, monkeypatch):
+    """Planted: a rejection resampled from the target itself. The fit must fail."""
+    p, q = _distributions()
+    monkeypatch.setattr(sampling, "residual_weights", lambda target, draft, ids: target.clone())
+    out, _, _ = _verify_step([1] * N, p.log(), p.log(), q, seed=3)
+    assert _fit(out[:, 0].numpy(), p) < POWER_ALPHA
+
+
+def test_one_pass_verify_emits_vllms_logprobs_and_ranks(one_pass_calls):
+    """A ragged batch (0-3 drafts per request) with the sampled token's logprob asked for: each emitted
+    token's logprob is the log-softmax of its own row and its rank counts the entries at or above it,
+    computed here from the logits; slots that emit nothing are not read by vLLM (``parse_output``)."""
+    counts = [3, 0, 1, 2, 3, 3, 1, 0, 2, 3, 3, 1] * 20
+    gen = torch.Generator().manual_seed(11)
+    rows = sum(counts) + len(counts)
+    target_row = torch.randn(V, generator=gen) * 3
+    target = target_row.expand(sum(counts), V)
+    bonus = torch.randn(len(counts), V, generator=gen) * 3
+    q = (target_row + torch.randn(V, generator=gen) * 0.5).softmax(-1)  # near p: drafts accepted often
+    out, lp, logits = _verify_step(counts, target, bonus, q, seed=4, logprobs=0)
+    assert one_pass_calls == [1] and logits.shape[0] == rows
+    starts = [sum(c + 1 for c in counts[:r]) for r in range(len(counts))]
+    reference = logits.log_softmax(-1)
+    checked = 0
+    for r, n in enumerate(counts):
+        for j in range(n + 1):
+            slot = r * out.shape[1] + j
+            token = int(out[r, j])
+            if token < 0:
+                continue
+            row = reference[starts[r] + j]
+            assert int(lp.logprob_token_ids[slot, 0]) == token
+            assert float(lp.logprobs[slot, 0]) == pytest.approx(float(row[token]), abs=1e-5)
+            assert int(lp.selected_token_ranks[slot]) == int((row >= row[token]).sum())
+            checked += 1
+    assert checked > 1.5 * len(counts)  # accepted drafts as well as the final token (one per request)
+
+
+def test_one_pass_verify_seeded_requests_are_reproducible(one_pass_calls):
+    p, q = _distributions(12)
+
+    def run(seed_of_first: int) -> torch.Tensor:
+        gens = {i: torch.Generator().manual_seed(seed_of_first + i) for i in range(2000)}
+        return _verify_step([2] * 2000, p.log(), p.log(), q, seed=5, generators=gens)[0]
+
+    a, b, c = run(0), run(0), run(10 ** 6)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("change", ["greedy", "top_k", "penalties", "top_logprobs", "logprobs_at_t_0_7",
+                                    "logit_bias", "min_tokens"])
+def test_one_pass_verify_leaves_other_batches_to_vllm(installed, change):
+    """What the one pass does not model goes through vLLM's own forward; a plain T=1 batch does not."""
+    from types import SimpleNamespace
+
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
+    from vllm.v1.sample.sampler import Sampler
+
+    sampler = SimpleNamespace(synthetic_mode=False, sampler=Sampler())
+    meta = _metadata(4)
+    assert vllm_compat.one_pass_verify_applies(sampler, meta)
+    if change == "greedy":
+        meta.all_random, meta.temperature = False, torch.tensor([0.0, 1.0, 1.0, 1.0])
+    elif change == "top_k":
+        meta.top_k = torch.full((4,), 5)
+    elif change == "penalties":
+        meta.no_penalties = False
+    elif change == "top_logprobs":
+        meta.max_num_logprobs = 2
+    elif change == "logprobs_at_t_0_7":
+        meta.max_num_logprobs, meta.temperature = 0, torch.full((4,), 0.7)
+    elif change == "logit_bias":
+        proc = LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
+        meta.logitsprocs = LogitsProcessors([proc])
+        assert vllm_compat.one_pass_verify_applies(sampler, meta)  # loaded but idle
+        proc.biases = {0: {3: 1.0}}
+    elif change == "min_tokens":
+        proc = object.__new__(MinTokensLogitsProcessor)
+        proc.min_toks = {}
+        meta.logitsprocs = LogitsProcessors([proc])
+        assert vllm_compat.one_pass_verify_applies(sampler, meta)
+        proc.min_toks = {1: (4, [], {2})}
+    assert not vllm_compat.one_pass_verify_applies(sampler, meta)

@@ -156,3 +156,68 @@ def rejection_sample_lazily(draft_token_ids: torch.Tensor, num_draft_tokens: lis
         uniforms = row_uniforms(len(failed), generators, failed.tolist(), target_probs.device)
         out[failed, first[failed]] = inverse_cdf_sample(weights, uniforms).to(torch.int32)
     return out
+
+
+def verify_in_one_pass(logits: torch.Tensor, target_rows: torch.Tensor, bonus_rows: torch.Tensor,
+                       draft_token_ids: torch.Tensor, num_draft_tokens: list[int], max_spec_len: int,
+                       draft_probs: torch.Tensor | None, temperature: torch.Tensor | None,
+                       acceptance_uniforms: torch.Tensor,
+                       generators: dict[int, torch.Generator] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A verify step of sampled requests from one log-softmax over the step's logits.
+
+    ``rejection_sample_lazily``'s algorithm, with the bonus token drawn only for the requests that
+    emit one (those whose drafts were all accepted; vLLM samples one for every request first) and
+    every probability read from a single ``log_softmax`` of all the step's rows, in place of the
+    copies vLLM makes around the rejection sampler (bonus rows, target rows, a float32 copy and a
+    clone of them, the softmax, and for logprobs the emitted rows again). Same law: the emitted token
+    at a position is accepted with ``min(1, p/q)``, else drawn from ``max(p - q, 0)``; after all
+    drafts, from ``p``.
+
+    ``logits``: ``[rows, V]``, a step's rows in vLLM's layout (each request's draft rows, then its
+    bonus row, at ``target_rows`` / ``bonus_rows``). ``temperature``: ``[batch]`` (> 0), or None
+    for 1. ``acceptance_uniforms``: ``[draft rows]``. Returns ``([batch, max_spec_len + 1]`` int32,
+    ``-1`` where nothing is emitted``, the ``[rows, V]`` float32 log-probabilities of
+    ``logits / T``)``.
+    """
+    batch = len(num_draft_tokens)
+    counts = torch.tensor(num_draft_tokens, dtype=torch.long)
+    owner = torch.repeat_interleave(torch.arange(batch), counts)
+    t_rows, b_rows = target_rows.long(), bonus_rows.long()
+    if temperature is not None and not bool((temperature == 1).all()):
+        row_temperature = torch.ones(logits.shape[0], dtype=torch.float32, device=logits.device)
+        row_temperature[t_rows] = temperature[owner.to(temperature.device)].float()
+        row_temperature[b_rows] = temperature.float()
+        logp = (logits.float() / row_temperature.unsqueeze(1)).log_softmax(dim=-1)
+    else:
+        logp = logits.log_softmax(dim=-1, dtype=torch.float32)
+    out = torch.full((batch, max_spec_len + 1), -1, dtype=torch.int32, device=logits.device)
+    rows = draft_token_ids.shape[0]
+    ids = draft_token_ids.long()
+    starts = torch.cumsum(counts, 0) - counts
+    first = counts.clone()  # first rejected position per request (num_draft_tokens when none is)
+    if rows:
+        safe = ids.clamp(min=0)
+        p_draft = logp[t_rows, safe].exp()
+        q_draft = (torch.ones_like(p_draft) if draft_probs is None
+                   else draft_probs[torch.arange(rows, device=safe.device), safe].float())
+        # As vLLM's CPU kernel compares: float32 ratio against the float32-rounded uniform.
+        accepted = (ids >= 0) & (q_draft > 0) & (p_draft / q_draft >= acceptance_uniforms.to(torch.float32))
+        rejected = ~accepted.cpu()
+        position = torch.arange(rows) - torch.repeat_interleave(starts, counts)
+        first.scatter_reduce_(0, owner[rejected], position[rejected], reduce="amin")
+        emitted = position < first[owner]  # accepted drafts before the first rejection
+        out[owner[emitted], position[emitted]] = ids[emitted.to(ids.device)].to(torch.int32)
+    done = first == counts
+    failed = torch.nonzero(~done).view(-1)
+    if failed.numel():
+        at = (starts[failed] + first[failed]).to(logits.device)
+        weights = residual_weights(logp[t_rows[at]].exp(), None if draft_probs is None else draft_probs[at].float(),
+                                   ids[at])
+        uniforms = row_uniforms(len(failed), generators, failed.tolist(), logits.device)
+        out[failed, first[failed]] = inverse_cdf_sample(weights, uniforms).to(torch.int32)
+    finished = torch.nonzero(done).view(-1)
+    if finished.numel():
+        uniforms = row_uniforms(len(finished), generators, finished.tolist(), logits.device)
+        bonus = inverse_cdf_sample(logp[b_rows[finished.to(b_rows.device)]].exp(), uniforms)
+        out[finished, counts[finished]] = bonus.to(torch.int32)
+    return out, logp

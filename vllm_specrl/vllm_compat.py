@@ -49,6 +49,12 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | ``RejectionSampler._get_logprobs_tensors``,   | only (CPU step cost)              |                   |
 | ``.sampler``, ``.is_logits_logprobs_mode``,   |                                   |                   |
 | ``SpecDecodeMetadata`` index fields           |                                   |                   |
+| ``RejectionSampler.forward`` (class attribute),| a verify step of sampled requests | 0.32.0 (cpu)      |
+| ``.synthetic_mode``, ``.sampler.logprobs_mode``,| from one log-softmax of its rows  |                   |
+| ``.sampler.gather_logprobs``, ``SamplingMetadata``| (CPU step cost)                 |                   |
+| fields, built-in logits processors' state      |                                   |                   |
+| (``min_p_count``/``biases``/``min_toks``),     |                                   |                   |
+| ``vllm.v1.outputs.SamplerOutput``              |                                   |                   |
 | ``SpecDecodeBaseProposer._sample_draft_tokens``| an EAGLE-3 draft with a reduced   | 0.32.0 (cpu)      |
 | (class attribute), ``._enable_probabilistic_``| vocabulary sampled in it (CPU     |                   |
 | ``draft_probs``/``use_heterogeneous_vocab``/  | step cost)                        |                   |
@@ -378,11 +384,18 @@ def install_cpu_seeded_rewind_fix() -> str:
 # Applied on CPU only, where the functions have the signatures checked here;
 # ``VLLM_SPECRL_FAST_SAMPLING=0`` keeps vLLM's (for before/after measurements),
 # ``VLLM_SPECRL_LAZY_REJECTION=0`` only the inverse-CDF samplers,
+# ``VLLM_SPECRL_ONE_PASS_VERIFY=0`` keeps vLLM's ``RejectionSampler.forward`` around the lazy path:
+# for batches of sampled requests with nothing but a temperature between logits and distribution
+# (the RL rollout's), ``one_pass_rejection_forward`` reads every probability from one log-softmax
+# of the step's rows (``sampling.verify_in_one_pass``) and samples a bonus token only for the
+# requests that emit one, where vLLM copies the bonus rows, samples them all, copies the target
+# rows, converts, clones, scales and softmaxes them, and scores the emitted rows again for logprobs;
 # ``VLLM_SPECRL_DRAFT_VOCAB_SAMPLING=0`` the full-vocabulary draft sampling.
 
 FAST_SAMPLING_CHECKED = {"0.32.0": "exponential race over the full vocabulary; recovered tokens and "
                                    "logprobs for every draft row (CPU)"}
 LAZY_REJECTION_ENV = "VLLM_SPECRL_LAZY_REJECTION"
+ONE_PASS_VERIFY_ENV = "VLLM_SPECRL_ONE_PASS_VERIFY"
 DRAFT_VOCAB_ENV = "VLLM_SPECRL_DRAFT_VOCAB_SAMPLING"
 
 
@@ -483,6 +496,78 @@ def fast_logprobs_tensors(self, max_num_logprobs, metadata, logits, target_logit
     return LogprobsTensors(*full)
 
 
+def _inactive_logits_processors(sampling_metadata) -> bool:
+    """No logits processor would change a logit in this batch (vLLM's built-ins, idle; None: none loaded)."""
+    from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor, MinPLogitsProcessor,
+                                                         MinTokensLogitsProcessor)
+
+    procs = sampling_metadata.logitsprocs
+    for proc in (procs.all if procs is not None else ()):
+        if isinstance(proc, MinPLogitsProcessor) and not proc.min_p_count:
+            continue
+        if isinstance(proc, LogitBiasLogitsProcessor) and not proc.biases:
+            continue
+        if isinstance(proc, MinTokensLogitsProcessor) and not proc.min_toks:
+            continue
+        return False
+    holder = getattr(sampling_metadata, "thinking_budget_state_holder", None)
+    return holder is None or not holder.has_tracked_requests()
+
+
+def one_pass_verify_applies(sampler, sampling_metadata) -> bool:
+    """The batches ``one_pass_rejection_forward`` serves: every request sampled, nothing but a
+    temperature between the logits and the distribution (no top-k/p, penalties, bad words, allowed
+    tokens, active logits processors), at most the sampled token's logprob, and that one from the
+    logits vLLM's default ``raw_logprobs`` mode scores (temperature 1 where logprobs are asked for)."""
+    m = sampling_metadata
+    if (getattr(sampler, "synthetic_mode", False) or not m.all_random or m.top_k is not None
+            or m.top_p is not None or not m.no_penalties or m.bad_words_token_ids
+            or m.allowed_token_ids_mask is not None or getattr(m, "logprob_token_ids", None)
+            or m.max_num_logprobs not in (None, 0) or m.temperature is None):
+        return False
+    if m.max_num_logprobs == 0 and (sampler.sampler.logprobs_mode != "raw_logprobs"
+                                    or not bool((m.temperature == 1).all())):
+        return False
+    return _inactive_logits_processors(m)
+
+
+def one_pass_rejection_forward(self, metadata, draft_probs, logits, sampling_metadata):
+    """``RejectionSampler.forward`` from one log-softmax of the step's logits
+    (``vllm_specrl.sampling.verify_in_one_pass``) for the batches an RL rollout sends
+    (``one_pass_verify_applies``); vLLM's own forward for anything else."""
+    import torch
+    from vllm.v1.outputs import LogprobsTensors, SamplerOutput
+    from vllm.v1.sample import rejection_sampler
+
+    from vllm_specrl.sampling import verify_in_one_pass
+
+    if not one_pass_verify_applies(self, sampling_metadata):
+        return type(self)._specrl_stock_forward(self, metadata, draft_probs, logits, sampling_metadata)
+    uniforms = rejection_sampler.generate_uniform_probs(
+        metadata.draft_token_ids.shape[0], metadata.num_draft_tokens, sampling_metadata.generators, logits.device)
+    out, logp = verify_in_one_pass(logits, metadata.target_logits_indices, metadata.bonus_logits_indices,
+                                   metadata.draft_token_ids, metadata.num_draft_tokens, metadata.max_spec_len,
+                                   draft_probs, sampling_metadata.temperature, uniforms,
+                                   sampling_metadata.generators)
+    logprobs_tensors = None
+    if sampling_metadata.max_num_logprobs is not None:
+        # Output slot j of request r reads row start_r + j of the step's rows, as vLLM's does.
+        batch, width = out.shape
+        starts = torch.zeros_like(metadata.cu_num_sampled_tokens)
+        starts[1:] = metadata.cu_num_sampled_tokens[:-1]
+        flat_rows = (starts.unsqueeze(1) + torch.arange(width, dtype=starts.dtype)).flatten().long()
+        flat_rows.clamp_(max=logits.shape[0] - 1)
+        tokens = out.flatten().long()
+        emitted = torch.nonzero(tokens >= 0).view(-1)
+        part = self.sampler.gather_logprobs(logp[flat_rows[emitted]], sampling_metadata.max_num_logprobs,
+                                            tokens[emitted])
+        full = [t.new_zeros((tokens.shape[0], *t.shape[1:])) for t in part[:3]]
+        for whole, piece in zip(full, part[:3]):
+            whole[emitted] = piece
+        logprobs_tensors = LogprobsTensors(*full)
+    return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs_tensors)
+
+
 def draft_vocab_sample_draft_tokens(self, hidden_states, sampling_metadata):
     """``SpecDecodeBaseProposer._sample_draft_tokens`` that samples an EAGLE-3 draft in its own vocabulary.
 
@@ -556,6 +641,9 @@ def install_cpu_fast_sampling() -> str:
     patches = [*expected.items()]
     if os.environ.get(LAZY_REJECTION_ENV, "1") != "0":
         patches += [(rejection_sampler, lazy), (sampler_cls, logprobs)]
+        if os.environ.get(ONE_PASS_VERIFY_ENV, "1") != "0":
+            patches.append((sampler_cls, ("forward", one_pass_rejection_forward,
+                                          ["self", "metadata", "draft_probs", "logits", "sampling_metadata"])))
     if os.environ.get(DRAFT_VOCAB_ENV, "1") != "0":
         patches.append((llm_base_proposer.SpecDecodeBaseProposer,
                         ("_sample_draft_tokens", draft_vocab_sample_draft_tokens,
@@ -579,6 +667,7 @@ def uninstall_cpu_fast_sampling() -> None:
     for owner, name in ((llm_base_proposer, "compute_probs_and_sample_next_token"),
                         (rejection_sampler, "sample_recovered_tokens"), (rejection_sampler, "rejection_sample"),
                         (rejection_sampler.RejectionSampler, "_get_logprobs_tensors"),
+                        (rejection_sampler.RejectionSampler, "forward"),
                         (llm_base_proposer.SpecDecodeBaseProposer, "_sample_draft_tokens")):
         stock = owner.__dict__.get(f"_specrl_stock_{name}")
         if stock is not None:
