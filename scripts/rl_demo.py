@@ -467,15 +467,24 @@ def summarize(runs: dict) -> dict:
 def same_length_ratios(runs: dict, mode: str, base: str) -> dict:
     """``mode``'s generation time over ``base``'s engine's time for the very same answer lengths
     (``replay_lengths``), and the check on the replay: ``base``'s replay of its own lengths over
-    the time its loop measured for them (1.0 when a replay costs what the loop's rollouts cost)."""
+    the time its loop measured for them (1.0 when a replay costs what the loop's rollouts cost).
+
+    For a synchronous run also its step time over the same steps with ``base``'s generation in
+    place of its own: the policy phases (log-probs, update, sync) are the same code on the same
+    samples whichever engine sampled them, so at identical lengths they cost what ``mode``'s did."""
     replays = runs[base].get("length_replays", {})
     if mode not in replays or base not in replays:
         return {}
-    gen = {(m, s["step"]): s["generation_s"] for m in (mode, base) for s in runs[m]["steps"]}
-    total = lambda m, recs: sum(gen[(m, r["step"])] for r in recs)  # noqa: E731
+    steps = {(m, s["step"]): s for m in (mode, base) for s in runs[m]["steps"]}
+    total = lambda m, recs, key="generation_s": sum(steps[(m, r["step"])][key] for r in recs)  # noqa: E731
     replayed = lambda m: sum(r["generation_s"] for r in replays[m])  # noqa: E731
-    return {"rollout_time_same_lengths": total(mode, replays[mode]) / replayed(mode),
-            "base_replay_over_its_loop": replayed(base) / total(base, replays[base])}
+    out = {"rollout_time_same_lengths": total(mode, replays[mode]) / replayed(mode),
+           "base_replay_over_its_loop": replayed(base) / total(base, replays[base])}
+    if not mode.endswith("-async"):
+        step_s = total(mode, replays[mode], "step_s")
+        out["step_time_same_lengths"] = step_s / (step_s - total(mode, replays[mode], "exposed_generation_s")
+                                                  + replayed(mode))
+    return out
 
 
 def plot(report: dict, path: Path) -> None:
@@ -528,8 +537,9 @@ def print_table(report: dict) -> None:
         extra = (f", rollout time {c['rollout_time']:.2f} (per token {c['rollout_time_per_token']:.2f}; "
                  f"bulk {c['rollout_bulk_time']:.2f}, "
                  f"tail {c['rollout_tail_time']:.2f}"
-                 + (f"; against plain at the same lengths {c['rollout_time_same_lengths']:.2f}, plain's replay "
-                    f"of its own {c['base_replay_over_its_loop']:.2f} of its loop's time"
+                 + (f"; against plain at the same lengths {c['rollout_time_same_lengths']:.2f}"
+                    + (f" (step time {c['step_time_same_lengths']:.2f})" if "step_time_same_lengths" in c else "")
+                    + f", plain's replay of its own {c['base_replay_over_its_loop']:.2f} of its loop's time"
                     if "rollout_time_same_lengths" in c else "")
                  + f"), reward diff {c['reward_difference']:+.3f} "
                  f"(z {c['reward_z']:+.2f}, {'agree' if c['rewards_agree_within_noise'] else 'DISAGREE'})"

@@ -135,3 +135,11 @@ def test_plain_run_replays_every_run_at_its_exact_lengths(report):
         own = sum(s["generation_s"] for s in data["runs"]["plain"]["steps"])
         assert c["base_replay_over_its_loop"] == pytest.approx(sum(r["generation_s"] for r in replays["plain"]) / own)
         assert f"against plain at the same lengths {c['rollout_time_same_lengths']:.2f}" in stdout
+    # The synchronous history run: its steps with plain's generation at its lengths in place of its own.
+    c = data["summary"]["comparisons"]["history_vs_plain"]
+    steps = data["runs"]["history"]["steps"]
+    step_s = sum(s["step_s"] for s in steps)
+    plain_gen = sum(r["generation_s"] for r in replays["history"])
+    assert c["step_time_same_lengths"] == pytest.approx(
+        step_s / (step_s - sum(s["exposed_generation_s"] for s in steps) + plain_gen))
+    assert "step_time_same_lengths" not in data["summary"]["comparisons"]["spec-async_vs_plain"]
