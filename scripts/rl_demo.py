@@ -645,6 +645,7 @@ def main() -> None:
     report = {"demo": "grpo_speculative_rollouts", "host": host_info(), "settings": {k: str(v) for k, v in vars(args).items()},
               "pid": os.getpid(), "runs": {}}
     modes = args.runs.split(",")
+
     def to_replay(mode: str) -> list[str]:
         """A plain run replays the lengths of the proposer runs before it."""
         if not (args.replay_lengths and mode.startswith("plain")):

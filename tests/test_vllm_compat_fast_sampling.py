@@ -184,29 +184,34 @@ def test_lazy_recovery_accepts_exactly_where_vllms_kernel_does(installed, with_d
     assert rejected > 60 and agree - rejected > 100  # both outcomes exercised
 
 
-def _logprobs_case(seed: int):
-    """A verify step's layout as vLLM's runner builds it: per request its draft rows, then its bonus row."""
+def _verify_metadata(counts: list[int], drafts: torch.Tensor):
+    """A verify step's layout as vLLM's runner builds it: per request its draft rows, then its bonus row.
+    Returns (SpecDecodeMetadata, draft rows, bonus rows)."""
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
-    counts = [2, 0, 3, 1, 2]
-    gen = torch.Generator().manual_seed(seed)
     target_rows, bonus_rows, row = [], [], 0
     for n in counts:
         target_rows += list(range(row, row + n))
         bonus_rows.append(row + n)
         row += n + 1
-    logits = torch.randn(row, V, generator=gen) * 2
+    i32 = torch.int32
+    meta = SpecDecodeMetadata(
+        draft_token_ids=drafts, num_draft_tokens=counts, cu_num_draft_tokens=torch.tensor(counts).cumsum(0).to(i32),
+        cu_num_sampled_tokens=(torch.tensor(counts) + 1).cumsum(0).to(i32),
+        target_logits_indices=torch.tensor(target_rows, dtype=i32),
+        bonus_logits_indices=torch.tensor(bonus_rows, dtype=i32), logits_indices=torch.arange(row, dtype=i32))
+    return meta, target_rows, bonus_rows
+
+
+def _logprobs_case(seed: int):
+    counts = [2, 0, 3, 1, 2]
+    gen = torch.Generator().manual_seed(seed)
+    meta, _, _ = _verify_metadata(counts, torch.zeros(sum(counts), dtype=torch.int32))
+    logits = torch.randn(meta.logits_indices.shape[0], V, generator=gen) * 2
     sampled = torch.full((len(counts), 4), -1, dtype=torch.int32)
     for r, n in enumerate(counts):
         emitted = int(torch.randint(1, n + 2, (1,), generator=gen))
         sampled[r, :emitted] = torch.randint(0, V, (emitted,), generator=gen, dtype=torch.int32)
-    i32 = torch.int32
-    meta = SpecDecodeMetadata(
-        draft_token_ids=torch.zeros(sum(counts), dtype=i32), num_draft_tokens=counts,
-        cu_num_draft_tokens=torch.tensor(counts).cumsum(0).to(i32),
-        cu_num_sampled_tokens=(torch.tensor(counts) + 1).cumsum(0).to(i32),
-        target_logits_indices=torch.tensor(target_rows, dtype=i32),
-        bonus_logits_indices=torch.tensor(bonus_rows, dtype=i32), logits_indices=torch.arange(row, dtype=i32))
     return meta, logits, sampled
 
 
@@ -311,25 +316,14 @@ def _verify_step(counts: list[int], target: torch.Tensor, bonus: torch.Tensor, q
     drawn from ``q`` (uniformly where it is None: token-id drafts). Returns (output, logprobs, logits)."""
     from vllm.v1.sample.rejection_sampler import RejectionSampler
     from vllm.v1.sample.sampler import Sampler
-    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
     gen = torch.Generator().manual_seed(seed)
-    target_rows, bonus_rows, row = [], [], 0
-    for n in counts:
-        target_rows += list(range(row, row + n))
-        bonus_rows.append(row + n)
-        row += n + 1
-    logits = torch.empty(row, V)
-    logits[target_rows] = target
-    logits[bonus_rows] = bonus
     drafts = torch.multinomial(q if q is not None else torch.ones(V), sum(counts), replacement=True,
                                generator=gen).to(torch.int32)
-    i32 = torch.int32
-    meta = SpecDecodeMetadata(
-        draft_token_ids=drafts, num_draft_tokens=counts, cu_num_draft_tokens=torch.tensor(counts).cumsum(0).to(i32),
-        cu_num_sampled_tokens=(torch.tensor(counts) + 1).cumsum(0).to(i32),
-        target_logits_indices=torch.tensor(target_rows, dtype=i32),
-        bonus_logits_indices=torch.tensor(bonus_rows, dtype=i32), logits_indices=torch.arange(row, dtype=i32))
+    meta, target_rows, bonus_rows = _verify_metadata(counts, drafts)
+    logits = torch.empty(meta.logits_indices.shape[0], V)
+    logits[target_rows] = target
+    logits[bonus_rows] = bonus
     sampling = _metadata(len(counts), generators)
     sampling.temperature = torch.full((len(counts),), temperature)
     sampling.max_num_logprobs = logprobs

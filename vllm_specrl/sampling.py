@@ -175,9 +175,9 @@ def verify_in_one_pass(logits: torch.Tensor, target_rows: torch.Tensor, bonus_ro
 
     ``logits``: ``[rows, V]``, a step's rows in vLLM's layout (each request's draft rows, then its
     bonus row, at ``target_rows`` / ``bonus_rows``). ``temperature``: ``[batch]`` (> 0), or None
-    for 1. ``acceptance_uniforms``: ``[draft rows]``. Returns ``([batch, max_spec_len + 1]`` int32,
-    ``-1`` where nothing is emitted``, the ``[rows, V]`` float32 log-probabilities of
-    ``logits / T``)``.
+    for 1. ``acceptance_uniforms``: ``[draft rows]``. Returns the emitted tokens,
+    ``[batch, max_spec_len + 1]`` int32 with ``-1`` where nothing is emitted, and the ``[rows, V]``
+    float32 log-probabilities of ``logits / T``.
     """
     batch = len(num_draft_tokens)
     counts = torch.tensor(num_draft_tokens, dtype=torch.long)
