@@ -11,7 +11,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE_ROOT = Path(os.environ.get("VLLM_SPECRL_FIXTURES", REPO / ".fixtures")).resolve()
 
-# DESIGN.md section 5: without a KV-cache size vLLM reserves a share of RAM and fails.
+# Without a KV-cache size vLLM reserves a share of RAM and fails.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # TRL (imported when tests/plugins/test_trl.py is collected) sets VLLM_LOGGING_LEVEL=ERROR in this

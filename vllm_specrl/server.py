@@ -1,8 +1,8 @@
 """Start and stop ``vllm serve`` with the plugin, for scripts, benchmarks and tests.
 
 RL loops usually launch vLLM as a subprocess; this does it the way the README
-documents (``VLLM_PLUGINS=specrl,specrl_http``, the worker extension, CPU
-defaults from DESIGN.md section 5), waits for ``/health``, and shuts the whole
+documents (``VLLM_PLUGINS=specrl,specrl_http``, the worker extension, the CPU
+defaults of ``cpu_env``), waits for ``/health``, and shuts the whole
 process group down cleanly on exit.
 """
 
@@ -24,10 +24,40 @@ PLUGINS_ENV = "specrl,specrl_http"
 WORKER_EXTENSION = "vllm_specrl.sync.SpecRLWorkerExtension"
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The ports the kernel hands out for ``bind(0)`` and outgoing connections (Linux's default elsewhere)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port nobody holds, for something that binds it later (a server, a capture receiver).
+
+    Chosen below the kernel's ephemeral range: a port from ``bind(0)`` is free only until the kernel
+    hands it to the next ``bind(0)`` or outgoing connection, which vLLM's engines make by the dozen
+    while starting (a capture receiver bound after an engine started found its port taken). No port is
+    handed out twice by one process."""
+    import random
+
+    low = ephemeral_port_range()[0]
+    for _ in range(200):
+        port = random.randrange(10000, low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in 10000-{low - 1}")
 
 
 def vllm_executable() -> str:

@@ -968,7 +968,7 @@ def draft_and_target_configs(vllm_config: Any) -> tuple[dict[str, Any], dict[str
 # On CPU vLLM repacks Linear weights for oneDNN after loading (parameters show
 # empty), so copying into parameters does nothing there. vLLM's layerwise
 # in-place reload (``reload_weights``) re-runs the loader's processing and was
-# checked exactly against a fresh engine (DESIGN.md 5); it is also what vLLM's
+# checked exactly against a fresh engine (tests/sync/test_shm_engine.py); it is also what vLLM's
 # own weight-transfer engines use. Same path for target and draft, every platform.
 
 
