@@ -75,6 +75,18 @@ TOUCH_POINTS: list[tuple[str, str, str, str]] = [
      "CPU logprobs of emitted rows only"),
     ("v1/sample/rejection_sampler.py", "RejectionSampler", "attrs:sampler,is_logits_logprobs_mode",
      "CPU logprobs of emitted rows only"),
+    ("v1/sample/rejection_sampler.py", "RejectionSampler.forward", "function", "CPU one-pass verify"),
+    ("v1/sample/rejection_sampler.py", "RejectionSampler", "attrs:synthetic_mode", "CPU one-pass verify"),
+    ("v1/sample/sampler.py", "Sampler.gather_logprobs", "function", "CPU one-pass verify: logprobs and ranks"),
+    ("v1/sample/metadata.py", "SamplingMetadata", "attrs:all_random,top_p,top_k,no_penalties,bad_words_token_ids,"
+     "allowed_token_ids_mask,logprob_token_ids,max_num_logprobs,temperature,logitsprocs,"
+     "thinking_budget_state_holder", "CPU one-pass verify: the batches it serves"),
+    ("v1/sample/logits_processor/builtin.py", "MinPLogitsProcessor", "attrs:min_p_count",
+     "CPU one-pass verify: idle built-in processors"),
+    ("v1/sample/logits_processor/builtin.py", "LogitBiasLogitsProcessor", "attrs:biases",
+     "CPU one-pass verify: idle built-in processors"),
+    ("v1/sample/logits_processor/builtin.py", "MinTokensLogitsProcessor", "attrs:min_toks",
+     "CPU one-pass verify: idle built-in processors"),
     ("model_executor/model_loader/reload/inplace.py", "reload_weights", "function",
      "in-place draft updates, the MTP drafter on policy updates"),
     ("model_executor/models/mimo_mtp.py", "MiMoMTP.load_weights", "function",
