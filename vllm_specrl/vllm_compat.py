@@ -463,15 +463,11 @@ def fast_logprobs_tensors(self, max_num_logprobs, metadata, logits, target_logit
     here the rows that carry a token are gathered from ``target_logits`` / ``bonus_logits`` and
     only they are scored; the others stay zero, as nothing reads them."""
     import torch
-    from vllm.v1.outputs import LogprobsTensors
 
     stock = type(self)._specrl_stock__get_logprobs_tensors
     batch, width = sampled_token_ids.shape
     vocab = logits.shape[-1]
-    starts = torch.zeros_like(metadata.cu_num_sampled_tokens)
-    starts[1:] = metadata.cu_num_sampled_tokens[:-1]
-    flat_rows = (starts.unsqueeze(1) + torch.arange(width, dtype=starts.dtype)).flatten()
-    flat_rows.clamp_(max=logits.shape[0] - 1)
+    flat_rows = _output_slot_rows(metadata, width, logits.shape[0])
     tokens = sampled_token_ids.flatten().long()
     emitted = torch.nonzero((tokens != -1) & (tokens < vocab)).view(-1)
     if emitted.numel() == 0:
@@ -489,10 +485,26 @@ def fast_logprobs_tensors(self, max_num_logprobs, metadata, logits, target_logit
                       bonus_logits.index_select(0, picked[~from_target] - num_target).float()])
     dest = torch.cat([emitted[from_target], emitted[~from_target]])
     scored = rows if self.is_logits_logprobs_mode else self.sampler.compute_logprobs(rows)
-    part = self.sampler.gather_logprobs(scored, max_num_logprobs, tokens[dest])
-    full = [t.new_zeros((tokens.shape[0], *t.shape[1:])) for t in part[:3]]
+    return _logprobs_at(self.sampler.gather_logprobs(scored, max_num_logprobs, tokens[dest]), dest, tokens.shape[0])
+
+
+def _output_slot_rows(metadata, width: int, rows: int):
+    """Row of the step's logits that output slot j of request r reads (``start_r + j``), flattened."""
+    import torch
+
+    starts = torch.zeros_like(metadata.cu_num_sampled_tokens)
+    starts[1:] = metadata.cu_num_sampled_tokens[:-1]
+    return (starts.unsqueeze(1) + torch.arange(width, dtype=starts.dtype)).flatten().long().clamp_(max=rows - 1)
+
+
+def _logprobs_at(part, slots, num_slots: int):
+    """``gather_logprobs``' output for some output slots, placed at them in zeroed full-size tensors
+    (the other slots emit nothing; ``parse_output`` drops them unread)."""
+    from vllm.v1.outputs import LogprobsTensors
+
+    full = [t.new_zeros((num_slots, *t.shape[1:])) for t in part[:3]]
     for whole, piece in zip(full, part[:3]):
-        whole[dest] = piece
+        whole[slots] = piece
     return LogprobsTensors(*full)
 
 
@@ -536,7 +548,7 @@ def one_pass_rejection_forward(self, metadata, draft_probs, logits, sampling_met
     (``vllm_specrl.sampling.verify_in_one_pass``) for the batches an RL rollout sends
     (``one_pass_verify_applies``); vLLM's own forward for anything else."""
     import torch
-    from vllm.v1.outputs import LogprobsTensors, SamplerOutput
+    from vllm.v1.outputs import SamplerOutput
     from vllm.v1.sample import rejection_sampler
 
     from vllm_specrl.sampling import verify_in_one_pass
@@ -551,20 +563,11 @@ def one_pass_rejection_forward(self, metadata, draft_probs, logits, sampling_met
                                    sampling_metadata.generators)
     logprobs_tensors = None
     if sampling_metadata.max_num_logprobs is not None:
-        # Output slot j of request r reads row start_r + j of the step's rows, as vLLM's does.
-        batch, width = out.shape
-        starts = torch.zeros_like(metadata.cu_num_sampled_tokens)
-        starts[1:] = metadata.cu_num_sampled_tokens[:-1]
-        flat_rows = (starts.unsqueeze(1) + torch.arange(width, dtype=starts.dtype)).flatten().long()
-        flat_rows.clamp_(max=logits.shape[0] - 1)
+        flat_rows = _output_slot_rows(metadata, out.shape[1], logits.shape[0])
         tokens = out.flatten().long()
         emitted = torch.nonzero(tokens >= 0).view(-1)
-        part = self.sampler.gather_logprobs(logp[flat_rows[emitted]], sampling_metadata.max_num_logprobs,
-                                            tokens[emitted])
-        full = [t.new_zeros((tokens.shape[0], *t.shape[1:])) for t in part[:3]]
-        for whole, piece in zip(full, part[:3]):
-            whole[emitted] = piece
-        logprobs_tensors = LogprobsTensors(*full)
+        logprobs_tensors = _logprobs_at(self.sampler.gather_logprobs(
+            logp[flat_rows[emitted]], sampling_metadata.max_num_logprobs, tokens[emitted]), emitted, tokens.shape[0])
     return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs_tensors)
 
 
