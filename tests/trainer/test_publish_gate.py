@@ -165,3 +165,58 @@ def test_a_held_candidate_is_dropped_and_the_trainer_rests_until_the_policy_move
     finally:
         tx.close()
         trainer.close()
+
+
+class RestartingReplica:
+    """A one-replica fleet serving draft ``version`` (``restart()`` puts it back to the draft on disk,
+    version 0), recording each draft pushed to it."""
+
+    def __init__(self, version: int):
+        self.version = version
+        self.quarantined: dict[str, str] = {}
+        self.active = {"http://replica-0": None}
+        self.updates: list[tuple[int, dict]] = []
+
+    def restart(self) -> None:
+        self.version = 0
+
+    def statuses(self):
+        return {"http://replica-0": (True, {"versions": {"draft": self.version}, "spec_decode": {}})}
+
+    def update_draft(self, state, version: int, trainer_report=None) -> dict:
+        self.updates.append((version, {k: v.clone() for k, v in state.items()}))
+        self.version = version
+        return {"target": "draft", "version": version, "committed": list(self.active), "quarantined": {}}
+
+
+def test_a_resting_trainer_gives_a_restarted_engine_the_served_draft(tiny_model, tmp_path):
+    """Resting, the trainer reaches no publish point until the policy moves; an engine that restarts
+    meanwhile serves the draft on disk, so the trainer pushes it the served draft (a newer version
+    of the same weights) within ``lost_draft_check_s``, once, and keeps resting."""
+    import threading
+
+    trainer, address = trainer_on_frames(tiny_model, tmp_path, holdout_every=4, publish_every=2, max_seconds=3.0,
+                                         lost_draft_check_s=0.2)
+    trainer.gate.decide = lambda: {"publish": False, "reason": "not_better", "held_out": 4}
+    served = {k: v.clone() for k, v in trainer.gate.served_state.items()}
+    trainer.client, trainer.draft_version = RestartingReplica(version=1), 1
+    trainer.log = open(tmp_path / "online.jsonl", "a")  # noqa: SIM115 - closed by trainer.close()
+    restart = threading.Timer(1.5, trainer.client.restart)
+    tx = send_sequences(address, 12, 12, 256)
+    try:
+        restart.start()
+        result = trainer.run()
+        assert result["steps"] == 2 and trainer.resting()
+        assert [version for version, _ in trainer.client.updates] == [2] and trainer.draft_version == 2
+        pushed = trainer.client.updates[0][1]
+        assert all(torch.equal(pushed[k], served[k]) for k in served)
+        trainer.log.flush()
+        records = [json.loads(line) for line in (tmp_path / "online.jsonl").read_text().splitlines()]
+        restored = [r for r in records if r.get("event") == "restore_lost_draft"]
+        assert len(restored) == 1 and restored[0]["publish"]["version"] == 2, records
+        assert restored[0]["time"] >= 1.5
+    finally:
+        restart.cancel()
+        tx.close()
+        trainer.client = None
+        trainer.close()

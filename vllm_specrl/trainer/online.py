@@ -19,7 +19,10 @@ restarts. When frames carry a new policy version it drops older sequences
 ``--target``).
 The engine never waits for it: if the trainer is slow or gone, the engine
 drops frames; if the engine is gone, publishing fails, is logged, and is
-retried at the next publish.
+retried at the next publish. An engine that restarted serves the draft on disk
+again: the next publish, or while the trainer rests (no publish comes until
+the policy moves) a check every ``lost_draft_check_s``, gives it the draft the
+trainer last published.
 """
 
 from __future__ import annotations
@@ -83,6 +86,8 @@ class OnlineConfig:
     # the next rollouts), and training on regardless cost ~9% of the rollouts' time on shared cores
     # while drifting further from the draft being served.
     rest_after_hold: bool = True
+    # While resting, how often to ask the replicas whether one restarted and lost the published draft.
+    lost_draft_check_s: float = 5.0
     # While this file exists the trainer ingests frames but neither trains nor publishes: an RL loop
     # that shares the machine with it creates the file for its own policy phases (logprobs, update).
     pause_file: str | None = None
@@ -135,6 +140,7 @@ class OnlineDraftTrainer:
         self.topk_targets = False  # whether captured sequences carry the engine's top-K logprobs
         self.draft_version = 0
         self.publish_errors = 0
+        self.next_lost_draft_check = 0.0  # time.monotonic() of the next check while resting
         self.client = None
         if cfg.engine:  # one URL, or several (comma-separated): every replica gets each draft
             from vllm_specrl.sync.fleet import FleetClient
@@ -274,6 +280,22 @@ class OnlineDraftTrainer:
             return False
         return any(version < self.draft_version for version in served)
 
+    def restore_lost_draft(self) -> dict[str, Any] | None:
+        """While resting, give a replica that restarted (it serves the draft on disk) the served draft,
+        which the module holds while resting: no publish point comes until the policy moves, and an
+        engine restarted mid-rest would otherwise serve the stale draft until then. Checked at most
+        every ``lost_draft_check_s``; returns the log record of a publish, None otherwise."""
+        now = time.monotonic()
+        if now < self.next_lost_draft_check:
+            return None
+        self.next_lost_draft_check = now + self.cfg.lost_draft_check_s
+        if not self.engine_lost_draft():
+            return None
+        publish, spec_decode = self.publish()
+        return {"event": "restore_lost_draft", "publish": publish, "engine_spec_decode": spec_decode,
+                "draft_version": self.draft_version, "policy_version": self.policy_version,
+                "capture": self.capture_counts()}
+
     def publish(self) -> tuple[dict[str, Any] | None, dict | None]:
         """Push the draft into the engine; returns the commit record and the engine's
         acceptance counters (read from the same status call that gives its draft version)."""
@@ -314,6 +336,10 @@ class OnlineDraftTrainer:
                     break
                 self.pump(timeout_ms=10 if self.can_train() else 200)
                 if not self.can_train():  # re-read: the pump may have brought sequences or a new version
+                    restored = self.restore_lost_draft() if self.resting() and not self.paused() else None
+                    if restored is not None and self.log:
+                        self.log.write(json.dumps({"time": round(time.time() - t0, 3), **restored}) + "\n")
+                        self.log.flush()
                     continue
                 last_metrics = self.train_step()
                 bar.update(1)
