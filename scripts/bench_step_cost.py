@@ -122,7 +122,9 @@ def main() -> None:
                          "sampler forward around the lazy recovery), "
                          "eager (the plugin's inverse-CDF samplers with vLLM's recovered token "
                          "for every draft row and its logprobs of every row), fullvocab (the plugin's, with a "
-                         "reduced-vocabulary draft sampled over the target's whole vocabulary, as vLLM does) "
+                         "reduced-vocabulary draft sampled over the target's whole vocabulary, as vLLM does), "
+                         "spread (the plugin's, with the draft's probabilities spread over the target's "
+                         "vocabulary in the drafter instead of kept compact to the verify) "
                          "and/or stock (vLLM's), or none "
                          "(no fixed-k engines)")
     ap.add_argument("--logprobs", type=int, default=None,
@@ -170,7 +172,8 @@ def main() -> None:
             env = {"fast": {}, "stock": {"VLLM_SPECRL_FAST_SAMPLING": "0"},
                    "lazy": {"VLLM_SPECRL_ONE_PASS_VERIFY": "0"},
                    "eager": {"VLLM_SPECRL_LAZY_REJECTION": "0"},
-                   "fullvocab": {"VLLM_SPECRL_DRAFT_VOCAB_SAMPLING": "0"}}[sampling]
+                   "fullvocab": {"VLLM_SPECRL_DRAFT_VOCAB_SAMPLING": "0"},
+                   "spread": {"VLLM_SPECRL_COMPACT_DRAFT_PROBS": "0"}}[sampling]
             configs.append((f"eagle3_k{k}_{sampling}", spec, env, None))
     if args.adaptive:
         spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": max(ks),

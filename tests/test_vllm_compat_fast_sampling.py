@@ -276,8 +276,9 @@ def _reduced_vocab_drafter(draft_vocab: int, vocab: int, hidden: int = 16, seed:
 
 def test_reduced_vocab_draft_is_sampled_in_its_own_vocabulary(installed):
     """The draft-vocabulary path against vLLM's own spread-then-sample on the same drafter: the same
-    target-vocabulary probabilities (what the rejection sampler reads), tokens only from the mapped
-    ids (the draft id used as a target id fails here) and distributed as those probabilities."""
+    target-vocabulary probabilities (what the rejection sampler reads; kept over the draft's
+    vocabulary while the one-pass verify reads them), tokens only from the mapped ids (the draft id
+    used as a target id fails here) and distributed as those probabilities."""
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
     drafter, mapped, h = _reduced_vocab_drafter(draft_vocab=V // 2, vocab=3 * V)
@@ -285,14 +286,37 @@ def test_reduced_vocab_draft_is_sampled_in_its_own_vocabulary(installed):
     meta = _metadata(N)
     meta.temperature = torch.full((N,), 0.8)
     hidden = h.expand(N, -1).contiguous()
-    tokens, probs = drafter._sample_draft_tokens(hidden, meta)
+    tokens, compact = drafter._sample_draft_tokens(hidden, meta)
     _, stock_probs = SpecDecodeBaseProposer._specrl_stock__sample_draft_tokens(drafter, hidden.clone(), meta)
-    assert probs.shape == stock_probs.shape == (N, 3 * V)
+    assert compact.shape == (N, V // 2) and stock_probs.shape == (N, 3 * V)
+    probs = vllm_compat.full_draft_probs(compact, 3 * V)
     assert torch.allclose(probs, stock_probs, atol=1e-7, rtol=1e-5)
     assert bool(torch.isin(tokens, mapped).all())
     expected = stock_probs[0].double().numpy() * N
     counts = np.bincount(tokens.numpy(), minlength=3 * V)[mapped.numpy()]
     assert chisquare(counts, expected[mapped.numpy()]).pvalue > ALPHA
+
+
+def test_reduced_vocab_draft_probs_are_spread_when_vllms_forward_verifies(installed, monkeypatch):
+    """Compact rows are for the one-pass verify only: with it off (or the switch set) the drafter
+    hands vLLM's forward rows over the target's vocabulary, the same as the compact ones spread."""
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+    drafter, _, h = _reduced_vocab_drafter(draft_vocab=V // 2, vocab=3 * V)
+    hidden = h.expand(4, -1).contiguous()
+    torch.manual_seed(0)
+    tokens, compact = drafter._sample_draft_tokens(hidden, _metadata(4))
+    assert compact.shape == (4, V // 2)
+    for switch in ("env", "one_pass_off"):
+        with monkeypatch.context() as patch:
+            if switch == "env":
+                patch.setenv(vllm_compat.COMPACT_DRAFT_PROBS_ENV, "0")
+            else:
+                patch.setattr(RejectionSampler, "forward", RejectionSampler._specrl_stock_forward)
+            torch.manual_seed(0)
+            spread_tokens, spread = drafter._sample_draft_tokens(hidden, _metadata(4))
+        assert torch.equal(spread_tokens, tokens)
+        assert torch.equal(spread, vllm_compat.full_draft_probs(compact, 3 * V))
 
 
 def test_reduced_vocab_draft_keeps_vllms_path_where_it_is_not_sampled(installed):
@@ -454,3 +478,47 @@ def test_one_pass_verify_leaves_other_batches_to_vllm(installed, change):
         assert vllm_compat.one_pass_verify_applies(sampler, meta)
         proc.min_toks = {1: (4, [], {2})}
     assert not vllm_compat.one_pass_verify_applies(sampler, meta)
+
+
+@pytest.mark.parametrize("batch", ["one_pass", "handed_to_vllm"])
+def test_compact_draft_probs_verify_as_their_spread_rows(installed, batch):
+    """A reduced-vocabulary drafter's distributions reach the verify compact (``[rows, draft_vocab]``):
+    a ragged batch verified with them emits exactly what the same batch emits with them spread over
+    the target's vocabulary, with the same draws; also a batch the one pass hands to vLLM's forward
+    (top-k here), which gets them spread. Drafts include tokens outside the draft vocabulary (q = 0:
+    always rejected) so a wrong column map shows."""
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    vocab, draft_vocab = 3 * V, V
+    drafter, mapped, h = _reduced_vocab_drafter(draft_vocab=draft_vocab, vocab=vocab, seed=3)
+    counts = [3, 0, 1, 2, 3, 3, 1, 0, 2, 3] * 40
+    rows = sum(counts)
+    hidden = (h + torch.randn(rows, h.shape[1], generator=torch.Generator().manual_seed(4))).contiguous()
+    drafts, compact = drafter._sample_draft_tokens(hidden, _metadata(rows))
+    assert compact.shape == (rows, draft_vocab)
+    outside = torch.nonzero(~torch.isin(torch.arange(vocab), mapped)).view(-1)
+    drafts[::11] = outside[torch.arange(len(drafts[::11])) % len(outside)]
+    gen = torch.Generator().manual_seed(5)
+    meta, target_rows, bonus_rows = _verify_metadata(counts, drafts.to(torch.int32))
+    logits = torch.empty(meta.logits_indices.shape[0], vocab)
+    # The target near the draft's own distribution: most drafts accepted, rejections at every depth.
+    logits[target_rows] = vllm_compat.full_draft_probs(compact, vocab).clamp(min=1e-6).log() \
+        + torch.randn(rows, vocab, generator=gen) * 0.3
+    logits[bonus_rows] = torch.randn(len(counts), vocab, generator=gen) * 2
+    sampling = _metadata(len(counts))
+    if batch == "handed_to_vllm":
+        from vllm.v1.sample.logits_processor import LogitsProcessors
+
+        sampling.top_k, sampling.logitsprocs = torch.full((len(counts),), vocab), LogitsProcessors([])
+    outputs = []
+    for probs in (compact, vllm_compat.full_draft_probs(compact, vocab)):
+        torch.manual_seed(6)
+        outputs.append(RejectionSampler(Sampler())(meta, probs.clone(), logits.clone(), sampling).sampled_token_ids)
+    assert torch.equal(outputs[0], outputs[1])
+    emitted = (outputs[0] >= 0).sum(1) - 1  # accepted drafts per request
+    assert 0 < emitted.float().mean() < torch.tensor(counts).float().mean()
+    for r, c in enumerate(counts):
+        start = sum(counts[:r])
+        for j in range(int(emitted[r])):
+            assert int(drafts[start + j]) in set(mapped.tolist())  # a token q never drafts is never accepted

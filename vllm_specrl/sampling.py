@@ -88,6 +88,27 @@ def residual_weights(target_probs: torch.Tensor, draft_probs: torch.Tensor | Non
     return weights
 
 
+def spread_draft_probs(draft_probs: torch.Tensor, vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Draft distributions over a reduced vocabulary (``[..., draft_vocab]``, column ``j`` the
+    probability of target token ``vocab_ids[j]``) as rows over the target's ``vocab_size``."""
+    full = draft_probs.new_zeros((*draft_probs.shape[:-1], vocab_size))
+    full[..., vocab_ids] = draft_probs
+    return full
+
+
+def _draft_prob_at(draft_probs: torch.Tensor, token_ids: torch.Tensor,
+                   draft_vocab_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """``q(token)`` per row; with ``draft_vocab_ids`` the rows are over the draft's vocabulary and a
+    token outside it has probability 0."""
+    rows = torch.arange(token_ids.shape[0], device=token_ids.device)
+    if draft_vocab_ids is None:
+        return draft_probs[rows, token_ids].float()
+    column = torch.full((vocab_size,), -1, dtype=torch.long, device=draft_vocab_ids.device)
+    column[draft_vocab_ids] = torch.arange(draft_vocab_ids.shape[0], device=draft_vocab_ids.device)
+    at = column[token_ids]
+    return torch.where(at >= 0, draft_probs[rows, at.clamp(min=0)].float(), 0.0)
+
+
 def rejection_sample_lazily(draft_token_ids: torch.Tensor, num_draft_tokens: list[int], max_spec_len: int,
                             target_logits: torch.Tensor, draft_probs: torch.Tensor | None,
                             bonus_token_ids: torch.Tensor, uniform_probs: torch.Tensor,
@@ -162,7 +183,8 @@ def verify_in_one_pass(logits: torch.Tensor, target_rows: torch.Tensor, bonus_ro
                        draft_token_ids: torch.Tensor, num_draft_tokens: list[int], max_spec_len: int,
                        draft_probs: torch.Tensor | None, temperature: torch.Tensor | None,
                        acceptance_uniforms: torch.Tensor,
-                       generators: dict[int, torch.Generator] | None) -> tuple[torch.Tensor, torch.Tensor]:
+                       generators: dict[int, torch.Generator] | None,
+                       draft_vocab_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A verify step of sampled requests from one log-softmax over the step's logits.
 
     ``rejection_sample_lazily``'s algorithm, with the bonus token drawn only for the requests that
@@ -175,7 +197,11 @@ def verify_in_one_pass(logits: torch.Tensor, target_rows: torch.Tensor, bonus_ro
 
     ``logits``: ``[rows, V]``, a step's rows in vLLM's layout (each request's draft rows, then its
     bonus row, at ``target_rows`` / ``bonus_rows``). ``temperature``: ``[batch]`` (> 0), or None
-    for 1. ``acceptance_uniforms``: ``[draft rows]``. Returns the emitted tokens,
+    for 1. ``acceptance_uniforms``: ``[draft rows]``. ``draft_vocab_ids`` (``[draft_vocab]``): the
+    target token of each column of ``draft_probs`` when those are over a reduced draft vocabulary
+    (kept compact from the drafter to here: only the drafted token's column and the rejected rows
+    are read, where spreading every row over the target's vocabulary cost copies of
+    ``[rows, V]``). Returns the emitted tokens,
     ``[batch, max_spec_len + 1]`` int32 with ``-1`` where nothing is emitted, and the ``[rows, V]``
     float32 log-probabilities of ``logits / T``.
     """
@@ -199,7 +225,7 @@ def verify_in_one_pass(logits: torch.Tensor, target_rows: torch.Tensor, bonus_ro
         safe = ids.clamp(min=0)
         p_draft = logp[t_rows, safe].exp()
         q_draft = (torch.ones_like(p_draft) if draft_probs is None
-                   else draft_probs[torch.arange(rows, device=safe.device), safe].float())
+                   else _draft_prob_at(draft_probs, safe, draft_vocab_ids, logits.shape[-1]))
         # As vLLM's CPU kernel compares: float32 ratio against the float32-rounded uniform.
         accepted = (ids >= 0) & (q_draft > 0) & (p_draft / q_draft >= acceptance_uniforms.to(torch.float32))
         rejected = ~accepted.cpu()
@@ -211,8 +237,12 @@ def verify_in_one_pass(logits: torch.Tensor, target_rows: torch.Tensor, bonus_ro
     failed = torch.nonzero(~done).view(-1)
     if failed.numel():
         at = (starts[failed] + first[failed]).to(logits.device)
-        weights = residual_weights(logp[t_rows[at]].exp(), None if draft_probs is None else draft_probs[at].float(),
-                                   ids[at])
+        q_rows = None
+        if draft_probs is not None:
+            q_rows = draft_probs[at].float()
+            if draft_vocab_ids is not None:
+                q_rows = spread_draft_probs(q_rows, draft_vocab_ids, logits.shape[-1])
+        weights = residual_weights(logp[t_rows[at]].exp(), q_rows, ids[at])
         uniforms = row_uniforms(len(failed), generators, failed.tolist(), logits.device)
         out[failed, first[failed]] = inverse_cdf_sample(weights, uniforms).to(torch.int32)
     finished = torch.nonzero(done).view(-1)

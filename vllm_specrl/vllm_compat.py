@@ -543,6 +543,38 @@ def one_pass_verify_applies(sampler, sampling_metadata) -> bool:
     return _inactive_logits_processors(m)
 
 
+# Draft distributions over a reduced draft vocabulary stay compact (``[rows, draft_vocab]``) from
+# the drafter through vLLM's runner (which only stacks and gathers their rows) to the one-pass
+# verify, which reads the drafted token's column and, at rejected rows, spreads them: where vLLM
+# writes every pass's row over the target's vocabulary, stacks and gathers those (at 16 sequences,
+# k = 3, ~2.5 ms of a CPU step). Only while ``one_pass_rejection_forward`` is what verifies; it
+# spreads them for vLLM's forward when it hands a batch on. ``VLLM_SPECRL_COMPACT_DRAFT_PROBS=0``
+# spreads them in the drafter, as before. Width -> (target ids, target vocabulary).
+COMPACT_DRAFT_PROBS_ENV = "VLLM_SPECRL_COMPACT_DRAFT_PROBS"
+_COMPACT_DRAFT_VOCAB: dict[int, tuple[Any, int]] = {}
+
+
+def full_draft_probs(draft_probs, vocab_size: int):
+    """Draft probabilities over the target's vocabulary, spread if the drafter kept them compact."""
+    from vllm_specrl.sampling import spread_draft_probs
+
+    if draft_probs is None or draft_probs.shape[-1] == vocab_size:
+        return draft_probs
+    ids, vocab = _COMPACT_DRAFT_VOCAB[draft_probs.shape[-1]]
+    assert vocab == vocab_size, f"compact draft probabilities of a {vocab}-token vocabulary, not {vocab_size}"
+    return spread_draft_probs(draft_probs, ids, vocab)
+
+
+def _compact_draft_probs_verified() -> bool:
+    """Whether draft probabilities may stay compact: the one-pass verify is what reads them."""
+    import os
+
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+    return (RejectionSampler.forward is one_pass_rejection_forward
+            and os.environ.get(COMPACT_DRAFT_PROBS_ENV, "1") != "0")
+
+
 def one_pass_rejection_forward(self, metadata, draft_probs, logits, sampling_metadata):
     """``RejectionSampler.forward`` from one log-softmax of the step's logits
     (``vllm_specrl.sampling.verify_in_one_pass``) for the batches an RL rollout sends
@@ -553,14 +585,19 @@ def one_pass_rejection_forward(self, metadata, draft_probs, logits, sampling_met
 
     from vllm_specrl.sampling import verify_in_one_pass
 
+    vocab = logits.shape[-1]
     if not one_pass_verify_applies(self, sampling_metadata):
-        return type(self)._specrl_stock_forward(self, metadata, draft_probs, logits, sampling_metadata)
+        return type(self)._specrl_stock_forward(self, metadata, full_draft_probs(draft_probs, vocab), logits,
+                                                sampling_metadata)
+    draft_vocab_ids = None
+    if draft_probs is not None and draft_probs.shape[-1] != vocab:
+        draft_vocab_ids = _COMPACT_DRAFT_VOCAB[draft_probs.shape[-1]][0]
     uniforms = rejection_sampler.generate_uniform_probs(
         metadata.draft_token_ids.shape[0], metadata.num_draft_tokens, sampling_metadata.generators, logits.device)
     out, logp = verify_in_one_pass(logits, metadata.target_logits_indices, metadata.bonus_logits_indices,
                                    metadata.draft_token_ids, metadata.num_draft_tokens, metadata.max_spec_len,
                                    draft_probs, sampling_metadata.temperature, uniforms,
-                                   sampling_metadata.generators)
+                                   sampling_metadata.generators, draft_vocab_ids)
     logprobs_tensors = None
     if sampling_metadata.max_num_logprobs is not None:
         flat_rows = _output_slot_rows(metadata, out.shape[1], logits.shape[0])
@@ -579,10 +616,14 @@ def draft_vocab_sample_draft_tokens(self, hidden_states, sampling_metadata):
     elsewhere, then takes the softmax and samples over all of it (49k entries for SmolLM2, 6x the
     8k the draft scores). The softmax over the draft's own logits is the same distribution on its
     tokens (the ``-inf`` entries have probability 0), so it is sampled there and the token mapped;
-    the probabilities the rejection sampler reads are scattered into a zeroed target-vocabulary row.
-    Anything else (greedy, no reduced vocabulary, another tokenizer, parallel drafting) keeps vLLM's."""
+    the probabilities the rejection sampler reads stay over the draft's vocabulary while the one-pass
+    verify reads them (``_COMPACT_DRAFT_VOCAB``), else are scattered into a zeroed target-vocabulary
+    row. Anything else (greedy, no reduced vocabulary, another tokenizer, parallel drafting) keeps
+    vLLM's."""
     import torch
     from vllm.v1.spec_decode import llm_base_proposer
+
+    from vllm_specrl.sampling import spread_draft_probs
 
     stock = type(self)._specrl_stock__sample_draft_tokens
     model = self.model
@@ -599,9 +640,11 @@ def draft_vocab_sample_draft_tokens(self, hidden_states, sampling_metadata):
     targets = torch.arange(offsets.shape[0], device=offsets.device) + offsets
     ids, probs = llm_base_proposer.compute_probs_and_sample_next_token(logits, sampling_metadata,
                                                                        self.use_fp64_gumbel)
-    full = probs.new_zeros((probs.shape[0], model.config.vocab_size))
-    full[:, targets] = probs
-    return targets[ids], full
+    vocab = model.config.vocab_size
+    if probs.shape[-1] < vocab and _compact_draft_probs_verified():
+        _COMPACT_DRAFT_VOCAB[probs.shape[-1]] = (targets, vocab)
+        return targets[ids], probs
+    return targets[ids], spread_draft_probs(probs, targets, vocab)
 
 
 def _signature_names(fn) -> list[str]:
@@ -1251,6 +1294,8 @@ def install_draft_recorder(runner: Any, on_draft: Any) -> str:
                     bases[req["request_id"]] = positions[req["start"] + n - 1]
             drafts = original(*args, **kwargs)
             probs = getattr(runner, "_draft_probs", None)
+            if probs is not None and probs.shape[-1] in _COMPACT_DRAFT_VOCAB:
+                probs = full_draft_probs(probs, _COMPACT_DRAFT_VOCAB[probs.shape[-1]][1])
             req_ids = getattr(runner, "_draft_prob_req_ids", None) or list(runner.input_batch.req_ids)
             rows = drafts.tolist() if isinstance(drafts, torch.Tensor) else [list(r) for r in drafts]
             records = [{"request_id": rid, "base_position": bases[rid], "draft_token_ids": rows[i],
