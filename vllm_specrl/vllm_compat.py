@@ -598,6 +598,9 @@ def one_pass_rejection_forward(self, metadata, draft_probs, logits, sampling_met
                                    metadata.draft_token_ids, metadata.num_draft_tokens, metadata.max_spec_len,
                                    draft_probs, sampling_metadata.temperature, uniforms,
                                    sampling_metadata.generators, draft_vocab_ids)
+    temperature = sampling_metadata.temperature
+    if getattr(self, "_specrl_keep_raw_logp", False) and bool((temperature == 1).all()):
+        self._specrl_raw_logp = (logits, logp)  # the capture tap's logprobs of this step (T = 1: raw)
     logprobs_tensors = None
     if sampling_metadata.max_num_logprobs is not None:
         flat_rows = _output_slot_rows(metadata, out.shape[1], logits.shape[0])
@@ -1191,12 +1194,15 @@ def capture_step_view(runner: Any, scheduler_output: Any, sampled_token_ids: Any
     logits = getattr(runner, "_specrl_step_logits", None)
     if logits is not None and logits.shape[0] != logit_row:
         logits = None  # a layout this was not checked against: send no logprobs rather than wrong ones
+    # The one-pass verify's log-softmax of these very logits, when it took one at T = 1.
+    verified = getattr(getattr(runner, "rejection_sampler", None), "_specrl_raw_logp", None)
+    raw_logprobs = verified[1] if verified is not None and logits is not None and verified[0] is logits else None
     return {"input_ids": runner.input_ids.gpu[:total], "positions": runner.positions[:total],
             "final_hidden": hidden_states[:total], "aux_hidden": [h[:total] for h in aux_hidden_states or ()],
             # An MTP engine's hidden states are what it hands its MTP drafter (MiMo: the last layer's
             # output before the final norm, which ``compute_logits`` applies); it has no aux layers.
             "drafter": "mtp" if mtp else "eagle3",
-            "logits": logits, "requests": requests}
+            "logits": logits, "raw_logprobs": raw_logprobs, "requests": requests}
 
 
 def install_capture_tap(runner: Any, on_step: Any) -> str:
@@ -1204,7 +1210,8 @@ def install_capture_tap(runner: Any, on_step: Any) -> str:
 
     Also keeps a reference to the step's target logits (``execute_model_state.logits``, computed by
     ``execute_model`` and consumed by ``sample_tokens``, which calls the proposer) so the tap can send
-    the sampled tokens' logprobs without a second LM-head pass.
+    the sampled tokens' logprobs without a second LM-head pass, and asks the one-pass verify to keep
+    its log-softmax of them for the step (``raw_logprobs``: no second log-softmax either).
     """
     import inspect
 
@@ -1215,13 +1222,19 @@ def install_capture_tap(runner: Any, on_step: Any) -> str:
     signature = inspect.signature(original)
     original_sample = runner.sample_tokens
 
+    verifier = getattr(runner, "rejection_sampler", None)
+
     def sample_tokens(*args: Any, **kwargs: Any) -> Any:
         state = getattr(runner, "execute_model_state", None)
         runner._specrl_step_logits = getattr(state, "logits", None)
+        if verifier is not None:
+            verifier._specrl_keep_raw_logp = True
         try:
             return original_sample(*args, **kwargs)
         finally:
             runner._specrl_step_logits = None
+            if verifier is not None:
+                verifier._specrl_raw_logp = None
 
     def propose_draft_token_ids(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -1250,6 +1263,9 @@ def remove_capture_tap(runner: Any) -> None:
         runner.sample_tokens = runner._specrl_capture_sample_original
         runner._specrl_capture_original = None
         runner._specrl_capture_sample_original = None
+        verifier = getattr(runner, "rejection_sampler", None)
+        if verifier is not None:
+            verifier._specrl_keep_raw_logp, verifier._specrl_raw_logp = False, None
 
 
 # --- draft recorder (worker side) -----------------------------------------------------

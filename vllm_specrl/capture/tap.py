@@ -57,18 +57,21 @@ def exact_topk(x: torch.Tensor, k: int, block: int = TOPK_BLOCK) -> tuple[torch.
     return values, top_blocks.gather(1, where // block) * block + where % block
 
 
-def sampled_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], topk: int
+def sampled_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], topk: int,
+                     raw_logprobs: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Logprobs (T=1, before any sampling parameter: vLLM's ``raw_logprobs``) of the tokens sampled
     from logit rows ``rows``, and the target's top-k there: one softmax and one top-k for the
     whole step. Per request, with top-64, they cost 5.5-8.3 ms of a 100-130 ms step at 16 sequences
     on one core (2-3 committed rows each), in the engine's critical path; batched, 3.9-5.7 ms
-    (``bench_capture.py --tap-only``)."""
+    (``bench_capture.py --tap-only``). ``raw_logprobs``: the step's log-softmax of ``logits`` when the
+    verify took one already (float32, same rows), read instead of a second one."""
+    source = logits if raw_logprobs is None else raw_logprobs
     if rows == list(range(rows[0], rows[0] + len(rows))):  # every draft accepted: no copy
-        picked = logits[rows[0]:rows[0] + len(rows)]
+        picked = source[rows[0]:rows[0] + len(rows)]
     else:
-        picked = logits.index_select(0, torch.tensor(rows, device=logits.device))
-    logp = picked.float().log_softmax(-1)
+        picked = source.index_select(0, torch.tensor(rows, device=source.device))
+    logp = picked.float().log_softmax(-1) if raw_logprobs is None else picked
     chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].cpu()
     if not topk:
         return chosen, None, None
@@ -110,7 +113,8 @@ def step_frames(view: dict[str, Any], fraction: float = 1.0, dtype: torch.dtype 
     scored_rows = [req["logit_row"] + j for req, _, n, _, first in plans for j in range(n - first)]
     if scored_rows:
         chosen, top_values, top_ids = sampled_logprobs(
-            logits, scored_rows, [t for _, _, n, nxt, first in plans for t in nxt[first:n]], topk)
+            logits, scored_rows, [t for _, _, n, nxt, first in plans for t in nxt[first:n]], topk,
+            view.get("raw_logprobs"))
     frames = []
     offset = scored = 0
     for req, start, n, nxt, first in plans:
@@ -148,9 +152,11 @@ class CaptureTap:
         self.policy_version = policy_version  # zero-arg callable
         self.dtype = dtype
         self.steps = 0
+        self.steps_scored_by_verify = 0  # steps whose logprobs came from the verify's log-softmax
 
     def __call__(self, view: dict[str, Any]) -> None:
         self.steps += 1
+        self.steps_scored_by_verify += view.get("raw_logprobs") is not None
         version = self.policy_version()
         for header, tensors in step_frames(view, self.fraction, self.dtype, self.topk):
             header.update(policy_version=version, step=self.steps)
