@@ -78,6 +78,8 @@ TOUCH_POINTS: list[tuple[str, str, str, str]] = [
     ("v1/sample/rejection_sampler.py", "RejectionSampler.forward", "function", "CPU one-pass verify"),
     ("v1/sample/rejection_sampler.py", "RejectionSampler", "attrs:synthetic_mode", "CPU one-pass verify"),
     ("v1/sample/sampler.py", "Sampler.gather_logprobs", "function", "CPU one-pass verify: logprobs and ranks"),
+    ("v1/sample/sampler.py", "Sampler.compute_logprobs", "function",
+     "capture tap: the step's log-softmax kept for its scoring (instance override)"),
     ("v1/sample/metadata.py", "SamplingMetadata", "attrs:all_random,top_p,top_k,no_penalties,bad_words_token_ids,"
      "allowed_token_ids_mask,logprob_token_ids,max_num_logprobs,temperature,logitsprocs,"
      "thinking_budget_state_holder", "CPU one-pass verify: the batches it serves"),

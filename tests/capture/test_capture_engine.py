@@ -170,11 +170,11 @@ def test_captured_hidden_states_equal_hf_forward(tiny_model, capture_run):
 
 
 def test_captured_logprobs_equal_vllms(capture_run):
-    """The sampled tokens' logprobs the tap sends are those vLLM returns (raw_logprobs, float32), most
-    steps read from the one-pass verify's log-softmax of the step (the rest, prefill steps and zero-draft
-    steps, from the tap's own)."""
+    """The sampled tokens' logprobs the tap sends are those vLLM returns (raw_logprobs, float32), read
+    at every step from the log-softmax the step's sampler took (the one-pass verify's, or vLLM's
+    sampler's for requests that ask for logprobs)."""
     meta, seqs = capture_run
-    assert 0 < meta["state"]["steps_scored_by_verify"] < meta["state"]["steps"], meta["state"]
+    assert meta["state"]["steps_scored_by_sampler"] == meta["state"]["steps"] > 0, meta["state"]
     for i, (tokens, want) in enumerate(zip(meta["tokens"], meta["vllm_logprobs"])):
         got = seqs[f"{i}.logprobs"]
         first = len(tokens) - len(want) - 1  # the row whose next token is the first output token

@@ -64,8 +64,8 @@ def sampled_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], t
     from logit rows ``rows``, and the target's top-k there: one softmax and one top-k for the
     whole step. Per request, with top-64, they cost 5.5-8.3 ms of a 100-130 ms step at 16 sequences
     on one core (2-3 committed rows each), in the engine's critical path; batched, 3.9-5.7 ms
-    (``bench_capture.py --tap-only``). ``raw_logprobs``: the step's log-softmax of ``logits`` when the
-    verify took one already (float32, same rows), read instead of a second one."""
+    (``bench_capture.py --tap-only``). ``raw_logprobs``: the step's log-softmax of ``logits`` when a
+    sampler took one already (float32, same rows), read instead of a second one."""
     source = logits if raw_logprobs is None else raw_logprobs
     if rows == list(range(rows[0], rows[0] + len(rows))):  # every draft accepted: no copy
         picked = source[rows[0]:rows[0] + len(rows)]
@@ -152,11 +152,11 @@ class CaptureTap:
         self.policy_version = policy_version  # zero-arg callable
         self.dtype = dtype
         self.steps = 0
-        self.steps_scored_by_verify = 0  # steps whose logprobs came from the verify's log-softmax
+        self.steps_scored_by_sampler = 0  # steps whose logprobs came from the step's sampler's log-softmax
 
     def __call__(self, view: dict[str, Any]) -> None:
         self.steps += 1
-        self.steps_scored_by_verify += view.get("raw_logprobs") is not None
+        self.steps_scored_by_sampler += view.get("raw_logprobs") is not None
         version = self.policy_version()
         for header, tensors in step_frames(view, self.fraction, self.dtype, self.topk):
             header.update(policy_version=version, step=self.steps)
