@@ -100,10 +100,14 @@ def assert_captured_rows_match_hf(model_dir, tokens: list[list[int]], captured: 
             assert err < 0.02, (key, float(err))
 
 
-def record_drafts(model, speculative_config: dict, prompts: list[str], dump) -> dict:
+def record_drafts(model, speculative_config: dict, prompts: list[str], dump,
+                  max_tokens: list[int] | None = None) -> dict:
     """Run seeded T=1 requests with the worker's draft recorder on; the drafter's records and each
-    request's full token sequence (``{"records": [...], "outputs": {request_id: tokens}}``)."""
+    request's full token sequence (``{"records": [...], "outputs": {request_id: tokens}}``).
+    ``max_tokens``: per request (default 24 each)."""
     import torch
+
+    max_tokens = max_tokens or [24] * len(prompts)
 
     out = run_python(f"""
         import json, torch
@@ -113,8 +117,8 @@ def record_drafts(model, speculative_config: dict, prompts: list[str], dump) -> 
                   worker_extension_cls="vllm_specrl.sync.SpecRLWorkerExtension")
         llm.collective_rpc("specrl_record_drafts", args=(True,))
         prompts = json.loads({json.dumps(json.dumps(prompts))})
-        params = [SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=i)
-                  for i in range(len(prompts))]
+        params = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=i)
+                  for i, n in enumerate({max_tokens!r})]
         outs = llm.generate(prompts, params, use_tqdm=False)
         records = llm.collective_rpc("specrl_recorded_drafts")[0]
         torch.save({{"records": records,

@@ -33,15 +33,17 @@ def recorded(tiny_model, warm_draft, tmp_path_factory):
 
 def unroll_distributions(draft, target, seq: list[int], base: int, drafts: list[int],
                          aux_order: list[int] | None = None) -> torch.Tensor:
-    """[K, V] draft distributions at ``base``; the chain's inputs are the draft's own tokens."""
-    ids = torch.tensor(seq[: base + 2] + drafts[: K - 1])[None]
+    """[k, V] draft distributions at ``base`` (k = ``len(drafts)``); the chain's inputs are the
+    draft's own tokens."""
+    k = len(drafts)
+    ids = torch.tensor(seq[: base + 2] + drafts[: k - 1])[None]
     aux, _, _ = target_features(target, ids[:, : base + 1], draft.shape.aux_layer_ids)
     if aux_order is not None:
         aux = torch.cat([aux.chunk(len(aux_order), -1)[i] for i in aux_order], -1)
     aux = torch.cat([aux, torch.zeros(1, ids.shape[1] - base - 1, aux.shape[-1])], 1)
     with torch.no_grad():
-        logits = draft.unroll(aux, ids, K)
-    probs = torch.zeros(K, draft.shape.vocab_size)
+        logits = draft.unroll(aux, ids, k)
+    probs = torch.zeros(k, draft.shape.vocab_size)
     for j, step in enumerate(logits):
         probs[j, draft.draft_token_ids()] = step[0, base].softmax(-1)
     return probs
@@ -70,3 +72,35 @@ def test_vllm_drafter_distributions_equal_the_torch_unroll(tiny_model, warm_draf
     assert max(worst) < TOLERANCE, {"per_step_worst_tv": worst}
     # The same comparison catches a planted mismatch (aux layers fed in another order).
     assert min(planted) > 10 * TOLERANCE, {"planted_tv": planted}
+
+
+@pytest.fixture(scope="module")
+def recorded_varying_k(tiny_model, warm_draft, tmp_path_factory):
+    """k follows the batch size (vLLM's table: 1 draft at 9-16 sequences, 2 at 4-8, 5 at 1-3) and
+    the requests end one after another, so requests keep drafting across changes of k, as adaptive
+    k makes them: the drafter's first pass after a step that verified fewer (or more) drafts must
+    still start from the right rows."""
+    prompts = code_prompts(440)[420:432]
+    spec = {"method": "eagle3", "model": str(warm_draft), "num_speculative_tokens": K,
+            "draft_sample_method": "probabilistic",
+            "num_speculative_tokens_per_batch_size": [[1, 3, 5], [4, 8, 2], [9, 64, 1]]}
+    return record_drafts(tiny_model, spec, prompts, tmp_path_factory.mktemp("parity-k") / "drafts.pt",
+                         max_tokens=[8 + 5 * i for i in range(len(prompts))])
+
+
+def test_drafter_distributions_stay_exact_when_k_changes(tiny_model, warm_draft, recorded_varying_k):
+    target = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    draft = load_draft(warm_draft, tiny_model).eval()
+    records = [r for r in recorded_varying_k["records"] if r["draft_probs"] is not None]
+    lengths = {len(r["draft_token_ids"]) for r in records}
+    assert {1, 2, K} <= lengths, lengths
+    worst: dict[int, float] = {}
+    for r in records[::2]:
+        seq = sequence_of(recorded_varying_k["outputs"], r["request_id"])
+        k = len(r["draft_token_ids"])
+        if r["base_position"] + 2 > len(seq):
+            continue
+        ours = unroll_distributions(draft, target, seq, r["base_position"], r["draft_token_ids"])
+        tv = float((0.5 * (ours - r["draft_probs"][:k]).abs().sum(-1)).max())
+        worst[k] = max(worst.get(k, 0.0), tv)
+    assert set(worst) == lengths and max(worst.values()) < TOLERANCE, {"worst_tv_by_k": worst}
