@@ -556,15 +556,22 @@ COMPACT_DRAFT_PROBS_ENV = "VLLM_SPECRL_COMPACT_DRAFT_PROBS"
 _COMPACT_DRAFT_VOCAB: dict[int, tuple[Any, int]] = {}
 
 
+def _compact_vocab_ids(draft_probs, vocab_size: int):
+    """The target token of each column of compact draft probabilities; None for rows over the target's
+    vocabulary (or none at all)."""
+    if draft_probs is None or draft_probs.shape[-1] == vocab_size:
+        return None
+    ids, vocab = _COMPACT_DRAFT_VOCAB[draft_probs.shape[-1]]
+    assert vocab == vocab_size, f"compact draft probabilities of a {vocab}-token vocabulary, not {vocab_size}"
+    return ids
+
+
 def full_draft_probs(draft_probs, vocab_size: int):
     """Draft probabilities over the target's vocabulary, spread if the drafter kept them compact."""
     from vllm_specrl.sampling import spread_draft_probs
 
-    if draft_probs is None or draft_probs.shape[-1] == vocab_size:
-        return draft_probs
-    ids, vocab = _COMPACT_DRAFT_VOCAB[draft_probs.shape[-1]]
-    assert vocab == vocab_size, f"compact draft probabilities of a {vocab}-token vocabulary, not {vocab_size}"
-    return spread_draft_probs(draft_probs, ids, vocab)
+    ids = _compact_vocab_ids(draft_probs, vocab_size)
+    return draft_probs if ids is None else spread_draft_probs(draft_probs, ids, vocab_size)
 
 
 def _compact_draft_probs_verified() -> bool:
@@ -591,15 +598,12 @@ def one_pass_rejection_forward(self, metadata, draft_probs, logits, sampling_met
     if not one_pass_verify_applies(self, sampling_metadata):
         return type(self)._specrl_stock_forward(self, metadata, full_draft_probs(draft_probs, vocab), logits,
                                                 sampling_metadata)
-    draft_vocab_ids = None
-    if draft_probs is not None and draft_probs.shape[-1] != vocab:
-        draft_vocab_ids = _COMPACT_DRAFT_VOCAB[draft_probs.shape[-1]][0]
     uniforms = rejection_sampler.generate_uniform_probs(
         metadata.draft_token_ids.shape[0], metadata.num_draft_tokens, sampling_metadata.generators, logits.device)
     out, logp = verify_in_one_pass(logits, metadata.target_logits_indices, metadata.bonus_logits_indices,
                                    metadata.draft_token_ids, metadata.num_draft_tokens, metadata.max_spec_len,
                                    draft_probs, sampling_metadata.temperature, uniforms,
-                                   sampling_metadata.generators, draft_vocab_ids)
+                                   sampling_metadata.generators, _compact_vocab_ids(draft_probs, vocab))
     keep = getattr(self, "_specrl_keep_logp", None)
     if keep is not None and bool((sampling_metadata.temperature == 1).all()):
         keep(logits, logp)  # the capture tap's logprobs of this step (at T = 1 they are the raw ones)

@@ -337,9 +337,8 @@ class OnlineDraftTrainer:
                 self.pump(timeout_ms=10 if self.can_train() else 200)
                 if not self.can_train():  # re-read: the pump may have brought sequences or a new version
                     restored = self.restore_lost_draft() if self.resting() and not self.paused() else None
-                    if restored is not None and self.log:
-                        self.log.write(json.dumps({"time": round(time.time() - t0, 3), **restored}) + "\n")
-                        self.log.flush()
+                    if restored is not None:
+                        self.write_log({"time": round(time.time() - t0, 3), **restored})
                     continue
                 last_metrics = self.train_step()
                 bar.update(1)
@@ -363,9 +362,7 @@ class OnlineDraftTrainer:
                     record["draft_version"] = self.draft_version
                 if step % cfg.checkpoint_every == 0:
                     self.trainer.save(self.checkpoint_dir, extra={"draft_version": self.draft_version})
-                if self.log:
-                    self.log.write(json.dumps(record) + "\n")
-                    self.log.flush()
+                self.write_log(record)
         finally:
             bar.close()
         self.trainer.save(self.checkpoint_dir, extra={"draft_version": self.draft_version})
@@ -374,6 +371,12 @@ class OnlineDraftTrainer:
                 "frames": dict(self.receiver.counters), "capture": self.capture_counts(),
                 "publish_errors": self.publish_errors, "publish_gate": self.gate.status(),
                 "draft_version": self.draft_version, "last": last_metrics}
+
+    def write_log(self, record: dict[str, Any]) -> None:
+        """One JSON line in ``--log`` (a training step, or a restored draft while resting)."""
+        if self.log:
+            self.log.write(json.dumps(record) + "\n")
+            self.log.flush()
 
     def close(self) -> None:
         self.receiver.close()
