@@ -23,11 +23,15 @@ STEPS, PROMPTS, GROUP = 3, 2, 4
 @pytest.fixture(scope="module")
 def report(mimo_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("rl_demo_mtp") / "rl_demo.json"
-    # The trainer publishes after its first step and is not niced: a slow machine still sees a publish.
+    # The trainer publishes after its first step, is not niced and does not yield the policy phases to
+    # the loop: a slow machine still sees a publish. (Yielding, it trains only while rollouts run: with
+    # 8-token answers on the tiny model that is a few tenths of a second per step, which a CI machine's
+    # trainer, polling its pause file between 200-ms capture reads, missed in all 3 steps.)
     # Unconditionally (no publish gate): this checks the two writers' mechanics, and the fixture's MTP
     # layer is already aligned, so a gated trainer rightly keeps it (tests/trainer/test_publish_gate.py).
     data, stdout = run_rl_demo(mimo_model, "mtp,plain", out, STEPS, PROMPTS, GROUP,
-                               "--draft-publish-every", "1", "--draft-nice", "0", "--draft-holdout-every", "0")
+                               "--draft-publish-every", "1", "--draft-nice", "0", "--draft-holdout-every", "0",
+                               "--no-draft-trainer-yields")
     work = out.parent / "rl_demo_work"
     trainer_log = [json.loads(line) for line in (work / "online_draft_mtp.jsonl").read_text().splitlines() if line]
     return data, stdout, trainer_log
