@@ -54,7 +54,13 @@ ADAPTIVE_SCHEDULER = SCHEDULER_CLS
 def make_prompts(n: int, prompt_set: str = "code", exclude: set[str] | None = None) -> list[str]:
     """``code``: short coding requests. ``chat``/``arithmetic``: an offline warm start's task
     family with other numbers, minus ``exclude`` (the prompts a draft was trained on): in-domain,
-    held-out prompts, as an RL run warm-starts on its own task's prompts."""
+    held-out prompts, as an RL run warm-starts on its own task's prompts. ``explain``: the RL demo's
+    own prompts (its task has 81), which ``make demo``'s draft is warm-started on and an RL run
+    samples again every epoch: not held out, the rollouts a warm draft serves in RL."""
+    if prompt_set == "explain":
+        from vllm_specrl.trainer.offline import default_prompts
+
+        return default_prompts(n, seed=1234, task="explain")
     if prompt_set in ("chat", "arithmetic"):
         from vllm_specrl.trainer.offline import default_prompts
 
@@ -363,7 +369,7 @@ def main() -> None:
     ap.add_argument("--adaptive-config", type=json.loads, default=None,
                     help='adaptive-k knobs as JSON (AdaptiveKConfig), e.g. \'{"elimination_z": 0}\'')
     ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--prompt-set", default="code", choices=["code", "chat", "arithmetic"])
+    ap.add_argument("--prompt-set", default="code", choices=["code", "chat", "arithmetic", "explain"])
     ap.add_argument("--samples", type=int, default=4, help="G samples per prompt")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--stop-at-eos", action="store_true",
