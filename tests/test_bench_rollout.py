@@ -62,3 +62,18 @@ def test_rounds_are_compared_within_a_round_and_pooled_over_rounds():
     assert row["throughput_ratio_vs_plain"] == 1.0      # 200 tokens / 30 s against 200 / 30 s
     assert (row["round_ratio_min"], row["round_ratio_max"]) == (0.8, 2.0)
     assert row["spec_decode"]["acceptance_length"] == 1.0 + 70 / 130
+
+
+def test_explain_prompts_are_the_rl_tasks_own_and_chat_prompts_are_held_out():
+    """``--prompt-set explain`` measures the prompts an RL run samples every epoch (and the demo draft is
+    warm-started on): all of the task's 81, never dropped as "trained on"; ``chat`` drops them."""
+    from vllm_specrl.rl.tasks import distinct_prompts
+
+    bench = _bench_rollout_module()
+    task = set(distinct_prompts(81, seed=0, task="explain"))
+    assert len(task) == 81
+    assert set(bench.make_prompts(81, "explain", exclude=task)) == task
+    assert len(set(bench.make_prompts(8, "explain"))) == 8
+    chat = bench.make_prompts(16, "chat")
+    held_out = bench.make_prompts(16, "chat", exclude=set(chat[:4]))
+    assert len(held_out) == 16 and not set(chat[:4]) & set(held_out)
