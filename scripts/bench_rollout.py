@@ -57,13 +57,11 @@ def make_prompts(n: int, prompt_set: str = "code", exclude: set[str] | None = No
     held-out prompts, as an RL run warm-starts on its own task's prompts. ``explain``: the RL demo's
     own prompts (its task has 81), which ``make demo``'s draft is warm-started on and an RL run
     samples again every epoch: not held out, the rollouts a warm draft serves in RL."""
-    if prompt_set == "explain":
+    if prompt_set in ("chat", "arithmetic", "explain"):
         from vllm_specrl.trainer.offline import default_prompts
 
-        return default_prompts(n, seed=1234, task="explain")
-    if prompt_set in ("chat", "arithmetic"):
-        from vllm_specrl.trainer.offline import default_prompts
-
+        if prompt_set == "explain":
+            return default_prompts(n, seed=1234, task="explain")
         pool = [p for p in default_prompts(4 * n + 64, seed=1234, task=prompt_set) if p not in (exclude or set())]
         return pool[:n]
     topics = ["a binary search", "a stack", "reading a CSV file", "a retry loop",
