@@ -84,7 +84,8 @@ def describe(p: list[float]) -> str:
 def greedy_generate(model, prompts: list[str], max_tokens: int,
                     speculative_config: dict | None = None, plugins: str = "specrl",
                     dtype: str = "float32", with_status: bool = False, with_text: bool = False,
-                    scheduler_cls: str | None = None, max_num_seqs: int = 64) -> dict:
+                    scheduler_cls: str | None = None, max_num_seqs: int = 64,
+                    additional_config: dict | None = None) -> dict:
     """Greedy outputs (token ids and their logprobs) of a fresh engine; optional worker status.
     With ``scheduler_cls`` (adaptive k) the result also has the controller's published state."""
     out = run_python(f"""
@@ -93,7 +94,7 @@ def greedy_generate(model, prompts: list[str], max_tokens: int,
         from vllm_specrl import metrics
         llm = LLM(model={str(model)!r}, dtype={dtype!r}, enforce_eager=True, seed=0,
                   max_model_len=512, max_num_seqs={max_num_seqs}, disable_log_stats=False,
-                  scheduler_cls={scheduler_cls!r},
+                  scheduler_cls={scheduler_cls!r}, additional_config=json.loads({json.dumps(json.dumps(additional_config or {}))}),
                   speculative_config=json.loads({json.dumps(json.dumps(speculative_config))}),
                   worker_extension_cls="vllm_specrl.sync.SpecRLWorkerExtension" if {with_status} else "")
         params = SamplingParams(temperature=0, max_tokens={max_tokens}, ignore_eos=True, logprobs=0)

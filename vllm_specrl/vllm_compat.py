@@ -781,7 +781,8 @@ def install_zero_draft_plain_sampler() -> str:
 # requests to 1 + k. The subclass below owns that table and rewrites it before
 # every ``schedule()`` from the adaptive-k controller, and feeds the controller in
 # ``update_from_output`` (scheduled drafts per request, accepted = sampled - 1,
-# wall time between outputs). Start-up calibration requests (``vllm_specrl.adaptive.calibrate``)
+# wall time between outputs; the sampled tokens are read before the stock method, which
+# trims a stopped request's list in place: ``Scheduler._update_request_with_output``). Start-up calibration requests (``vllm_specrl.adaptive.calibrate``)
 # are recognised by their request ids, which carry the ``X-Request-Id`` header the sweep sends
 # (``cmpl-<header>-<i>``, then vLLM's ``-<random>`` suffix): while the scheduler's queues hold
 # only those, the controller sweeps every k, and their drafts never reach its acceptance
@@ -801,7 +802,7 @@ def adaptive_k_scheduler_class(vllm_config: Any) -> type:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from vllm_specrl.adaptive import state as adaptive_state
-    from vllm_specrl.adaptive.calibrate import is_calibration_request, only_calibration
+    from vllm_specrl.adaptive.calibrate import only_calibration
     from vllm_specrl.adaptive.controller import AdaptiveKConfig, AdaptiveKController
 
     base = AsyncScheduler if vllm_config.scheduler_config.async_scheduling else Scheduler
@@ -836,8 +837,12 @@ def adaptive_k_scheduler_class(vllm_config: Any) -> type:
             return out
 
         def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-            result = super().update_from_output(scheduler_output, model_runner_output)
             ctl = self._specrl_controller
+            # Read before vLLM's own update: a request that stops mid-verify (max_tokens, EOS, a stop
+            # token) has its list of sampled tokens trimmed in place there (``del new_token_ids[n:]``),
+            # which would count its accepted drafts past the stop as rejected.
+            verified = verified_drafts(scheduler_output, model_runner_output) if ctl is not None else []
+            result = super().update_from_output(scheduler_output, model_runner_output)
             if ctl is None or not scheduler_output.num_scheduled_tokens:
                 return result
             now = time.perf_counter()
@@ -846,17 +851,7 @@ def adaptive_k_scheduler_class(vllm_config: Any) -> type:
             k_verify = {len(spec.get(rid, ())) for rid in scheduled}
             clean = (len(k_verify) == 1 and not scheduler_output.scheduled_new_reqs
                      and all(n == 1 + len(spec.get(rid, ())) for rid, n in scheduled.items()))
-            verified = []
-            index = model_runner_output.req_id_to_index
             calibrating = only_calibration(scheduled)
-            for rid, drafts in spec.items():
-                row = index.get(rid)
-                if is_calibration_request(rid):
-                    continue  # synthetic drafts: their acceptance says nothing about the workload's
-                if drafts and row is not None and row < len(model_runner_output.sampled_token_ids):
-                    emitted = len(model_runner_output.sampled_token_ids[row])
-                    if emitted:
-                        verified.append((len(drafts), min(emitted - 1, len(drafts))))
             seconds = now - self._specrl_last_output if (clean and self._specrl_last_output) else None
             ctl.observe_step(len(scheduled), k_verify.pop() if len(k_verify) == 1 else 0,
                              scheduler_output.num_spec_tokens_to_schedule, seconds, verified,
@@ -874,6 +869,24 @@ def adaptive_k_scheduler_class(vllm_config: Any) -> type:
 
     AdaptiveK.__name__ = AdaptiveK.__qualname__ = f"AdaptiveK{base.__name__}"
     return AdaptiveK
+
+
+def verified_drafts(scheduler_output: Any, model_runner_output: Any) -> list[tuple[int, int]]:
+    """``(drafts, accepted)`` per request that verified drafts this step, as vLLM's ``spec_decode``
+    counters count them (accepted = tokens sampled - 1), calibration requests left out (synthetic
+    drafts: their acceptance says nothing about the workload's)."""
+    from vllm_specrl.adaptive.calibrate import is_calibration_request
+
+    verified = []
+    index = model_runner_output.req_id_to_index
+    sampled = model_runner_output.sampled_token_ids
+    for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+        row = index.get(rid)
+        if drafts and row is not None and row < len(sampled) and not is_calibration_request(rid):
+            emitted = len(sampled[row])
+            if emitted:
+                verified.append((len(drafts), min(emitted - 1, len(drafts))))
+    return verified
 
 
 # --- model-runner step time, handed to the scheduler ------------------------------

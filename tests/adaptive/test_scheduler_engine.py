@@ -22,10 +22,15 @@ def eagle3(draft_dir) -> dict:
 def test_greedy_with_adaptive_k_equals_plain(tiny_model, warm_draft):
     prompts = code_prompts(32)
     plain = greedy_generate(tiny_model, prompts, 40, max_num_seqs=8)
+    # Undecayed acceptance counts (decay 1), so they can be compared with vLLM's counters.
     adaptive = greedy_generate(tiny_model, prompts, 40, eagle3(warm_draft), scheduler_cls=ADAPTIVE,
-                               max_num_seqs=8)
+                               max_num_seqs=8, additional_config={"specrl": {"adaptive_k": {"decay": 1.0}}})
     assert adaptive["tokens"] == plain["tokens"]
     state, served = adaptive["adaptive_k"], adaptive["spec_decode"]
+    # The controller counts every verify as vLLM's spec_decode counters do, also the last one of a request
+    # that max_tokens stops mid-draft (vLLM trims its sampled tokens in place after counting them).
+    assert state["acceptance_drafts"][0] == served["num_drafts"], (state, served)
+    assert sum(state["acceptance_accepted"]) == served["num_accepted_tokens"], (state, served)
     assert sum(1 for n in state["chosen_k_counts"] if n) >= 2, state
     # The worker's runner time reached the scheduler, and was less than the whole interval.
     assert state["step_overhead_ms"] is not None and state["step_overhead_ms"] > 0, state

@@ -437,6 +437,7 @@ class AdaptiveKController:
                 "chosen_k_counts": list(self.chosen_counts),
                 "conditional_acceptance": [round(float(c), 4) for c in self.acceptance.conditional()],
                 "acceptance_drafts": [round(float(n), 3) for n in self.acceptance.reached],
+                "acceptance_accepted": [round(float(n), 3) for n in self.acceptance.accepted],
                 "expected_tokens_per_step": [round(float(t), 4) for t in tokens],
                 "calibrated": any(b.calibrated for b in self.buckets),
                 "step_overhead_ms": round(1e3 * float(np.mean(self.overheads)), 3) if self.overheads else None,
