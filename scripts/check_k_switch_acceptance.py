@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,14 +26,13 @@ from pathlib import Path
 SCHEDULER = "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"
 
 
-def run_policy(args: argparse.Namespace) -> dict:
-    """One engine, k forced per step by ``args.policy``; the controller's counts and vLLM's."""
+def run_policy(cfg: dict) -> dict:
+    """One engine, k forced per step by ``cfg["policy"]``; the controller's counts and vLLM's."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm_specrl.adaptive import controller
 
-    rng = random.Random(args.seed)
-    choices = [int(c) for c in args.policy.removeprefix("fixed").removeprefix("random")]
+    rng = random.Random(cfg["seed"])
+    choices = [int(c) for c in cfg["policy"].removeprefix("fixed").removeprefix("random")]
 
     def forced_lookup(self: controller.AdaptiveKController, calibrating: bool = False) -> list[int]:
         return [rng.choice(choices)] * (self.max_batch + 1)
@@ -48,22 +46,22 @@ def run_policy(args: argparse.Namespace) -> dict:
     sys.path.insert(0, str(Path(__file__).parent))
     from bench_rollout import make_prompts
 
-    spec = {"method": "eagle3", "model": str(args.draft), "num_speculative_tokens": max(choices),
+    spec = {"method": "eagle3", "model": cfg["draft"], "num_speculative_tokens": max(choices),
             "draft_sample_method": "probabilistic"}
-    llm = LLM(model=str(args.fixtures / "real" / "target"), dtype=args.dtype, enforce_eager=True, seed=args.seed,
+    llm = LLM(model=cfg["target"], dtype=cfg["dtype"], enforce_eager=True, seed=cfg["seed"],
               max_model_len=1024, max_num_seqs=4, speculative_config=spec, disable_log_stats=False,
               scheduler_cls=SCHEDULER, additional_config={"specrl": {"adaptive_k": {"decay": 1.0}}})
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
                for p in make_prompts(8, "chat")]
     tokens, t0 = 0, time.perf_counter()
-    for j in range(args.requests):
+    for j in range(cfg["requests"]):
         out = llm.generate([prompts[(j // 4) % len(prompts)]],
-                           SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, seed=j),
+                           SamplingParams(temperature=1.0, max_tokens=cfg["max_tokens"], ignore_eos=True, seed=j),
                            use_tqdm=False)
         tokens += len(out[0].outputs[0].token_ids)
     ctl = state.read() or {}
-    return {"policy": args.policy, "tokens": tokens, "wall_s": round(time.perf_counter() - t0, 2),
+    return {"policy": cfg["policy"], "tokens": tokens, "wall_s": round(time.perf_counter() - t0, 2),
             "chosen_k_counts": ctl.get("chosen_k_counts"), "conditional_acceptance": ctl.get("conditional_acceptance"),
             "drafts_reaching_position": ctl.get("acceptance_drafts"),
             "spec_decode": metrics.from_llm_metrics(llm.get_metrics()).summary()}
@@ -88,28 +86,33 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--policy", help=argparse.SUPPRESS)
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--_engine", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=Path("results/check_k_switch_acceptance.json"))
     args = ap.parse_args()
-    if args.policy:
-        print("RESULT " + json.dumps(run_policy(args)), flush=True)
+    if args._engine:
+        from vllm_specrl.bench_engine import report_result
+
+        report_result(run_policy(json.loads(args._engine)))
         return
+    from vllm_specrl.bench_engine import host_info, run_engine_subprocess
+
+    base = {"target": str(args.fixtures / "real" / "target"), "draft": str(args.draft), "requests": args.requests,
+            "max_tokens": args.max_tokens, "dtype": args.dtype, "seed": args.seed}
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     results = []
     for policy in args.policies.split(","):
-        cmd = [sys.executable, __file__, "--policy", policy, *sys.argv[1:]]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode or not lines:
-            sys.exit(f"{policy} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-        results.append(json.loads(lines[-1].removeprefix("RESULT ")))
-        print(json.dumps(results[-1]), flush=True)
-    report = {"check": "k_switch_acceptance", "settings": {k: str(v) for k, v in vars(args).items() if k != "policy"},
-              "results": results,
+        res = run_engine_subprocess(__file__, dict(base, policy=policy), env, args.timeout)
+        if isinstance(res, str):
+            sys.exit(f"{policy}: {res}")
+        results.append(res)
+        print(json.dumps(res), flush=True)
+    report = {"check": "k_switch_acceptance", "host": host_info(), "settings": base, "results": results,
               "z_vs_first": {r["policy"]: z_test(results[0], r) for r in results[1:]}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(json.dumps(report["z_vs_first"]))
-
 
 if __name__ == "__main__":
     main()
