@@ -119,7 +119,8 @@ def _cmd_train_online(args: argparse.Namespace) -> int:
                        replay_ratio=args.replay_ratio, capture_allow_remote=args.capture_allow_remote,
                        pause_file=str(args.pause_file) if args.pause_file else None,
                        holdout_every=args.holdout_every, publish_margin=args.publish_margin,
-                       rest_after_hold=args.rest_after_hold, drafter="mtp" if args.mtp else "eagle3")
+                       rest_after_hold=args.rest_after_hold,
+                       rest_sequences=args.rest_sequences, drafter="mtp" if args.mtp else "eagle3")
     trainer = OnlineDraftTrainer(args.draft, args.target, cfg, _train_config(args), args.checkpoint_dir, args.log)
     print(json.dumps({"event": "started", "resumed_from_step": trainer.resumed_from_step,
                       "checkpoint_dir": str(trainer.checkpoint_dir)}), flush=True)
@@ -237,8 +238,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="online: acceptance length a draft must gain on the held-out rollouts to be published")
     tr.add_argument("--rest-after-hold", action=argparse.BooleanOptionalAction, default=True,
                     help="online: when the gate holds a candidate as not better, return to the served draft's "
-                         "weights and train no more until the next policy version (--no-rest-after-hold: "
-                         "keep training the held candidate)")
+                         "weights and train no more until the next policy version or --rest-sequences new "
+                         "rollouts (--no-rest-after-hold: keep training the held candidate)")
+    tr.add_argument("--rest-sequences", type=int, default=32,
+                    help="online: a rest also ends after this many newly captured rollouts (0: only a new "
+                         "policy version ends it)")
     tr.add_argument("--mtp", action="store_true",
                     help="online: train the policy's own MTP layer (an engine serving \"method\": \"mtp\"); "
                          "--draft is then the checkpoint holding the MTP layer to start from (the policy's)")

@@ -167,6 +167,34 @@ def test_a_held_candidate_is_dropped_and_the_trainer_rests_until_the_policy_move
         trainer.close()
 
 
+def test_a_rest_ends_after_enough_fresh_rollouts_under_the_same_policy(tiny_model, tmp_path):
+    """An engine whose policy never moves (online adaptation while serving) must not keep the first held
+    candidate's verdict for good: ``rest_sequences`` newly captured rollouts end the rest; fewer do not."""
+    trainer, address = trainer_on_frames(tiny_model, tmp_path, holdout_every=4, publish_every=2, max_seconds=3.0,
+                                         rest_sequences=8)
+    verdicts = []
+
+    def not_better() -> dict:
+        verdicts.append(trainer.trainer.step_count)
+        return {"publish": False, "reason": "not_better", "held_out": 4}
+
+    trainer.gate.decide = not_better
+    txs = []
+    try:
+        txs.append(send_sequences(address, 12, 12, 256))
+        assert trainer.run()["steps"] == 2 and verdicts == [2] and trainer.resting()
+        txs.append(send_sequences(address, 4, 12, 256))  # 4 fresh rollouts: still resting
+        trainer.cfg.max_seconds = 2.0
+        assert trainer.run()["steps"] == 2 and trainer.ingested == 16 and trainer.resting()
+        txs.append(send_sequences(address, 4, 12, 256))  # 8 since the rest began: train again, same policy
+        assert trainer.run()["steps"] == 4 and verdicts == [2, 4] and trainer.rests == 2
+        assert trainer.policy_version == 0 and trainer.resting()  # the second verdict began a second rest
+    finally:
+        for tx in txs:
+            tx.close()
+        trainer.close()
+
+
 class RestartingReplica:
     """A one-replica fleet serving draft ``version`` (``restart()`` puts it back to the draft on disk,
     version 0), recording each draft pushed to it."""

@@ -86,6 +86,12 @@ class OnlineConfig:
     # the next rollouts), and training on regardless cost ~9% of the rollouts' time on shared cores
     # while drifting further from the draft being served.
     rest_after_hold: bool = True
+    # A rest also ends once this many rollouts have been ingested since it began (0: only a new policy
+    # version ends it). Without it, an engine serving between policy updates, or with none at all,
+    # kept the draft of the first "not better" verdict for good: one noisy verdict on a few held-out
+    # rollouts stopped the trainer for the rest of the run. Enough fresh rollouts are fresh evidence
+    # (and refresh most of the held-out set), so the trainer tries again from the served weights.
+    rest_sequences: int = 32
     # While resting, how often to ask the replicas whether one restarted and lost the published draft.
     lost_draft_check_s: float = 5.0
     # While this file exists the trainer ingests frames but neither trains nor publishes: an RL loop
@@ -136,6 +142,7 @@ class OnlineDraftTrainer:
                                                          min_sequences=cfg.holdout_min, margin=cfg.publish_margin))
         self.policy_version: int | None = None
         self.resting_version: int | None = None  # policy version the trainer rests through (rest_after_hold)
+        self.rest_began_at = 0  # ``ingested`` when the current rest began (rest_sequences ends it)
         self.rests = 0
         self.topk_targets = False  # whether captured sequences carry the engine's top-K logprobs
         self.draft_version = 0
@@ -229,14 +236,20 @@ class OnlineDraftTrainer:
         return self.cfg.pause_file is not None and os.path.exists(self.cfg.pause_file)
 
     def resting(self) -> bool:
-        return self.resting_version is not None and self.resting_version == self.policy_version
+        """Resting after a held candidate: until the policy moves or ``rest_sequences`` new rollouts came."""
+        if self.resting_version is None or self.resting_version != self.policy_version:
+            return False
+        fresh = self.ingested - self.rest_began_at
+        return not (self.cfg.rest_sequences and fresh >= self.cfg.rest_sequences)
 
     def rest(self) -> None:
         """Drop the held candidate: the served draft's weights, a fresh optimizer, no training until the
-        policy moves (``on_policy_version`` changes ``policy_version``)."""
+        policy moves (``on_policy_version`` changes ``policy_version``) or ``rest_sequences`` new rollouts
+        have been ingested."""
         self.gate.revert()
         self.trainer.optimizer.state.clear()
         self.resting_version = self.policy_version
+        self.rest_began_at = self.ingested
         self.rests += 1
 
     def can_train(self) -> bool:
