@@ -58,7 +58,7 @@ demo-rollouts: setup
 	@$(PY) scripts/demo_rollouts.py --fixtures $(FIXTURES)
 
 test: fixtures
-	@$(PY) -m pytest tests -v
+	@$(PY) -m pytest tests -v --durations=30
 
 bench: fixtures
 	@$(PY) scripts/bench_rollout.py --fixtures $(FIXTURES)

@@ -11,9 +11,11 @@ ALPHA = 1e-3
 
 
 def _draw(weights: torch.Tensor, n: int, seed: int) -> np.ndarray:
+    """``n`` draws from one row of weights, in chunks: the sampler materialises a float32 copy of its
+    ``[rows, vocab]`` input, 8 GB for 40000 rows of 49152 (3x slower than chunks, same draws)."""
     gen = torch.Generator().manual_seed(seed)
     u = torch.rand(n, dtype=torch.float64, generator=gen)
-    return inverse_cdf_sample(weights.expand(n, -1), u).numpy()
+    return torch.cat([inverse_cdf_sample(weights.expand(len(c), -1), c) for c in u.split(2000)]).numpy()
 
 
 def _goodness_of_fit(samples: np.ndarray, probs: torch.Tensor) -> float:

@@ -21,7 +21,7 @@ from helpers import perturbed_checkpoint
 from prompts import code_prompts
 from vllm_specrl.faults import FAULTS_ENV
 from vllm_specrl.proposer.checkpoint import init_draft
-from vllm_specrl.server import VLLMServer, cpu_env, free_port
+from vllm_specrl.server import VLLMServer, cpu_env, free_port, started
 from vllm_specrl.sync.fleet import FleetClient, FleetUpdateError
 
 pytestmark = pytest.mark.server
@@ -39,18 +39,30 @@ def capture_address():
     return f"tcp://127.0.0.1:{free_port()}"
 
 
+KILLED_AT = 100  # replica C's engine is SIGKILLed part way through applying this policy version
+
+
 @pytest.fixture(scope="module")
-def replicas(tiny_model, work, capture_address):
-    """Two replicas serving the same policy and EAGLE-3 draft, both capturing to one trainer address."""
+def servers(tiny_model, work, capture_address):
+    """Replicas A and B serve the same policy and EAGLE-3 draft, both capturing to one trainer address;
+    C (plain) is the one killed in the last test. All three start side by side."""
     init_draft(tiny_model, work / "draft", WARM_DRAFT_VOCAB, seed=5)
     spec = {"method": "eagle3", "model": str(work / "draft"), "num_speculative_tokens": 3,
             "draft_sample_method": "probabilistic"}
     args = ["--dtype", "float32", "--max-model-len", "256", "--speculative-config", json.dumps(spec),
             "--additional-config", json.dumps({"specrl": {"capture": capture_address}})]
     env_a = dict(cpu_env(), **{FAULTS_ENV: f"apply:policy:{FAILS_ON_A}:5"})
-    with VLLMServer(tiny_model, args, api_key=KEY, env=env_a, log_path=work / "a.log") as a, \
-            VLLMServer(tiny_model, args, api_key=KEY, log_path=work / "b.log") as b:
-        yield a, b
+    env_c = dict(cpu_env(), **{FAULTS_ENV: f"kill:policy:{KILLED_AT}:3"})
+    with started(VLLMServer(tiny_model, args, api_key=KEY, env=env_a, log_path=work / "a.log"),
+                 VLLMServer(tiny_model, args, api_key=KEY, log_path=work / "b.log"),
+                 VLLMServer(tiny_model, ["--dtype", "float32", "--max-model-len", "256"], api_key=KEY, env=env_c,
+                            log_path=work / "c.log")) as all_three:
+        yield all_three
+
+
+@pytest.fixture(scope="module")
+def replicas(servers):
+    return servers[:2]
 
 
 @pytest.fixture(scope="module")
@@ -162,32 +174,25 @@ def test_one_trainer_learns_from_every_replica_and_publishes_to_all(replicas, fl
         (records[-3:], (work / "trainer.out").read_text()[-3000:])
 
 
-KILLED_AT = 100  # replica C's engine is SIGKILLed part way through applying this policy version
-
-
-def test_an_engine_killed_during_a_commit_is_quarantined_and_the_fleet_goes_on(replicas, fleet, weights,
-                                                                               tiny_model, work):
+def test_an_engine_killed_during_a_commit_is_quarantined_and_the_fleet_goes_on(servers, fleet, weights):
     """Replica C's engine process dies (SIGKILL, as an OOM kill would) after applying 3 tensors of an
     update: the update lands on the live replica, C is quarantined with the reason instead of hanging
     the fleet, the live replica serves requests throughout, and the next update goes on without C."""
     original, new = weights
-    a, b = replicas
-    env = dict(cpu_env(), **{FAULTS_ENV: f"kill:policy:{KILLED_AT}:3"})
-    with VLLMServer(tiny_model, ["--dtype", "float32", "--max-model-len", "256"], api_key=KEY, env=env,
-                    log_path=work / "c.log") as c:
-        pair = FleetClient([b.url, c.url], api_key=KEY)
-        with ThreadPoolExecutor(1) as pool:
-            during = pool.submit(lambda: [texts(b) for _ in range(3)])
-            res = pair.update_policy(original, version=KILLED_AT)
-            served_during = during.result()
-        assert res["committed"] == [b.url] and list(res["quarantined"]) == [c.url], res
-        assert "engine core died" in res["quarantined"][c.url], res  # the 503, not a dropped connection
-        assert len(served_during) == 3
-        with pytest.raises(requests.RequestException):  # C's engine is gone: it serves nothing
-            requests.post(c.url + "/v1/completions", headers=c.headers, timeout=60,
-                          json={"model": c.model, "prompt": "x", "max_tokens": 2}).raise_for_status()
-        fleet.replicas[a.url].update_policy(original, version=KILLED_AT)
-        assert texts(a) == texts(b), "the live replica serves exactly the committed weights"
-        res = pair.update_policy(new, version=KILLED_AT + 1)
-        assert res["committed"] == [b.url] and not res["quarantined"]
-        assert pair.versions()[b.url]["policy"] == KILLED_AT + 1
+    a, b, c = servers
+    pair = FleetClient([b.url, c.url], api_key=KEY)
+    with ThreadPoolExecutor(1) as pool:
+        during = pool.submit(lambda: [texts(b) for _ in range(3)])
+        res = pair.update_policy(original, version=KILLED_AT)
+        served_during = during.result()
+    assert res["committed"] == [b.url] and list(res["quarantined"]) == [c.url], res
+    assert "engine core died" in res["quarantined"][c.url], res  # the 503, not a dropped connection
+    assert len(served_during) == 3
+    with pytest.raises(requests.RequestException):  # C's engine is gone: it serves nothing
+        requests.post(c.url + "/v1/completions", headers=c.headers, timeout=60,
+                      json={"model": c.model, "prompt": "x", "max_tokens": 2}).raise_for_status()
+    fleet.replicas[a.url].update_policy(original, version=KILLED_AT)
+    assert texts(a) == texts(b), "the live replica serves exactly the committed weights"
+    res = pair.update_policy(new, version=KILLED_AT + 1)
+    assert res["committed"] == [b.url] and not res["quarantined"]
+    assert pair.versions()[b.url]["policy"] == KILLED_AT + 1

@@ -113,7 +113,7 @@ def test_bf16_training_runs_in_bf16_and_learns_as_fp32_does(tiny_model, features
 
         hook = trainer.unwrapped.fc.register_forward_hook(record)
         g = torch.Generator().manual_seed(0)
-        for _ in range(40):
+        for _ in range(10):  # bf16 is emulated (slow) on CPUs without AVX512-BF16/AMX, as CI's may be
             idx = torch.randperm(len(features) - 8, generator=g)[:8] + 8
             trainer.step(collate([features[i] for i in idx.tolist()]))
         hook.remove()
