@@ -24,7 +24,7 @@ from conftest import WARM_DRAFT_VOCAB
 from prompts import code_prompts
 from vllm_specrl.capture.sender import SEND_HWM
 from vllm_specrl.proposer.checkpoint import init_draft
-from vllm_specrl.server import VLLMServer, free_port
+from vllm_specrl.server import VLLMServer, free_port, started
 
 pytestmark = pytest.mark.server
 ROUNDS = 10
@@ -41,8 +41,14 @@ def setup(tiny_model, tmp_path_factory):
     args = ["--dtype", "float32", "--max-model-len", "512", "--speculative-config", json.dumps(spec),
             "--worker-extension-cls", "vllm_specrl.sync.SpecRLWorkerExtension",
             "--additional-config", json.dumps({"specrl": {"capture": capture, "capture_topk": 64}})]
-    with VLLMServer(tiny_model, args, log_path=work / "serve.log") as srv:
-        yield {"server": srv, "draft": draft, "capture": capture, "work": work, "target": tiny_model}
+    # The restart test's first engine starts beside this one (side by side they take little more than one).
+    restart_capture = f"tcp://127.0.0.1:{free_port()}"
+    restart_args = ["--dtype", "float32", "--max-model-len", "512", "--speculative-config", json.dumps(spec),
+                    "--additional-config", json.dumps({"specrl": {"capture": restart_capture}})]
+    with started(VLLMServer(tiny_model, args, log_path=work / "serve.log"),
+                 VLLMServer(tiny_model, restart_args, log_path=work / "serve_first.log")) as (srv, first):
+        yield {"server": srv, "draft": draft, "capture": capture, "work": work, "target": tiny_model,
+               "restart": {"first": first, "capture": restart_capture, "args": restart_args}}
 
 
 def start_trainer(setup, tag: str, target=None) -> subprocess.Popen:
@@ -193,16 +199,11 @@ def test_trainer_survives_an_engine_restart(setup):
     is off here (``--holdout-every 0``: a publish every 4 steps), so that what is tested does not
     hang on its verdicts: a held candidate makes no publish to fail, and a resting trainer none at
     all (its restore of a restarted engine's draft is tested in test_publish_gate.py)."""
-    work, port = setup["work"], free_port()
-    capture = f"tcp://127.0.0.1:{free_port()}"
-    spec = {"method": "eagle3", "model": str(setup["draft"]), "num_speculative_tokens": 3,
-            "draft_sample_method": "probabilistic"}
-    args = ["--dtype", "float32", "--max-model-len", "512", "--speculative-config", json.dumps(spec),
-            "--additional-config", json.dumps({"specrl": {"capture": capture}})]
+    work = setup["work"]
+    first, capture, args = (setup["restart"][k] for k in ("first", "capture", "args"))
     log = work / "restart.jsonl"
     out = open(work / "trainer_restart.out", "w")  # noqa: SIM115 - kept open for the process
     pool = code_prompts(264)[200:232]
-    first = VLLMServer(setup["target"], args, port=port, log_path=work / "serve_first.log").start()
     trainer = subprocess.Popen(
         [sys.executable, "-m", "vllm_specrl.cli", "train-draft", "--capture", capture, "--engine", first.url,
          "--draft", str(setup["draft"]), "--target", str(setup["target"]), "--checkpoint-dir",
@@ -225,7 +226,7 @@ def test_trainer_survives_an_engine_restart(setup):
         # It keeps training on its buffer; its publishes now fail (logged, not fatal).
         wait_for(lambda: any("error" in p for p in publishes(log)), 120, "a failed publish")
         assert trainer.poll() is None, (work / "trainer_restart.out").read_text()[-3000:]
-        with VLLMServer(setup["target"], args, port=port, log_path=work / "serve_second.log") as second:
+        with VLLMServer(setup["target"], args, port=first.port, log_path=work / "serve_second.log") as second:
             # It starts from the draft on disk (version 0); any later version came from the trainer.
             def traffic_then_published() -> bool:
                 complete(second, pool[:8], 1.0)
