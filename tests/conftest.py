@@ -87,3 +87,26 @@ def warm_draft(tiny_model, tmp_path_factory) -> Path:
         env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return out
+
+
+PARALLEL_MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="session")
+def moved_policy(tiny_model, tmp_path_factory) -> Path:
+    """The tiny target after an exaggerated RL step: the policy update the parallel-engine tests push."""
+    from helpers import perturbed_checkpoint
+
+    return perturbed_checkpoint(tiny_model, tmp_path_factory.mktemp("moved_policy") / "v1", seed=1)
+
+
+@pytest.fixture(scope="session")
+def single_engine_greedy(tiny_model, moved_policy) -> dict[str, list[str]]:
+    """What one in-process engine answers greedily to ``code_prompts(8)`` (``PARALLEL_MAX_TOKENS``) with
+    the tiny target and with the moved policy: what tensor- and data-parallel engines must reproduce
+    (computed once for both)."""
+    from prompts import code_prompts
+    from sampling import greedy_generate
+
+    return {name: greedy_generate(model, code_prompts(8), PARALLEL_MAX_TOKENS, with_text=True)["texts"]
+            for name, model in (("original", tiny_model), ("moved", moved_policy))}

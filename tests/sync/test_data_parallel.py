@@ -20,28 +20,22 @@ import pytest
 import requests
 from safetensors.torch import load_file
 
-from conftest import WARM_DRAFT_VOCAB
-from helpers import assert_captured_rows_match_hf, capture_and_receive, perturbed_checkpoint
+from conftest import PARALLEL_MAX_TOKENS, WARM_DRAFT_VOCAB
+from helpers import assert_captured_rows_match_hf, capture_and_receive
 from prompts import code_prompts
-from sampling import greedy_generate
 from vllm_specrl.faults import FAULTS_ENV
 from vllm_specrl.proposer.checkpoint import init_draft
 from vllm_specrl.server import VLLMServer, cpu_env, free_port
 from vllm_specrl.sync.client import EngineClient, WeightSyncError
 
 pytestmark = pytest.mark.server
-MAX_TOKENS = 12
+MAX_TOKENS = PARALLEL_MAX_TOKENS  # the single-engine reference's length (conftest.single_engine_greedy)
 FAILS_IN_CORE_1 = 98  # the second engine core's loader fails part way through this policy version
 
 
 @pytest.fixture(scope="module")
 def original(tiny_model):
     return load_file(tiny_model / "model.safetensors")
-
-
-@pytest.fixture(scope="module")
-def new_policy(tiny_model, tmp_path_factory):
-    return perturbed_checkpoint(tiny_model, tmp_path_factory.mktemp("dp_policy") / "v1", seed=4)
 
 
 @pytest.fixture(scope="module")
@@ -106,18 +100,18 @@ def test_two_engine_cores_answer_every_worker_call(client):
     assert [w["data_parallel_rank"] for w in workers] == [0, 1] and workers[0]["pid"] != workers[1]["pid"]
 
 
-def test_greedy_equals_a_single_engine_and_both_cores_serve(server, tiny_model, prompts, baseline):
-    assert baseline == greedy_generate(tiny_model, prompts, MAX_TOKENS, with_text=True)["texts"]
+def test_greedy_equals_a_single_engine_and_both_cores_serve(server, baseline, single_engine_greedy):
+    assert baseline == single_engine_greedy["original"]
     per_core = requests_per_core(server)
     assert sorted(per_core) == ["0", "1"] and all(n > 0 for n in per_core.values()), per_core
 
 
-def test_policy_update_reaches_every_engine_core(server, client, tiny_model, new_policy, original, prompts,
-                                                 baseline):
-    expected = greedy_generate(new_policy, prompts, MAX_TOKENS, with_text=True)["texts"]
+def test_policy_update_reaches_every_engine_core(server, client, moved_policy, original, prompts, baseline,
+                                                 single_engine_greedy):
+    expected = single_engine_greedy["moved"]
     assert expected != baseline
     before = requests_per_core(server)
-    client.update_policy(load_file(new_policy / "model.safetensors"), version=1)
+    client.update_policy(load_file(moved_policy / "model.safetensors"), version=1)
     assert served(server, prompts) == expected  # whichever core served a prompt, it had the new weights
     after = requests_per_core(server)
     assert all(after[core] > before.get(core, 0) for core in ("0", "1")), (before, after)
@@ -126,9 +120,9 @@ def test_policy_update_reaches_every_engine_core(server, client, tiny_model, new
     assert [w["sync"]["versions"]["policy"] for w in client.status()["workers"]] == [2, 2]
 
 
-def test_a_commit_failing_in_one_core_rolls_back_both(server, client, new_policy, prompts, baseline):
+def test_a_commit_failing_in_one_core_rolls_back_both(server, client, moved_policy, prompts, baseline):
     with pytest.raises(WeightSyncError) as err:
-        client.update_policy(load_file(new_policy / "model.safetensors"), version=FAILS_IN_CORE_1)
+        client.update_policy(load_file(moved_policy / "model.safetensors"), version=FAILS_IN_CORE_1)
     assert "failed while applying" in str(err.value) and "restored policy v2" in str(err.value), str(err.value)
     status = client.status()
     assert status["versions"]["policy"] == 2

@@ -15,27 +15,21 @@ import pytest
 import requests
 from safetensors.torch import load_file
 
-from conftest import WARM_DRAFT_VOCAB
-from helpers import assert_captured_rows_match_hf, capture_and_receive, perturbed_checkpoint
+from conftest import PARALLEL_MAX_TOKENS, WARM_DRAFT_VOCAB
+from helpers import assert_captured_rows_match_hf, capture_and_receive
 from prompts import code_prompts
-from sampling import greedy_generate
 from vllm_specrl.faults import FAULTS_ENV
 from vllm_specrl.proposer.checkpoint import init_draft
 from vllm_specrl.server import VLLMServer, cpu_env, free_port
 from vllm_specrl.sync.client import EngineClient, WeightSyncError
 
 pytestmark = pytest.mark.server
-MAX_TOKENS = 16
+MAX_TOKENS = PARALLEL_MAX_TOKENS  # the single-engine reference's length (conftest.single_engine_greedy)
 
 
 @pytest.fixture(scope="module")
 def original(tiny_model):
     return load_file(tiny_model / "model.safetensors")
-
-
-@pytest.fixture(scope="module")
-def new_policy(tiny_model, tmp_path_factory):
-    return perturbed_checkpoint(tiny_model, tmp_path_factory.mktemp("tp_policy") / "v1", seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -86,14 +80,15 @@ def test_two_ranks_in_two_processes(client):
     assert [w["rank"] for w in workers] == [0, 1] and workers[0]["pid"] != workers[1]["pid"]
 
 
-def test_greedy_equals_a_single_worker_engine(tiny_model, prompts, baseline):
-    assert baseline == greedy_generate(tiny_model, prompts, MAX_TOKENS, with_text=True)["texts"]
+def test_greedy_equals_a_single_worker_engine(baseline, single_engine_greedy):
+    assert baseline == single_engine_greedy["original"]
 
 
-def test_policy_update_reaches_every_rank(server, client, tiny_model, new_policy, original, prompts, baseline):
-    expected = greedy_generate(new_policy, prompts, MAX_TOKENS, with_text=True)["texts"]
+def test_policy_update_reaches_every_rank(server, client, moved_policy, original, prompts, baseline,
+                                          single_engine_greedy):
+    expected = single_engine_greedy["moved"]
     assert expected != baseline
-    client.update_policy(load_file(new_policy / "model.safetensors"), version=1)
+    client.update_policy(load_file(moved_policy / "model.safetensors"), version=1)
     assert served(server, prompts) == expected  # both shards of every layer are the new ones
     client.update_policy(original, version=2)
     assert served(server, prompts) == baseline
@@ -101,10 +96,10 @@ def test_policy_update_reaches_every_rank(server, client, tiny_model, new_policy
 
 
 @pytest.mark.parametrize("version, failing_ranks", [(98, [1]), (99, [0, 1])])
-def test_a_commit_failing_on_any_rank_rolls_back_every_rank(server, client, new_policy, prompts, baseline,
+def test_a_commit_failing_on_any_rank_rolls_back_every_rank(server, client, moved_policy, prompts, baseline,
                                                             version, failing_ranks):
     with pytest.raises(WeightSyncError) as err:
-        client.update_policy(load_file(new_policy / "model.safetensors"), version=version)
+        client.update_policy(load_file(moved_policy / "model.safetensors"), version=version)
     assert "failed while applying" in str(err.value) and "restored policy v2" in str(err.value), str(err.value)
     assert served(server, prompts) == baseline
     status = client.status()
