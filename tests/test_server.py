@@ -1,8 +1,28 @@
-"""``vllm_specrl.server.free_port``: ports that stay free until their user binds them."""
+"""``vllm_specrl.server``: ports that stay free until their user binds them; servers started side by side."""
 
 import socket
+import sys
+import time
 
-from vllm_specrl.server import ephemeral_port_range, free_port
+import pytest
+import requests
+
+from vllm_specrl.server import VLLMServer, ephemeral_port_range, free_port, started
+
+# Stands in for ``vllm serve``: answers /health after a delay, or exits at once with an error.
+FAKE_SERVE = """
+import http.server, sys, time
+time.sleep(float(sys.argv[2]))
+if sys.argv[3] == "fail":
+    sys.exit(3)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
 
 
 def test_free_ports_lie_below_the_kernels_ephemeral_range_and_are_free():
@@ -46,3 +66,33 @@ def _bindable(port: int) -> bool:
             return True
         except OSError:
             return False
+
+
+def fake_server(delay_s: float, mode: str = "serve") -> VLLMServer:
+    server = VLLMServer("fake-model", startup_timeout_s=30)
+    server.cmd = [sys.executable, "-c", FAKE_SERVE, str(server.port), str(delay_s), mode]
+    return server
+
+
+def test_servers_started_together_start_side_by_side_and_all_stop():
+    """Two servers that each take 3 s to come up are both ready in well under the 6 s of one after the
+    other, and both processes are gone after the block."""
+    t0 = time.monotonic()
+    with started(fake_server(3.0), fake_server(3.0)) as (a, b):
+        ready_s = time.monotonic() - t0
+        assert all(requests.get(s.url + "/health", timeout=5).status_code == 200 for s in (a, b))
+    assert ready_s < 5.5, ready_s
+    assert a.proc.poll() is not None and b.proc.poll() is not None
+
+
+def test_a_server_that_fails_to_start_stops_the_others():
+    healthy = fake_server(0.5)
+    with pytest.raises(RuntimeError, match="exited with 3"):
+        with started(fake_server(0.0, "fail"), healthy):
+            pass
+    assert healthy.proc.poll() is not None  # not left running
+
+
+def test_wait_ready_before_launch_is_an_error():
+    with pytest.raises(RuntimeError, match="before launch"):
+        fake_server(0.0).wait_ready()

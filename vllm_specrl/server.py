@@ -117,6 +117,7 @@ class VLLMServer:
         self.cmd = args + list(extra_args)
         self.proc: subprocess.Popen | None = None
         self._log: IO | None = None
+        self._deadline = 0.0  # set by launch()
 
     @property
     def headers(self) -> dict[str, str]:
@@ -133,6 +134,8 @@ class VLLMServer:
 
     def wait_ready(self) -> VLLMServer:
         """Block until ``/health`` answers; a server that exits or overruns its startup timeout fails."""
+        if self.proc is None:
+            raise RuntimeError("wait_ready() before launch(): nothing was started")
         while time.time() < self._deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vllm serve exited with {self.proc.returncode}; "
