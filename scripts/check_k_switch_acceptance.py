@@ -114,5 +114,6 @@ def main() -> None:
     args.out.write_text(json.dumps(report, indent=2))
     print(json.dumps(report["z_vs_first"]))
 
+
 if __name__ == "__main__":
     main()

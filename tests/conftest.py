@@ -101,12 +101,19 @@ def moved_policy(tiny_model, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def single_engine_greedy(tiny_model, moved_policy) -> dict[str, list[str]]:
-    """What one in-process engine answers greedily to ``code_prompts(8)`` (``PARALLEL_MAX_TOKENS``) with
+def parallel_prompts() -> list[str]:
+    """The prompts the tensor- and data-parallel tests serve."""
+    from prompts import code_prompts
+
+    return code_prompts(8)
+
+
+@pytest.fixture(scope="session")
+def single_engine_greedy(tiny_model, moved_policy, parallel_prompts) -> dict[str, list[str]]:
+    """What one in-process engine answers greedily to ``parallel_prompts`` (``PARALLEL_MAX_TOKENS``) with
     the tiny target and with the moved policy: what tensor- and data-parallel engines must reproduce
     (computed once for both)."""
-    from prompts import code_prompts
     from sampling import greedy_generate
 
-    return {name: greedy_generate(model, code_prompts(8), PARALLEL_MAX_TOKENS, with_text=True)["texts"]
+    return {name: greedy_generate(model, parallel_prompts, PARALLEL_MAX_TOKENS, with_text=True)["texts"]
             for name, model in (("original", tiny_model), ("moved", moved_policy))}

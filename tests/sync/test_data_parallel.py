@@ -22,7 +22,6 @@ from safetensors.torch import load_file
 
 from conftest import PARALLEL_MAX_TOKENS, WARM_DRAFT_VOCAB
 from helpers import assert_captured_rows_match_hf, capture_and_receive
-from prompts import code_prompts
 from vllm_specrl.faults import FAULTS_ENV
 from vllm_specrl.proposer.checkpoint import init_draft
 from vllm_specrl.server import VLLMServer, cpu_env, free_port
@@ -64,8 +63,8 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def prompts():
-    return code_prompts(8)
+def prompts(parallel_prompts):
+    return parallel_prompts  # the prompts of conftest.single_engine_greedy
 
 
 def served(server, prompts) -> list[str]:

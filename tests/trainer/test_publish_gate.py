@@ -129,6 +129,18 @@ def test_the_online_trainer_holds_out_every_nth_rollout_and_ages_them_by_policy_
         trainer.close()
 
 
+def hold_every_candidate(trainer) -> list[int]:
+    """Make the trainer's gate hold every candidate as not better; returns the steps of its verdicts."""
+    verdicts: list[int] = []
+
+    def not_better() -> dict:
+        verdicts.append(trainer.trainer.step_count)
+        return {"publish": False, "reason": "not_better", "held_out": 4}
+
+    trainer.gate.decide = not_better
+    return verdicts
+
+
 @pytest.mark.parametrize("rest_after_hold", [True, False])
 def test_a_held_candidate_is_dropped_and_the_trainer_rests_until_the_policy_moves(tiny_model, tmp_path,
                                                                                    rest_after_hold):
@@ -137,13 +149,7 @@ def test_a_held_candidate_is_dropped_and_the_trainer_rests_until_the_policy_move
     trainer, address = trainer_on_frames(tiny_model, tmp_path, holdout_every=4, publish_every=2, max_seconds=3.0,
                                          rest_after_hold=rest_after_hold)
     served = {k: v.clone() for k, v in trainer.gate.served_state.items()}
-    verdicts = []
-
-    def not_better() -> dict:
-        verdicts.append(trainer.trainer.step_count)
-        return {"publish": False, "reason": "not_better", "held_out": 4}
-
-    trainer.gate.decide = not_better
+    verdicts = hold_every_candidate(trainer)
     try:
         tx = send_sequences(address, 12, 12, 256)
         result = trainer.run()  # no replay cap: it would train for all 3 s
@@ -172,13 +178,7 @@ def test_a_rest_ends_after_enough_fresh_rollouts_under_the_same_policy(tiny_mode
     candidate's verdict for good: ``rest_sequences`` newly captured rollouts end the rest; fewer do not."""
     trainer, address = trainer_on_frames(tiny_model, tmp_path, holdout_every=4, publish_every=2, max_seconds=3.0,
                                          rest_sequences=8)
-    verdicts = []
-
-    def not_better() -> dict:
-        verdicts.append(trainer.trainer.step_count)
-        return {"publish": False, "reason": "not_better", "held_out": 4}
-
-    trainer.gate.decide = not_better
+    verdicts = hold_every_candidate(trainer)
     txs = []
     try:
         txs.append(send_sequences(address, 12, 12, 256))
