@@ -21,6 +21,9 @@ from vllm_specrl._version import __version__
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {"status": "not-loaded"}
+# The process that imported this module: a process with another pid that finds it imported was
+# forked from it (VLLM_SPECRL_CPU_START_METHOD=fork) rather than started as a new interpreter.
+_IMPORTED_IN_PID = os.getpid()
 
 
 def process_role() -> str:
@@ -43,7 +46,8 @@ def _install_registrations() -> list[str]:
     steps = [("model_architecture", "EAGLE-3 draft architecture", vllm_compat.register_eagle3_architecture),
              ("cpu_expand_kernel_fix", "CPU expand-kernel fix", vllm_compat.install_cpu_expand_fix),
              ("weight_transfer_backend", "specrl_shm weight-transfer backend",
-              vllm_compat.register_shm_weight_transfer_backend)]
+              vllm_compat.register_shm_weight_transfer_backend),
+             ("cpu_start_method", "engine start method on CPU", vllm_compat.install_cpu_start_method)]
     if _runs_model_here():
         steps.append(("cpu_malloc_tuning", "glibc malloc thresholds (CPU)", _tune_malloc_on_cpu))
         steps.append(("cpu_seeded_rewind_fix", "CPU seeded-rewind fix",
@@ -86,6 +90,11 @@ def _runs_model_here() -> bool:
 def register() -> None:
     """Entry point: check the vLLM version, then install registrations once."""
     with _lock:
+        if _state.get("pid") not in (None, os.getpid()):
+            # A forked engine core or worker (VLLM_SPECRL_CPU_START_METHOD=fork) inherits its
+            # parent's state; its role and its worker-side registrations are its own.
+            _state.clear()
+            _state["status"] = "not-loaded"
         if _state["status"] in ("active", "declined"):
             return
         role, pid = process_role(), os.getpid()
@@ -99,7 +108,7 @@ def register() -> None:
                 "the plugin registers nothing and vLLM runs unchanged",
                 __version__, vllm_compat.SUPPORTED_RANGE, version)
             return
-        _state.update(status="active", role=role, pid=pid, vllm=version,
+        _state.update(status="active", role=role, pid=pid, vllm=version, forked=pid != _IMPORTED_IN_PID,
                       vllm_specrl=__version__, registrations=_install_registrations())
         log_early(logging.INFO, "vllm-specrl %s plugin active in %s process (pid %d, vLLM %s)",
                     __version__, role, pid, version)

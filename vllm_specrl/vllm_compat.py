@@ -98,6 +98,10 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | ``.call_utility_all_async`` (DP clients),     | data-parallel engine core         |                   |
 | EngineCore utility ``collective_rpc``,        |                                   |                   |
 | ``parallel_config.data_parallel_index``       |                                   |                   |
+| ``CpuPlatform.check_and_update_config``       | ``VLLM_SPECRL_CPU_START_METHOD``: | 0.32.0 (cpu)      |
+| (class wrap; it sets ``VLLM_WORKER_MULTIPROC_``| engine core and worker forked,    |                   |
+| ``METHOD=spawn``), ``vllm.plugins.``           | not spawned (no re-import)        |                   |
+| ``plugins_loaded`` (reset in a forked child)  |                                   |                   |
 | ``SamplingParams(n, seed)`` children seeded   | warm-start rollouts: distinct     | 0.32.0 (cpu)      |
 | ``seed + index`` (``ParentRequest._get_child_``| streams per prompt (relied on, not|                   |
 | ``sampling_params``; behaviour, not called)   | called: ``trainer.rollout_seeds``;|                   |
@@ -1005,6 +1009,62 @@ def install_phase_timers(runner: Any) -> dict[str, float]:
 # --- EAGLE-3 draft -----------------------------------------------------------
 
 EAGLE3_CLASS_PATH = "vllm_specrl.proposer.eagle3_vllm:SpecRLEagle3LlamaForCausalLM"
+
+
+CPU_START_METHOD_ENV = "VLLM_SPECRL_CPU_START_METHOD"
+_START_METHODS = ("fork", "spawn")
+
+
+def requested_cpu_start_method() -> str | None:
+    """``VLLM_SPECRL_CPU_START_METHOD`` (``fork`` or ``spawn``), or None when unset; anything else is an error."""
+    import os
+
+    method = os.environ.get(CPU_START_METHOD_ENV, "").strip().lower() or None
+    if method is not None and method not in _START_METHODS:
+        raise ValueError(f"{CPU_START_METHOD_ENV}={method!r}: expected one of {_START_METHODS}")
+    return method
+
+
+def _reload_plugins_in_forked_child() -> None:
+    """vLLM loads general plugins once per process (``vllm.plugins.plugins_loaded``); a forked child
+    inherits the flag set, so its own ``load_general_plugins()`` (engine core, worker start-up) would
+    skip the plugin and the worker would run without its worker-side fixes. Clear it in the child."""
+    import vllm.plugins
+
+    vllm.plugins.plugins_loaded = False
+
+
+def install_cpu_start_method() -> str:
+    """Let ``VLLM_SPECRL_CPU_START_METHOD=fork`` start the engine core and its worker by fork on CPU.
+
+    vLLM's CPU platform sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` unconditionally in
+    ``check_and_update_config``, so ``vllm serve`` starts three processes that each import vLLM
+    (about 14 s apiece on 2 cores: 47 s to a ready tiny-model server, 20 s forked). The wrap puts the
+    requested method back after the platform's check; vLLM's own reasons to force spawn
+    (``_maybe_force_spawn``: Ray, NUMA binding) still apply after it. Unset: vLLM's behaviour."""
+    import os
+
+    method = requested_cpu_start_method()
+    if method is None:
+        return "not requested (vLLM's default: spawn on CPU)"
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return "not needed (not the CPU platform)"
+    from vllm.platforms.cpu import CpuPlatform
+
+    current = CpuPlatform.check_and_update_config
+    if getattr(current, "_specrl_start_method", None) is None:
+        stock = current.__func__
+
+        def check_and_update_config(cls, vllm_config):
+            stock(cls, vllm_config)
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = requested_cpu_start_method() or "spawn"
+
+        check_and_update_config._specrl_start_method = method
+        CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+        os.register_at_fork(after_in_child=_reload_plugins_in_forked_child)
+    return f"engine processes started by {method}"
 
 
 def register_eagle3_architecture() -> str:
