@@ -11,7 +11,8 @@ from vllm_specrl.server import VLLMServer, ephemeral_port_range, free_port, star
 
 # Stands in for ``vllm serve``: answers /health after a delay, or exits at once with an error.
 FAKE_SERVE = """
-import http.server, sys, time
+import http.server, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # stop()'s SIGINT ends it, even if inherited ignored
 time.sleep(float(sys.argv[2]))
 if sys.argv[3] == "fail":
     sys.exit(3)
