@@ -105,6 +105,9 @@ TOUCH_POINTS: list[tuple[str, str, str, str]] = [
     ("v1/engine/async_llm.py", "AsyncLLM.reset_prefix_cache", "function", "KV reset after a commit"),
     ("v1/engine/async_llm.py", "AsyncLLM.collective_rpc", "function", "every /specrl route"),
     ("v1/engine/async_llm.py", "AsyncLLM.errored", "function", "calls fail when the engine core dies"),
+    ("platforms/cpu.py", "CpuPlatform.check_and_update_config", "function",
+     "VLLM_SPECRL_CPU_START_METHOD (it sets VLLM_WORKER_MULTIPROC_METHOD=spawn)"),
+    ("plugins/__init__.py", "", "names:plugins_loaded,load_general_plugins", "plugin reloaded in a forked child"),
 ]
 
 

