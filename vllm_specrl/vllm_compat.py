@@ -117,6 +117,7 @@ parameters with defaults.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 from collections.abc import Awaitable
 from typing import Any, TypeVar
@@ -580,8 +581,6 @@ def full_draft_probs(draft_probs, vocab_size: int):
 
 def _compact_draft_probs_verified() -> bool:
     """Whether draft probabilities may stay compact: the one-pass verify is what reads them."""
-    import os
-
     from vllm.v1.sample.rejection_sampler import RejectionSampler
 
     return (RejectionSampler.forward is one_pass_rejection_forward
@@ -668,8 +667,6 @@ def _signature_names(fn) -> list[str]:
 
 def install_cpu_fast_sampling() -> str:
     """Bind the inverse-CDF samplers in place of vLLM's exponential race (see above)."""
-    import os
-
     from vllm.platforms import current_platform
 
     if os.environ.get("VLLM_SPECRL_FAST_SAMPLING", "1") == "0":
@@ -752,8 +749,6 @@ ZERO_DRAFT_ENV = "VLLM_SPECRL_ZERO_DRAFT_PLAIN_SAMPLER"
 
 def install_zero_draft_plain_sampler() -> str:
     """Route steps without drafts to the plain sampler (see above); counts them on the runner."""
-    import os
-
     if os.environ.get(ZERO_DRAFT_ENV, "1") == "0":
         return f"off ({ZERO_DRAFT_ENV}=0)"
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -799,7 +794,6 @@ def adaptive_k_scheduler_class(vllm_config: Any) -> type:
     """vLLM's scheduler class for this config (async or not), with adaptive k attached."""
     import atexit
     import itertools
-    import os
     import time
 
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -1017,8 +1011,6 @@ _START_METHODS = ("fork", "spawn")
 
 def requested_cpu_start_method() -> str | None:
     """``VLLM_SPECRL_CPU_START_METHOD`` (``fork`` or ``spawn``), or None when unset; anything else is an error."""
-    import os
-
     method = os.environ.get(CPU_START_METHOD_ENV, "").strip().lower() or None
     if method is not None and method not in _START_METHODS:
         raise ValueError(f"{CPU_START_METHOD_ENV}={method!r}: expected one of {_START_METHODS}")
@@ -1042,8 +1034,6 @@ def install_cpu_start_method() -> str:
     (about 14 s apiece on 2 cores: 47 s to a ready tiny-model server, 20 s forked). The wrap puts the
     requested method back after the platform's check; vLLM's own reasons to force spawn
     (``_maybe_force_spawn``: Ray, NUMA binding) still apply after it. Unset: vLLM's behaviour."""
-    import os
-
     method = requested_cpu_start_method()
     if method is None:
         return "not requested (vLLM's default: spawn on CPU)"
@@ -1579,7 +1569,6 @@ class DeferredDraftKV:
 def install_deferred_draft_kv() -> str:
     """Attach ``DeferredDraftKV`` to each eligible drafter on its runner's first proposal."""
     import functools
-    import os
 
     if os.environ.get(DEFER_DRAFT_KV_ENV, "1") == "0":
         return f"off ({DEFER_DRAFT_KV_ENV}=0)"
