@@ -61,6 +61,11 @@ TOUCH_POINTS: list[tuple[str, str, str, str]] = [
      "logits_processor,lm_head,config", "CPU draft sampling in the draft's own vocabulary"),
     ("v1/spec_decode/llm_base_proposer.py", "SpecDecodeBaseProposer.propose", "function",
      "deferred draft-KV sync at k = 0 (keyword call, replay pass)"),
+    ("v1/spec_decode/llm_base_proposer.py", "SpecDecodeBaseProposer", "attrs:parallel_drafting,"
+     "parallel_drafting_hidden_state_tensor,eagle3_use_aux_hidden_state",
+     "P-EAGLE drafts: mask-slot state refreshed after a draft update"),
+    ("model_executor/models/llama_eagle3.py", "Eagle3LlamaForCausalLM.combine_hidden_states", "function",
+     "P-EAGLE drafts: mask-slot state refreshed after a draft update"),
     ("v1/spec_decode/llm_base_proposer.py", "SpecDecodeBaseProposer", "attrs:method,max_num_tokens,"
      "num_speculative_tokens,_last_draft_probs,needs_extra_input_slots,uses_mrope,supports_mm_inputs,"
      "parallel_drafting", "deferred draft-KV sync: eligibility, the stash bound, the k = 0 return"),

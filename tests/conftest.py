@@ -93,6 +93,23 @@ def warm_draft(tiny_model, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def parallel_draft(tiny_model, warm_draft, tmp_path_factory) -> Path:
+    """The warm draft converted to a parallel (P-EAGLE) draft and trained on as many rollouts of
+    the same prompts, through the CLI (``--init-from --parallel-drafting``; ~1 min)."""
+    work = tmp_path_factory.mktemp("parallel")
+    out = work / "draft"
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_PLUGINS="specrl")
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_specrl.cli", "train-draft", "--offline",
+         "--target", str(tiny_model), "--draft", str(out), "--init-from", str(warm_draft), "--parallel-drafting",
+         "--rollouts", str(warm_draft / "warm_start_rollouts.json"), "--steps", "40", "--batch-size", "16",
+         "--lr", "3e-3", "--features", "hf"],
+        env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return out
+
+
 PARALLEL_MAX_TOKENS = 16
 
 

@@ -98,6 +98,18 @@ def test_adaptive_k_t1_is_lossless(tiny_model, plain_t1, warm_draft):
     assert min(p) > ALPHA, describe(p)
 
 
+def test_parallel_drafting_t1_is_lossless(tiny_model, plain_t1, parallel_draft):
+    """A P-EAGLE draft: all k drafts from one pass over mask slots, each sampled from its own
+    distribution, which the rejection sampler is given; accepted at volume."""
+    eagle3 = {"method": "eagle3", "model": str(parallel_draft), "num_speculative_tokens": 3,
+              "draft_sample_method": "probabilistic", "parallel_drafting": True}
+    spec, stats = sample_continuations(tiny_model, PROMPT, N, L, 1.0, seed=9, speculative_config=eagle3,
+                                       with_stats=True)
+    p = per_position_pvalues(plain_t1, spec)
+    assert min(p) > ALPHA, describe(p)
+    assert stats["num_accepted_tokens"] / stats["num_drafts"] > 0.5, stats
+
+
 def test_history_proposer_t1_is_lossless(tiny_model, plain_t1):
     """Drafts from siblings and earlier samples of the same prompt, each token sampled from the
     continuations' shares q, which vLLM's rejection sampler is given. Drafting the heaviest token

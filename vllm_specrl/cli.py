@@ -166,7 +166,8 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
                         max_tokens=args.max_tokens, steps=args.steps, batch_size=args.batch_size,
                         seed=args.seed, chat=not args.raw_prompts, dtype=args.dtype,
                         eval_fraction=args.eval_fraction, eval_every=args.eval_every, task=args.task,
-                        features=args.features, group_by_length=args.group_by_length)
+                        features=args.features, group_by_length=args.group_by_length,
+                        parallel_drafting=args.parallel_drafting)
     summary = warm_start(args.target, args.draft, prompts, cfg, _train_config(args), args.draft_vocab_size,
                          args.init_from, args.log, args.rollouts)
     print(json.dumps(summary, indent=2))
@@ -265,6 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--group-by-length", action="store_true",
                     help="offline: batch rollouts of similar length, --batch-size x the mean length in "
                          "padded tokens per batch (RL answers vary: random batches are mostly padding)")
+    tr.add_argument("--parallel-drafting", action="store_true",
+                    help="offline: train (or, with --init-from, convert and train) a draft for vLLM's parallel "
+                         "drafting (P-EAGLE: all k drafts from one forward pass; serve it with "
+                         "\"parallel_drafting\": true in --speculative-config)")
     tr.add_argument("--lr", type=float, default=1e-3)
     tr.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
                     help="offline: cosine decays to 0.1 lr over --steps after --warmup-steps "

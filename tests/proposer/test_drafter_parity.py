@@ -104,3 +104,38 @@ def test_drafter_distributions_stay_exact_when_k_changes(tiny_model, warm_draft,
         tv = float((0.5 * (ours - r["draft_probs"][:k]).abs().sum(-1)).max())
         worst[k] = max(worst.get(k, 0.0), tv)
     assert set(worst) == lengths and max(worst.values()) < TOLERANCE, {"worst_tv_by_k": worst}
+
+
+@pytest.fixture(scope="module")
+def recorded_parallel(tiny_model, parallel_draft, tmp_path_factory):
+    prompts = code_prompts(460)[440:452]
+    spec = {"method": "eagle3", "model": str(parallel_draft), "num_speculative_tokens": K,
+            "draft_sample_method": "probabilistic", "parallel_drafting": True}
+    return record_drafts(tiny_model, spec, prompts, tmp_path_factory.mktemp("parity-par") / "drafts.pt")
+
+
+def test_parallel_drafting_distributions_equal_the_parallel_unroll(tiny_model, parallel_draft, recorded_parallel):
+    """vLLM's parallel drafting (all k drafts from one pass over k mask slots) computes what
+    ``Eagle3Draft.unroll`` trains for a parallel draft; the sequential unroll of the same weights
+    (the mask ignored) does not."""
+    target = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    draft = load_draft(parallel_draft, tiny_model).eval()
+    assert draft.parallel
+    sequential = load_draft(parallel_draft, tiny_model).eval()
+    sequential.mask_token_id = None
+    records = [r for r in recorded_parallel["records"]
+               if r["draft_probs"] is not None and len(r["draft_token_ids"]) == K]
+    assert len(records) > 20
+    worst, planted = [0.0] * K, [0.0] * K
+    for r in records[:40]:
+        seq = sequence_of(recorded_parallel["outputs"], r["request_id"])
+        if r["base_position"] + 2 > len(seq):
+            continue
+        for j, tok in enumerate(r["draft_token_ids"]):
+            assert r["draft_probs"][j, tok] > 0, "a draft token outside its own distribution"
+        ours = unroll_distributions(draft, target, seq, r["base_position"], r["draft_token_ids"])
+        worst = [max(w, float(x)) for w, x in zip(worst, 0.5 * (ours - r["draft_probs"]).abs().sum(-1))]
+        chain = unroll_distributions(sequential, target, seq, r["base_position"], r["draft_token_ids"])
+        planted = [max(w, float(x)) for w, x in zip(planted, 0.5 * (chain - r["draft_probs"]).abs().sum(-1))]
+    assert max(worst) < TOLERANCE, {"per_step_worst_tv": worst}
+    assert planted[0] < TOLERANCE and min(planted[1:]) > 10 * TOLERANCE, {"planted_tv": planted}

@@ -164,6 +164,19 @@ def draft_config_from_target(target_cfg: dict[str, Any], draft_vocab_size: int |
     return cfg
 
 
+def default_mask_token_id(target_cfg: dict[str, Any]) -> int:
+    """The token a parallel draft's mask slots read: the target's padding token (else end of text).
+
+    Its embedding is the target's and stays frozen; what the slots learn is ``mask_hidden``."""
+    for key in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        value = target_cfg.get(key)
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return 0
+
+
 def check_fits_target(draft_cfg: dict[str, Any], target_hidden_size: int, target_vocab_size: int,
                       target_num_layers: int) -> None:
     """Raise DraftConfigError naming every way the draft does not fit the target."""

@@ -13,6 +13,12 @@ it), so a checkpoint trained here loads there unchanged:
 the token at t+1+k and the previous step's output, and attends to step-0 keys
 at positions <= t plus its own chain's keys of steps 1..k, exactly what vLLM's
 drafter sees at inference.
+
+A draft whose config has ``mask_token_id`` is a parallel (P-EAGLE) draft: vLLM
+(``"parallel_drafting": true``) drafts all k tokens in one forward pass, steps
+k >= 1 reading the mask token and ``fc(mask_hidden)`` (a learned vector) in
+place of the previous step's token and output; the attention pattern and the
+positions are the same, so ``unroll`` trains it by swapping those inputs.
 """
 
 from __future__ import annotations
@@ -118,12 +124,30 @@ class Eagle3Draft(nn.Module):
         self.lm_head = nn.Linear(s.hidden_size, s.draft_vocab_size, bias=False)
         self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
+        self.mask_token_id: int | None = config.get("mask_token_id")
+        if self.mask_token_id is not None:
+            self.mask_hidden = nn.Parameter(torch.zeros(len(s.aux_layer_ids) * s.target_hidden_size))
         if s.draft_vocab_size < s.vocab_size:
             self.register_buffer("d2t", torch.zeros(s.draft_vocab_size, dtype=torch.long))
             self.register_buffer("t2d", torch.zeros(s.vocab_size, dtype=torch.bool))
         else:
             self.d2t = None
             self.t2d = None
+
+    @property
+    def parallel(self) -> bool:
+        """Trained for vLLM's parallel drafting (all k drafts from one forward pass)."""
+        return self.mask_token_id is not None
+
+    def make_parallel(self, mask_token_id: int) -> None:
+        """Turn a sequential EAGLE-3 draft into a parallel one (its weights kept, ``mask_hidden``
+        starting at the mean hidden state a draft sees being unknown: zero)."""
+        if self.parallel:
+            return
+        self.mask_token_id = int(mask_token_id)
+        self.config = dict(self.config, mask_token_id=self.mask_token_id)
+        width = len(self.shape.aux_layer_ids) * self.shape.target_hidden_size
+        self.mask_hidden = nn.Parameter(torch.zeros(width, device=self.fc.weight.device))
 
     # -- vocabulary mapping ---------------------------------------------------------
     def draft_token_ids(self) -> torch.Tensor:
@@ -164,16 +188,21 @@ class Eagle3Draft(nn.Module):
         layer, s = self.midlayer, self.shape
         if positions is None:
             positions = torch.arange(t, device=aux_hidden.device)
-        needed = _rows_needed(logits_masks, steps)
+        # A parallel draft's later steps read the mask state, not a row's earlier output.
+        needed = logits_masks if self.parallel else _rows_needed(logits_masks, steps)
         hidden = self.fc(aux_hidden)
         causal = torch.ones(t, t, dtype=torch.bool, device=aux_hidden.device).tril()
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         scale = 1.0 / math.sqrt(s.head_dim)
         outputs = []
+        mask_state = self.fc(self.mask_hidden) if self.parallel else None
         for k in range(steps):
             shifted = torch.zeros_like(token_ids)
-            if 1 + k < t:
+            if k > 0 and mask_state is not None:
+                shifted.fill_(self.mask_token_id)
+                hidden = mask_state.to(hidden.dtype).expand(b, t, -1)
+            elif 1 + k < t:
                 shifted[:, : t - 1 - k] = token_ids[:, 1 + k :]
             emb = layer.input_layernorm(self.embed_tokens(shifted))
             x = torch.cat([emb, layer.hidden_norm(hidden)], dim=-1)

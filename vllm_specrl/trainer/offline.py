@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from vllm_specrl.proposer.checkpoint import init_draft, load_draft, target_lm_head
-from vllm_specrl.proposer.eagle3_config import default_aux_layer_ids, read_config
+from vllm_specrl.proposer.eagle3_config import default_aux_layer_ids, default_mask_token_id, read_config
 from vllm_specrl.trainer.core import TRAINER_STATE, DraftTrainer, TrainConfig, collate
 from vllm_specrl.trainer.features import sequence_features
 from vllm_specrl.trainer.rollout_seeds import per_prompt_sampling_params
@@ -60,6 +60,7 @@ class OfflineConfig:
     task: str = "chat"           # prompt family when no prompts are given (TASK_PROMPTS)
     features: str = "capture"    # "capture": from vLLM while it generates; "hf": a transformers forward after
     group_by_length: bool = False  # batches of similar length (``length_grouped_batches``): less padding
+    parallel_drafting: bool = False  # train for vLLM's parallel drafting (P-EAGLE; ``Eagle3Draft.make_parallel``)
 
 
 # The RL demo's task family (scripts/rl_demo.py): small-number arithmetic, answered in a few
@@ -195,7 +196,10 @@ def warm_start(target_dir: Path | str, draft_dir: Path | str, prompts: list[str]
     rng = random.Random(cfg.seed)
     train_items = [f for f, i in zip(features, prompt_index) if i in train_prompts]
     eval_items = [f for f, i in zip(features, prompt_index) if i in eval_prompts] or train_items[:1]
-    if init_from and (Path(init_from) / TRAINER_STATE).exists():
+    converted = cfg.parallel_drafting and not draft.parallel
+    if converted:
+        draft.make_parallel(default_mask_token_id(read_config(target_dir)))
+    if init_from and (Path(init_from) / TRAINER_STATE).exists() and not converted:
         # Continue a warm start: its weights, optimizer state and step count.
         trainer = DraftTrainer.from_checkpoint(init_from, target_dir, train_cfg)
     else:
