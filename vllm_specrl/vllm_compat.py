@@ -1190,26 +1190,31 @@ def apply_draft_weights(worker: Any, named_tensors: list[tuple[str, Any]]) -> No
     from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
     drafter = worker.model_runner.drafter
+    named_tensors = list(named_tensors)
     reload_weights(worker.vllm_config, drafter.model,
                    weights_iterator=iter(named_tensors), weights_path=None, is_checkpoint_format=True)
-    refresh_parallel_drafting_state(drafter)
+    refresh_parallel_drafting_state(drafter, dict(named_tensors).get("mask_hidden"))
 
 
-def refresh_parallel_drafting_state(drafter: Any) -> bool:
-    """Recompute the hidden state a parallel (P-EAGLE) drafter feeds its mask slots.
+def refresh_parallel_drafting_state(drafter: Any, mask_hidden: Any = None) -> bool:
+    """Bring a parallel (P-EAGLE) drafter's mask slots up to an in-place draft update.
 
-    vLLM computes it once, in ``load_model`` (``combine_hidden_states(mask_hidden)``, i.e.
-    ``fc(mask_hidden)``), and keeps it in ``parallel_drafting_hidden_state_tensor``; an in-place
-    draft update changes both ``fc`` and ``mask_hidden``, so the copy must follow or the mask
-    slots would keep drafting from the old weights."""
+    vLLM keeps the slots' input in two places its in-place reload does not refresh: the model's
+    ``mask_hidden`` buffer (the layerwise reload puts buffers back as they were: measured on
+    0.32.0, the update's value was dropped) and ``parallel_drafting_hidden_state_tensor``, which
+    ``load_model`` computes once as ``combine_hidden_states(mask_hidden)``, i.e. ``fc(mask_hidden)``,
+    and so also goes stale when only ``fc`` changes. False when the drafter does not draft in
+    parallel."""
     import torch
 
     state = getattr(drafter, "parallel_drafting_hidden_state_tensor", None)
     model = getattr(drafter, "model", None)
     if not getattr(drafter, "parallel_drafting", False) or state is None or model is None:
         return False
-    flat = model.mask_hidden.view(-1)
     with torch.no_grad():
+        if mask_hidden is not None:
+            model.mask_hidden.copy_(mask_hidden.reshape(model.mask_hidden.shape))
+        flat = model.mask_hidden.view(-1)
         state.copy_(model.combine_hidden_states(flat) if drafter.eagle3_use_aux_hidden_state else flat)
     return True
 

@@ -4,9 +4,10 @@ other target architectures, the stock export, and start-up errors for misfit dra
 import json
 
 import pytest
+import torch
 
 from conftest import WARM_DRAFT_VOCAB
-from helpers import run_python
+from helpers import result_json, run_python
 from prompts import code_prompts
 from sampling import greedy_generate
 from vllm_specrl.proposer.checkpoint import export_stock, init_draft
@@ -99,6 +100,39 @@ def test_parallel_draft_is_lossless_greedy_and_its_mask_slots_learn(tiny_model, 
     assert worst < 1e-3, worst
     # The first mask slot's drafts are accepted when served (0.045 greedy when measured; 0.42 at 0).
     assert spec["spec_decode"]["per_position_acceptance"][1] > 0.02, spec["spec_decode"]
+
+
+def test_an_in_place_draft_update_reaches_the_mask_slots(tiny_model, parallel_draft, tmp_path):
+    """vLLM computes the mask slots' hidden state (fc(mask_hidden)) once, at load; after the plugin's
+    in-place draft update it must be the new weights' (planted: the refresh skipped -> stale)."""
+    from vllm_specrl.proposer.checkpoint import load_draft
+
+    draft = load_draft(parallel_draft, tiny_model)
+    with torch.no_grad():
+        draft.mask_hidden.mul_(-2.0).add_(0.5)
+        draft.fc.weight.mul_(1.5)
+        want = draft.fc(draft.mask_hidden).tolist()
+    update = tmp_path / "update.pt"
+    torch.save(draft.checkpoint_state_dict(), update)
+    out = run_python(f"""
+        import json, torch
+        from vllm import LLM, SamplingParams
+        from vllm_specrl import vllm_compat
+        llm = LLM(model={str(tiny_model)!r}, dtype="float32", enforce_eager=True, seed=0, max_model_len=256,
+                  max_num_seqs=4, speculative_config={dict(eagle3(parallel_draft), parallel_drafting=True)!r})
+        def state(worker):
+            return worker.model_runner.drafter.parallel_drafting_hidden_state_tensor.tolist()
+        before = llm.collective_rpc(state)[0]
+        named = sorted(torch.load({str(update)!r}).items())
+        llm.collective_rpc(lambda worker: vllm_compat.apply_draft_weights(worker, named))
+        after = llm.collective_rpc(state)[0]
+        outs = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        print("RESULT " + json.dumps({{"before": before, "after": after, "tokens": len(outs[0].outputs[0].token_ids)}}))
+    """, env={"VLLM_PLUGINS": "specrl"})
+    res = result_json(out)
+    assert res["tokens"] == 8
+    assert max(abs(a - b) for a, b in zip(res["after"], want)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(res["before"], want)) > 1e-2
 
 
 def test_stock_export_serves_without_the_plugin(tiny_model, prompts, plain, random_draft, tmp_path):
