@@ -13,6 +13,7 @@ plain steps at the same batch size (this run's plain engine).
 
     python scripts/bench_step_cost.py                       # real fixture, k=1..3, b=1,4,16
     python scripts/bench_step_cost.py --ks 3 --batch-sizes 1 --tokens 32
+    python scripts/bench_step_cost.py --ks 3 --batch-sizes 1 --sampling fast --parallel-draft DIR  # P-EAGLE beside
 """
 
 from __future__ import annotations
@@ -129,6 +130,9 @@ def main() -> None:
                          "(no fixed-k engines)")
     ap.add_argument("--logprobs", type=int, default=None,
                     help="request this many logprobs per token (the RL rollout client asks for 0)")
+    ap.add_argument("--parallel-draft", type=Path, default=None,
+                    help="also run this P-EAGLE draft (train-draft --parallel-drafting) at each k with vLLM's "
+                         "parallel drafting (all k drafts from one forward pass)")
     ap.add_argument("--adaptive", action="store_true", help="also run EAGLE-3 at max k with adaptive k")
     ap.add_argument("--held-at", default="",
                     help="also run EAGLE-3 at max k held at these k's by vLLM's batch-size table "
@@ -139,6 +143,8 @@ def main() -> None:
                     help="comma list of eager (enforce_eager, as the project serves) and/or compiled (vLLM's "
                          "torch.compile with inductor, about 50 s more per engine start): each configuration "
                          "runs in every listed mode, named with a _compiled suffix when compiled")
+    ap.add_argument("--prompt-set", default="arithmetic", choices=["arithmetic", "explain", "chat"],
+                    help="the prompts' task family (explain: the RL demo's, what its draft was trained on)")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--waves", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
@@ -162,7 +168,8 @@ def main() -> None:
         sys.exit(f"no draft at {draft}: run `make draft` or pass --draft")
     base = {"model": model, "dtype": args.dtype, "max_model_len": args.max_model_len,
             "batch_sizes": [int(b) for b in args.batch_sizes.split(",")], "tokens": args.tokens,
-            "waves": args.waves, "logprobs": args.logprobs, "prompts": default_prompts(32, seed=4321, task="arithmetic")}
+            "waves": args.waves, "logprobs": args.logprobs,
+            "prompts": default_prompts(32, seed=4321, task=args.prompt_set)}
     configs = [("plain", None, {}, None)]
     ks = [int(k) for k in args.ks.split(",")]
     for sampling in [m for m in args.sampling.split(",") if m and m != "none"]:
@@ -175,6 +182,11 @@ def main() -> None:
                    "fullvocab": {"VLLM_SPECRL_DRAFT_VOCAB_SAMPLING": "0"},
                    "spread": {"VLLM_SPECRL_COMPACT_DRAFT_PROBS": "0"}}[sampling]
             configs.append((f"eagle3_k{k}_{sampling}", spec, env, None))
+    if args.parallel_draft:
+        for k in ks:
+            spec = {"method": "eagle3", "model": str(args.parallel_draft), "num_speculative_tokens": k,
+                    "draft_sample_method": "probabilistic", "parallel_drafting": True}
+            configs.append((f"eagle3_k{k}_parallel", spec, {}, None))
     if args.adaptive:
         spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": max(ks),
                 "draft_sample_method": "probabilistic"}
