@@ -1190,10 +1190,17 @@ def apply_draft_weights(worker: Any, named_tensors: list[tuple[str, Any]]) -> No
     from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
     drafter = worker.model_runner.drafter
-    named_tensors = list(named_tensors)
+    mask_hidden = []
+
+    def passing_through():   # a lazy iterator stays lazy: a fault part way still interrupts the reload
+        for name, tensor in named_tensors:
+            if name == "mask_hidden":
+                mask_hidden.append(tensor)
+            yield name, tensor
+
     reload_weights(worker.vllm_config, drafter.model,
-                   weights_iterator=iter(named_tensors), weights_path=None, is_checkpoint_format=True)
-    refresh_parallel_drafting_state(drafter, dict(named_tensors).get("mask_hidden"))
+                   weights_iterator=passing_through(), weights_path=None, is_checkpoint_format=True)
+    refresh_parallel_drafting_state(drafter, mask_hidden[-1] if mask_hidden else None)
 
 
 def refresh_parallel_drafting_state(drafter: Any, mask_hidden: Any = None) -> bool:
