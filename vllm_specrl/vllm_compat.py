@@ -817,6 +817,12 @@ def adaptive_k_scheduler_class(vllm_config: Any) -> type:
             self._specrl_controller = None
             if self.num_spec_tokens <= 0 or raw is False:
                 return
+            if getattr(self.vllm_config.speculative_config, "parallel_drafting", False):
+                raise ValueError(
+                    "adaptive k changes k between steps, and vLLM's parallel drafter drafts a fixed k (on "
+                    "0.32.0 a step at another k fails with a tensor size mismatch, also under vLLM's own "
+                    "num_speculative_tokens_per_batch_size): serve a parallel draft at a fixed k, or turn "
+                    "adaptive k off ({\"specrl\": {\"adaptive_k\": false}})")
             max_batch = self.scheduler_config.max_num_seqs
             self._specrl_controller = AdaptiveKController(self.num_spec_tokens, max_batch,
                                                           AdaptiveKConfig.from_dict(raw))

@@ -135,6 +135,17 @@ def test_an_in_place_draft_update_reaches_the_mask_slots(tiny_model, parallel_dr
     assert max(abs(a - b) for a, b in zip(res["before"], want)) > 1e-2
 
 
+def test_adaptive_k_refuses_a_parallel_draft_by_name(tiny_model, parallel_draft):
+    """vLLM's parallel drafter drafts a fixed k; adaptive k would change it and crash a step."""
+    spec = dict(eagle3(parallel_draft), parallel_drafting=True)
+    out = run_python(f"""
+        from vllm import LLM
+        LLM(model={str(tiny_model)!r}, dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=4,
+            speculative_config={spec!r}, scheduler_cls="vllm_specrl.adaptive.scheduler.AdaptiveKScheduler")
+    """, env={"VLLM_PLUGINS": "specrl"}, expect_failure=True)
+    assert "adaptive k changes k between steps" in out and "parallel drafter" in out, out[-3000:]
+
+
 def test_stock_export_serves_without_the_plugin(tiny_model, prompts, plain, random_draft, tmp_path):
     stock = export_stock(random_draft, tmp_path / "stock", tiny_model)
     assert json.loads((stock / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]

@@ -37,20 +37,9 @@ def test_step0_is_causal_attention_over_the_sequence():
     d = make_draft()
     aux, tok = inputs()
     got = d.unroll(aux, tok, steps=1)[0]
-    layer, s = d.midlayer, d.shape
-    g = d.fc(aux)
     shifted = torch.cat([tok[:, 1:], torch.zeros_like(tok[:, :1])], dim=1)
-    x = torch.cat([layer.input_layernorm(d.embed_tokens(shifted)), layer.hidden_norm(g)], -1)
-    b, t, _ = x.shape
-    cos, sin = rope_cos_sin(torch.arange(t), s.head_dim, s.rope_theta)
-    attn = layer.self_attn
-    q = apply_rope(attn.q_proj(x).view(b, t, 4, 8).transpose(1, 2), cos, sin)
-    k = apply_rope(attn.k_proj(x).view(b, t, 2, 8).transpose(1, 2), cos, sin)
-    v = attn.v_proj(x).view(b, t, 2, 8).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    r = attn.o_proj(o.transpose(1, 2).reshape(b, t, -1)) + g
-    out = layer.mlp(layer.post_attention_layernorm(r)) + r
-    torch.testing.assert_close(got, d.lm_head(d.norm(out)), rtol=1e-4, atol=1e-4)
+    want = causal_reference(d, shifted, d.fc(aux), torch.arange(tok.shape[1]))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_ttt_steps_never_see_the_future():
