@@ -49,26 +49,35 @@ def unroll_distributions(draft, target, seq: list[int], base: int, drafts: list[
     return probs
 
 
+def worst_tv_per_step(recorded: dict, target, draft, planted) -> tuple[list[float], list[float]]:
+    """Per draft step, the worst total variation between the recorded drafts' distributions and
+    ``draft``'s unroll, and between them and ``planted(seq, base, drafts)`` (a mismatch the
+    comparison must catch), over the first 40 recorded drafts of k = K tokens."""
+    records = [r for r in recorded["records"] if r["draft_probs"] is not None and len(r["draft_token_ids"]) == K]
+    assert len(records) > 20
+    worst, planted_worst = [0.0] * K, [0.0] * K
+    for r in records[:40]:
+        seq = sequence_of(recorded["outputs"], r["request_id"])
+        base, drafts = r["base_position"], r["draft_token_ids"]
+        if base + 2 > len(seq):
+            continue
+        # The recorded tokens are samples of the recorded distributions (probabilistic drafting).
+        for j, tok in enumerate(drafts):
+            assert r["draft_probs"][j, tok] > 0, "a draft token outside its own distribution"
+        ours = unroll_distributions(draft, target, seq, base, drafts)
+        worst = [max(w, float(x)) for w, x in zip(worst, 0.5 * (ours - r["draft_probs"]).abs().sum(-1))]
+        other = planted(seq, base, drafts)
+        planted_worst = [max(w, float(x))
+                         for w, x in zip(planted_worst, 0.5 * (other - r["draft_probs"]).abs().sum(-1))]
+    return worst, planted_worst
+
+
 def test_vllm_drafter_distributions_equal_the_torch_unroll(tiny_model, warm_draft, recorded):
     target = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     draft = load_draft(warm_draft, tiny_model).eval()
-    records = [r for r in recorded["records"] if r["draft_probs"] is not None and len(r["draft_token_ids"]) == K]
-    assert len(records) > 20
-    worst = [0.0] * K
-    planted = [0.0] * K
-    for r in records[:40]:
-        seq = sequence_of(recorded["outputs"], r["request_id"])
-        if r["base_position"] + 2 > len(seq):
-            continue
-        # The recorded tokens are samples of the recorded distributions (probabilistic drafting).
-        for j, tok in enumerate(r["draft_token_ids"]):
-            assert r["draft_probs"][j, tok] > 0, "a draft token outside its own distribution"
-        ours = unroll_distributions(draft, target, seq, r["base_position"], r["draft_token_ids"])
-        tv = 0.5 * (ours - r["draft_probs"]).abs().sum(-1)
-        worst = [max(w, float(x)) for w, x in zip(worst, tv)]
-        swapped = unroll_distributions(draft, target, seq, r["base_position"], r["draft_token_ids"],
-                                       [1, 0, 2])
-        planted = [max(w, float(x)) for w, x in zip(planted, 0.5 * (swapped - r["draft_probs"]).abs().sum(-1))]
+    worst, planted = worst_tv_per_step(
+        recorded, target, draft,
+        lambda seq, base, drafts: unroll_distributions(draft, target, seq, base, drafts, [1, 0, 2]))
     assert max(worst) < TOLERANCE, {"per_step_worst_tv": worst}
     # The same comparison catches a planted mismatch (aux layers fed in another order).
     assert min(planted) > 10 * TOLERANCE, {"planted_tv": planted}
@@ -123,19 +132,8 @@ def test_parallel_drafting_distributions_equal_the_parallel_unroll(tiny_model, p
     assert draft.parallel
     sequential = load_draft(parallel_draft, tiny_model).eval()
     sequential.mask_token_id = None
-    records = [r for r in recorded_parallel["records"]
-               if r["draft_probs"] is not None and len(r["draft_token_ids"]) == K]
-    assert len(records) > 20
-    worst, planted = [0.0] * K, [0.0] * K
-    for r in records[:40]:
-        seq = sequence_of(recorded_parallel["outputs"], r["request_id"])
-        if r["base_position"] + 2 > len(seq):
-            continue
-        for j, tok in enumerate(r["draft_token_ids"]):
-            assert r["draft_probs"][j, tok] > 0, "a draft token outside its own distribution"
-        ours = unroll_distributions(draft, target, seq, r["base_position"], r["draft_token_ids"])
-        worst = [max(w, float(x)) for w, x in zip(worst, 0.5 * (ours - r["draft_probs"]).abs().sum(-1))]
-        chain = unroll_distributions(sequential, target, seq, r["base_position"], r["draft_token_ids"])
-        planted = [max(w, float(x)) for w, x in zip(planted, 0.5 * (chain - r["draft_probs"]).abs().sum(-1))]
+    worst, planted = worst_tv_per_step(
+        recorded_parallel, target, draft,
+        lambda seq, base, drafts: unroll_distributions(sequential, target, seq, base, drafts))
     assert max(worst) < TOLERANCE, {"per_step_worst_tv": worst}
     assert planted[0] < TOLERANCE and min(planted[1:]) > 10 * TOLERANCE, {"planted_tv": planted}

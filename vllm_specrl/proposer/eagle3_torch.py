@@ -140,8 +140,8 @@ class Eagle3Draft(nn.Module):
         return self.mask_token_id is not None
 
     def make_parallel(self, mask_token_id: int) -> None:
-        """Turn a sequential EAGLE-3 draft into a parallel one (its weights kept, ``mask_hidden``
-        starting at the mean hidden state a draft sees being unknown: zero)."""
+        """Turn a sequential EAGLE-3 draft into a parallel one: its weights kept, ``mask_hidden``
+        starting at zero (training learns it)."""
         if self.parallel:
             return
         self.mask_token_id = int(mask_token_id)
