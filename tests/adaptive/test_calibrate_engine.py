@@ -10,6 +10,7 @@ import pytest
 import requests
 
 from vllm_specrl.adaptive.calibrate import calibrate
+from vllm_specrl.adaptive.controller import AdaptiveKConfig
 from vllm_specrl.proposer.checkpoint import init_draft
 from vllm_specrl.server import VLLMServer, cpu_env
 
@@ -31,9 +32,10 @@ def server(tiny_model, tmp_path_factory):
         yield srv
 
 
-def complete(server) -> None:
+def complete(server, max_tokens: int = 32) -> None:
     r = requests.post(server.url + "/v1/completions", timeout=120, json={
-        "model": server.model, "prompt": PROMPT, "max_tokens": 32, "temperature": 1.0, "seed": 1})
+        "model": server.model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 1.0, "seed": 1,
+        "ignore_eos": True})
     r.raise_for_status()
 
 
@@ -50,9 +52,11 @@ def test_a_sweep_measures_every_k_and_leaves_acceptance_to_the_workload(server):
     assert not after["buckets"]["8-8"]["swept"]
     assert after["calibration_steps"] > before["calibration_steps"] == 0
     assert after["explored_steps"] == before["explored_steps"], (before, after)
-    # The sweep's drafts never reach the acceptance estimate; a real request's do.
+    # The sweep's drafts never reach the acceptance estimate; a real request's do. With a random
+    # draft the bucket may serve k = 0 after the sweep (where drafting cannot pay on the machine at
+    # hand), so the request runs long enough for a burst at k = 1 (after explore_first steps).
     assert after["acceptance_drafts"] == before["acceptance_drafts"], (before, after)
-    complete(server)
+    complete(server, max_tokens=3 * AdaptiveKConfig().explore_first)
     assert server.status()["adaptive_k"]["acceptance_drafts"] != after["acceptance_drafts"]
 
 
