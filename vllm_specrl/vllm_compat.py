@@ -817,15 +817,15 @@ def adaptive_k_scheduler_class(vllm_config: Any) -> type:
             self._specrl_controller = None
             if self.num_spec_tokens <= 0 or raw is False:
                 return
-            if getattr(self.vllm_config.speculative_config, "parallel_drafting", False):
-                raise ValueError(
-                    "adaptive k changes k between steps, and vLLM's parallel drafter drafts a fixed k (on "
-                    "0.32.0 a step at another k fails with a tensor size mismatch, also under vLLM's own "
-                    "num_speculative_tokens_per_batch_size): serve a parallel draft at a fixed k, or turn "
-                    "adaptive k off ({\"specrl\": {\"adaptive_k\": false}})")
+            # vLLM's parallel drafter lays out its mask slots for the configured k: a step at any other
+            # k > 0 fails on 0.32.0 (a tensor size mismatch, also under vLLM's own
+            # num_speculative_tokens_per_batch_size), while k = 0 steps between k = K ones serve. So a
+            # parallel draft is served at 0 or K only (its cost is nearly flat in k anyway).
+            parallel = bool(getattr(self.vllm_config.speculative_config, "parallel_drafting", False))
+            choices = (0, self.num_spec_tokens) if parallel else None
             max_batch = self.scheduler_config.max_num_seqs
             self._specrl_controller = AdaptiveKController(self.num_spec_tokens, max_batch,
-                                                          AdaptiveKConfig.from_dict(raw))
+                                                          AdaptiveKConfig.from_dict(raw), choices=choices)
             self.dynamic_sd_lookup = [self.num_spec_tokens] * (max_batch + 1)
             self._specrl_last_output = None
             self._specrl_last_publish = 0.0

@@ -350,3 +350,42 @@ def test_a_bucket_calibrated_before_any_draft_does_not_serve_a_k_that_cannot_pay
 
     assert [chosen(True, seed) for seed in range(10)] == [0] * 10
     assert sum(chosen(False, seed) > 0 for seed in range(10)) >= 5
+
+
+def parallel_cost(batch: int, k_verify: int, k_draft: int) -> float:
+    """A parallel drafter: one draft pass whatever k (verify cost as ``cpu_cost``)."""
+    return max(0.045, 0.004 * batch * (k_verify + 1) + 0.035) + (k_draft > 0) * (0.004 + 0.0005 * batch)
+
+
+@pytest.mark.parametrize("swept", [True, False])
+def test_restricted_choices_serve_only_those_ks_and_still_follow_the_batch_size(swept):
+    """A parallel draft can be served at 0 or its k only (vLLM's parallel drafter fails at any other
+    k > 0): every table the controller hands the scheduler, live, exploring or sweeping, holds only
+    those; one sequence serves k = 3 and 32 sequences k = 0, where the true optimum among them is."""
+    ctl = AdaptiveKController(3, 32, AdaptiveKConfig(share_calibration=False), choices=(0, 3))
+    seen: set[int] = set()
+    lookup = ctl.lookup_for_step
+
+    def recording(calibrating: bool = False) -> list[int]:
+        table = lookup(calibrating)
+        seen.update(table[1:])
+        return table
+
+    ctl.lookup_for_step = recording
+    if swept:
+        sweep(ctl, batches=(32, 1), steps=120)
+    for batch in (1, 32, 1):
+        simulate(ctl, batch=batch, accept=0.7, cost=parallel_cost, steps=400, seed=batch)
+    assert seen == {0, 3}, seen
+    for batch in (1, 32):
+        want = max((0, 3), key=lambda k: sum(0.7 ** j for j in range(k + 1)) / parallel_cost(batch, k, k))
+        assert ctl.k_for(batch) == want, (batch, want, ctl.state()["buckets"])
+    assert ctl.k_for(1) == 3 and ctl.k_for(32) == 0
+    assert ctl.state()["choices"] == [0, 3]
+    samples = ctl.state()["buckets"]["1-1"]["samples"]
+    assert samples[1] == samples[2] == 0 and samples[3] > 0, samples
+
+
+def test_choices_must_hold_zero_and_the_largest_k():
+    with pytest.raises(ValueError, match="must include 0 and max_k"):
+        AdaptiveKController(3, 4, choices=(1, 3))

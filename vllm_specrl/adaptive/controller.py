@@ -220,9 +220,16 @@ class _Bucket:
 class AdaptiveKController:
     """The policy: ``lookup_for_step()`` before a schedule, ``record_choice`` and ``observe_step`` after."""
 
-    def __init__(self, max_k: int, max_batch: int, config: AdaptiveKConfig | None = None):
+    def __init__(self, max_k: int, max_batch: int, config: AdaptiveKConfig | None = None,
+                 choices: tuple[int, ...] | None = None):
+        """``choices``: the k's it may serve (default 0..max_k; always 0 and max_k among them). A
+        parallel (P-EAGLE) drafter serves only 0 and its configured k: its mask slots are laid out
+        for that k, so a step at another k fails, and its cost is nearly flat in k anyway."""
         self.cfg = config or AdaptiveKConfig()
         self.max_k, self.max_batch = max_k, max_batch
+        self.choices = tuple(sorted(set(range(max_k + 1) if choices is None else choices)))
+        if self.choices[0] != 0 or self.choices[-1] != max_k:
+            raise ValueError(f"adaptive k choices {self.choices} must include 0 and max_k = {max_k}")
         self.acceptance = AcceptanceTracker(max_k, self.cfg.decay, self.cfg.prior_accept,
                                             self.cfg.prior_weight)
         self.num_buckets = batch_bucket(max_batch) + 1
@@ -247,7 +254,7 @@ class AdaptiveKController:
         if calibrating:
             if state.swept or state.steps_since_burst < 3:
                 return None  # each burst right after a few steps of the served k: a fresh reference
-            missing = [k for k in range(self.max_k + 1)
+            missing = [k for k in self.choices
                        if k != state.best and state.cost.samples(k) < self.cfg.sweep_samples]
             if missing:
                 state.steps_since_burst = 0
@@ -256,7 +263,7 @@ class AdaptiveKController:
             self._choose(bucket)
             return None
         if not state.calibrated:
-            missing = [k for k in range(self.max_k + 1)
+            missing = [k for k in self.choices
                        if k != state.best and state.cost.samples(k) < self.cfg.min_samples
                        and not self._cannot_pay(state, k)]
             if missing:
@@ -267,7 +274,8 @@ class AdaptiveKController:
         if state.steps_since_burst >= state.explore_gap:
             state.steps_since_burst = 0
             state.explore_gap = min(2 * state.explore_gap, self.cfg.explore_every)
-            neighbours = [k for k in (state.best - 1, state.best + 1) if 0 <= k <= self.max_k]
+            at = self.choices.index(state.best)
+            neighbours = [self.choices[i] for i in (at - 1, at + 1) if 0 <= i < len(self.choices)]
             return min(neighbours, key=state.cost.samples)
         return None
 
@@ -385,7 +393,8 @@ class AdaptiveKController:
             mean = self.acceptance.expected_tokens()
             tokens = np.array([mean[k] if k > 0 and measured[k] and mean[k] / ratios[k] < 1.0 / ratios[0]
                                else tokens[k] for k in range(self.max_k + 1)])
-        rates = [tokens[k] / ratios[k] if measured[k] else -1.0 for k in range(self.max_k + 1)]
+        rates = [tokens[k] / ratios[k] if measured[k] and k in self.choices else -1.0
+                 for k in range(self.max_k + 1)]
         rates[state.best] = tokens[state.best]
         best = int(np.argmax(rates))
         needed = 1 + self.cfg.switch_margin + state.cost.ratio_stderr(best)
@@ -409,7 +418,7 @@ class AdaptiveKController:
             ratio = state.cost.ratio(j) + sign * z * state.cost.ratio_stderr(j)
             return float(tokens[j] / self._with_outside(state.cost, max(ratio, 1e-6)))
 
-        measured = [j for j in range(self.max_k + 1)
+        measured = [j for j in self.choices
                     if j != k and (j == state.best or state.cost.samples(j) >= self.cfg.burst - 1)]
         return rate(k, high, -1.0) < max(rate(j, low, 1.0) for j in measured)
 
@@ -431,7 +440,7 @@ class AdaptiveKController:
     def state(self) -> dict:
         """JSON-safe view for /specrl/status and /metrics."""
         tokens = self.acceptance.expected_tokens()
-        return {"max_k": self.max_k, "steps": self.steps, "steady_steps": self.steady_steps,
+        return {"max_k": self.max_k, "choices": list(self.choices), "steps": self.steps, "steady_steps": self.steady_steps,
                 "explored_steps": self.explored_steps, "calibration_steps": self.calibration_steps,
                 "last_k": self.last_choice,
                 "chosen_k_counts": list(self.chosen_counts),
