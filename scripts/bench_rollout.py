@@ -308,6 +308,10 @@ def plot(report: dict, path: Path) -> None:
     styles = ["-", "--", ":", "-."]
     colors = {"ngram": "tab:orange", "eagle3-random": "tab:gray", "eagle3-warm": "tab:blue",
               "eagle3-warm-adaptive": "tab:green", "mtp": "tab:red", "plain-mimo": "tab:brown"}
+    spare = iter(["tab:purple", "tab:olive", "tab:cyan", "tab:pink", "tab:red", "tab:brown"])
+    for method in sorted({c["method"] for c in cells} - set(colors)):  # custom configs: one colour each
+        colors[method] = next(spare, None)
+    markers = ["o", "s", "^", "D"]
     batches = sorted({c["batch_size"] for c in cells})
     for row, temp in enumerate(temps):
         for method in sorted({c["method"] for c in cells}):
@@ -319,7 +323,8 @@ def plot(report: dict, path: Path) -> None:
                 if not pts:
                     continue
                 ks = [p[0] for p in pts]
-                kw = {"color": colors.get(method), "linestyle": styles[bi % len(styles)], "marker": "o",
+                kw = {"color": colors.get(method), "linestyle": styles[bi % len(styles)],
+                      "marker": markers[bi % len(markers)],
                       "label": f"{method} b={batch}"}
                 axes[row][0].plot(ks, [p[1] for p in pts], **kw)
                 axes[row][1].plot(ks, [p[2] for p in pts], **kw)
@@ -350,6 +355,9 @@ def main() -> None:
     ap.add_argument("--ks", default="1,2,3,4,5", help="num_speculative_tokens values")
     ap.add_argument("--speculative-config", action="append", default=[],
                     help="extra JSON speculative config to compare (repeatable)")
+    ap.add_argument("--adaptive-speculative-config", action="append", default=[],
+                    help="extra JSON speculative config served with adaptive k, its k the largest "
+                         "(repeatable; e.g. a parallel draft, served at 0 or its k)")
     ap.add_argument("--warm-draft", type=Path, default=None,
                     help="warm-started draft dir (default: <out dir>/drafts/<fixture>-warm, built if missing)")
     ap.add_argument("--draft-vocab-size", type=int, default=None,
@@ -405,6 +413,8 @@ def main() -> None:
                         speculative_config("eagle3-warm-adaptive", args.adaptive_max_k, drafts)))
     engines += [(f"custom{i}", json.loads(s).get("num_speculative_tokens", 0), json.loads(s))
                 for i, s in enumerate(args.speculative_config)]
+    engines += [(f"custom{i}-adaptive", json.loads(s).get("num_speculative_tokens", 0), json.loads(s))
+                for i, s in enumerate(args.adaptive_speculative_config)]
     trained_on: set[str] = set()
     if set(methods) & set(MTP_TARGET_METHODS):
         from vllm_specrl.fixtures import read_manifest
