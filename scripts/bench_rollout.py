@@ -6,7 +6,10 @@ One engine per (method, k), each in its own subprocess (vLLM allows one engine
 per process), started once and then measured at every (temperature, batch
 size): ``batch`` concurrent sequences are generated in ``--waves`` waves of
 ``batch`` requests (ignore_eos, same length, unless ``--stop-at-eos``), so exactly
-``batch`` sequences decode together. Every speculative cell is reported as a ratio against the
+``batch`` sequences decode together; with ``--refill`` the same requests are kept
+``batch`` in flight, the next starting as soon as one ends (a rollout server's queue),
+so a speculative wave's sequences, which end steps apart, do not leave a partial
+batch at the end of every wave. Every speculative cell is reported as a ratio against the
 plain cell of the same temperature and batch size from this run, with vLLM's
 acceptance counters (``vllm:spec_decode_*``) and the per-step cost that
 explains the ratio: ``step_cost_vs_plain = acceptance_length / ratio`` (a
@@ -124,12 +127,19 @@ def _engine_offline(cfg: dict) -> list[dict]:
             before = metrics.from_llm_metrics(llm.get_metrics())
             k_before = (adaptive_state.read() or {}).get("chosen_k_counts")
             tokens, t0 = 0, time.perf_counter()
-            for w in range(0, len(jobs), batch):
-                wave = jobs[w:w + batch]
-                params = [SamplingParams(temperature=temperature, max_tokens=cfg["max_tokens"],
-                                         ignore_eos=cfg["ignore_eos"], seed=seed) for _, seed in wave]
-                outs = llm.generate([prompts[i] for i, _ in wave], params, use_tqdm=False)
-                tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+
+            def params(seed: int) -> SamplingParams:
+                return SamplingParams(temperature=temperature, max_tokens=cfg["max_tokens"],
+                                      ignore_eos=cfg["ignore_eos"], seed=seed)
+
+            if cfg.get("refill"):
+                tokens = _run_refilled(llm.llm_engine, [(prompts[i], params(seed)) for i, seed in jobs], batch)
+            else:
+                for w in range(0, len(jobs), batch):
+                    wave = jobs[w:w + batch]
+                    outs = llm.generate([prompts[i] for i, _ in wave], [params(seed) for _, seed in wave],
+                                        use_tqdm=False)
+                    tokens += sum(len(o.outputs[0].token_ids) for o in outs)
             wall = time.perf_counter() - t0
             stats = metrics.from_llm_metrics(llm.get_metrics()).minus(before).summary()
             cells.append(_cell(temperature, batch, len(jobs), tokens, wall, stats if spec else None))
@@ -138,6 +148,24 @@ def _engine_offline(cfg: dict) -> list[dict]:
                 cells[-1]["adaptive_k"] = chosen_k(k_before, state.get("chosen_k_counts"))
                 cells[-1]["adaptive_k"]["controller"] = state
     return cells
+
+
+def _run_refilled(engine, requests: list[tuple[str, object]], batch: int) -> int:
+    """Generate ``requests`` with ``batch`` in flight at every step: the next one is added as soon as
+    one finishes, as a rollout server's queue does. Waves instead wait for their slowest sequence,
+    and speculation makes a wave's sequences end steps apart (plain ones end together), so
+    waves of a few sequences charge speculation a partial batch at the end of every wave."""
+    queue, in_flight, tokens = list(enumerate(requests)), 0, 0
+    while queue or engine.has_unfinished_requests():
+        while queue and in_flight < batch:
+            j, (prompt, params) = queue.pop(0)
+            engine.add_request(f"bench-refill-{j}-{time.monotonic_ns()}", prompt, params)
+            in_flight += 1
+        for out in engine.step():
+            if out.finished:
+                tokens += len(out.outputs[0].token_ids)
+                in_flight -= 1
+    return tokens
 
 
 def chosen_k(before: list[int] | None, after: list[int] | None) -> dict | None:
@@ -190,8 +218,11 @@ def _engine_server(cfg: dict) -> list[dict]:
                 jobs = cell_jobs(cfg, batch)
                 before, tokens, t0 = counters(), 0, time.perf_counter()
                 with ThreadPoolExecutor(batch) as pool:
-                    for w in range(0, len(jobs), batch):
-                        tokens += sum(pool.map(lambda j: one(j, temperature), jobs[w:w + batch]))
+                    if cfg.get("refill"):  # the pool's `batch` threads keep `batch` requests in flight
+                        tokens = sum(pool.map(lambda j: one(j, temperature), jobs))
+                    else:
+                        for w in range(0, len(jobs), batch):
+                            tokens += sum(pool.map(lambda j: one(j, temperature), jobs[w:w + batch]))
                 wall = time.perf_counter() - t0
                 stats = counters().minus(before).summary()
                 cells.append(_cell(temperature, batch, len(jobs), tokens, wall, stats if spec else None))
@@ -366,6 +397,9 @@ def main() -> None:
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--batch-sizes", default="1,4,16")
     ap.add_argument("--waves", type=int, default=3, help="waves of `batch` requests per cell")
+    ap.add_argument("--refill", action="store_true",
+                    help="keep `batch` requests in flight (the next starts when one ends, as a rollout "
+                         "server's queue does) instead of waves that wait for their slowest sequence")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every engine this many times, in turn (plain, then each method, again): "
                          "ratios per round and pooled, so engine-to-engine noise shows as spread")
@@ -428,7 +462,7 @@ def main() -> None:
     base = {"model": model, "mode": args.mode,
             "prompts": make_prompts(args.prompts, args.prompt_set, trained_on),
             "prompt_set": args.prompt_set,
-            "samples": args.samples, "waves": args.waves, "max_tokens": args.max_tokens,
+            "samples": args.samples, "waves": args.waves, "refill": args.refill, "max_tokens": args.max_tokens,
             "ignore_eos": not args.stop_at_eos,
             "temperatures": [float(t) for t in args.temperatures.split(",")],
             "batch_sizes": [int(b) for b in args.batch_sizes.split(",")], "dtype": args.dtype,

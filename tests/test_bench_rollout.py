@@ -77,3 +77,38 @@ def test_explain_prompts_are_the_rl_tasks_own_and_chat_prompts_are_held_out():
     chat = bench.make_prompts(16, "chat")
     held_out = bench.make_prompts(16, "chat", exclude=set(chat[:4]))
     assert len(held_out) == 16 and not set(chat[:4]) & set(held_out)
+
+
+def test_refill_keeps_the_batch_full_until_the_queue_is_empty():
+    """``--refill``: a request starts in the step after one ends, so `batch` decode together until
+    the last requests drain; waves would wait for their slowest sequence."""
+    from types import SimpleNamespace
+
+    class Engine:
+        def __init__(self):
+            self.left, self.lengths, self.batches = {}, {}, []
+
+        def add_request(self, request_id, prompt, params):
+            self.left[request_id] = self.lengths[request_id] = params
+
+        def has_unfinished_requests(self):
+            return bool(self.left)
+
+        def step(self):
+            self.batches.append(len(self.left))
+            for rid in self.left:
+                self.left[rid] -= 1
+            done = [rid for rid, n in self.left.items() if n == 0]
+            for rid in done:
+                del self.left[rid]
+            return [SimpleNamespace(finished=True, outputs=[SimpleNamespace(token_ids=[0] * self.lengths[rid])])
+                    for rid in done]
+
+    steps = [3, 9, 4, 4, 2, 6, 5, 1]  # each request's steps (its "params" here)
+    engine = Engine()
+    tokens = _bench_rollout_module()._run_refilled(engine, [("p", n) for n in steps], batch=3)
+    assert tokens == sum(steps)
+    # Full while requests wait; it only shrinks in the final drain.
+    first_short = next(i for i, b in enumerate(engine.batches) if b < 3)
+    assert all(b < 3 for b in engine.batches[first_short:]) and max(engine.batches) == 3, engine.batches
+    assert sum(engine.batches) == sum(steps) and len(engine.batches) == 12, engine.batches
