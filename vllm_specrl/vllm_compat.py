@@ -66,8 +66,8 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | ``Scheduler``/``AsyncScheduler`` subclass:   | adaptive k (engine core)          | 0.32.0 (cpu)      |
 | ``dynamic_sd_lookup``, ``schedule``,          |                                   |                   |
 | ``update_from_output``, ``num_spec_tokens``,  |                                   |                   |
-| ``SchedulerOutput.num_spec_tokens_to_schedule``|                                  |                   |
-| ``/scheduled_spec_decode_tokens``, ``ModelRunner``|                               |                   |
+| ``SchedulerOutput.num_spec_tokens_to_schedule``| (a parallel drafter: k = 0 or its |                   |
+| ``/scheduled_spec_decode_tokens``, ``ModelRunner``| configured k only; behaviour)  |                   |
 | ``Output.sampled_token_ids/req_id_to_index``  |                                   |                   |
 | runner ``execute_model``/``sample_tokens``/   | phase timers (bench_step_cost)    | 0.32.0 (cpu)      |
 | ``propose_draft_token_ids``, ``.sampler``,    |                                   |                   |
@@ -791,6 +791,9 @@ def install_zero_draft_plain_sampler() -> str:
 # (``cmpl-<header>-<i>``, then vLLM's ``-<random>`` suffix): while the scheduler's queues hold
 # only those, the controller sweeps every k, and their drafts never reach its acceptance
 # estimate. Checked on 0.32.0 (cpu), Scheduler and AsyncScheduler (``running``, ``waiting``).
+# Behaviour relied on, with a parallel (P-EAGLE) drafter: steps at k = 0 between steps at the
+# configured k serve, any other k > 0 fails (``scripts/repro_parallel_drafting_varying_k.py``;
+# tests/proposer/test_eagle3_engine.py::test_adaptive_k_serves_a_parallel_draft_at_zero_or_its_k).
 
 ADAPTIVE_K_CHECKED = {"0.32.0": "Scheduler.dynamic_sd_lookup / num_spec_tokens_to_schedule / running / waiting"}
 
