@@ -823,7 +823,7 @@ def adaptive_k_scheduler_class(vllm_config: Any) -> type:
             # vLLM's parallel drafter lays out its mask slots for the configured k: a step at any other
             # k > 0 fails on 0.32.0 (a tensor size mismatch, also under vLLM's own
             # num_speculative_tokens_per_batch_size), while k = 0 steps between k = K ones serve. So a
-            # parallel draft is served at 0 or K only (its cost is nearly flat in k anyway).
+            # parallel draft is served at 0 or K only (its drafter's one pass costs about the same at any k).
             parallel = bool(getattr(self.vllm_config.speculative_config, "parallel_drafting", False))
             choices = (0, self.num_spec_tokens) if parallel else None
             max_batch = self.scheduler_config.max_num_seqs

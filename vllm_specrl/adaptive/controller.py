@@ -21,8 +21,8 @@ speculation, where it cannot pay; every bucket starts there). Three safeguards k
 choosing: cost ratios are read through a monotone envelope (a step never costs less for
 verifying and drafting more tokens, so a larger k measured cheaper than a smaller one is
 noise); a switch must promise more than the standard error of the candidate's measured ratio,
-plus ``switch_margin`` where the candidate is the larger k (down, the safer way, needs no margin); and a position's acceptance prior is the previous position's
-estimate, not a fixed 0.5 (with flat costs and a never-accepted draft, as on a tiny model,
+plus ``switch_margin`` where the candidate is the larger k (down, the safer way, needs no
+margin); and a position's acceptance prior is the previous position's estimate, not a fixed 0.5 (with flat costs and a never-accepted draft, as on a tiny model,
 step jitter of 15-25% picked k = 1-3 in 24 of 40 simulated runs without them). Every k is measured in
 bursts of a few steps, each right after a few steps of the served k (the first step of
 a burst verifies the previous k: not steady, not counted), before the bucket is
@@ -224,7 +224,7 @@ class AdaptiveKController:
                  choices: tuple[int, ...] | None = None):
         """``choices``: the k's it may serve (default 0..max_k; always 0 and max_k among them). A
         parallel (P-EAGLE) drafter serves only 0 and its configured k: its mask slots are laid out
-        for that k, so a step at another k fails, and its cost is nearly flat in k anyway."""
+        for that k, so a step at another k fails (and its one pass costs nearly the same at any k)."""
         self.cfg = config or AdaptiveKConfig()
         self.max_k, self.max_batch = max_k, max_batch
         self.choices = tuple(sorted(set(range(max_k + 1) if choices is None else choices)))
@@ -400,8 +400,8 @@ class AdaptiveKController:
         best = int(np.argmax(rates))
         # Down needs no margin, only the candidate's own noise: where two k's are that close, the
         # smaller one is the safer (costs a step's timing does not see, prefills and k switches,
-        # grow with k); a parallel draft at four sequences served k = 3 at its own estimate of 0.95-0.97 of
-        # k = 0 for a whole run, kept there by the 2% margin alone, and ran at 0.76x plain.
+        # grow with k); a parallel draft at four sequences served k = 3 at its own estimate of
+        # 0.95-0.97 of k = 0 for a whole run, held there by the 2% margin alone, at 0.76x plain.
         margin = self.cfg.switch_margin if best > state.best else 0.0
         needed = 1 + margin + state.cost.ratio_stderr(best)
         if best != state.best and rates[best] > rates[state.best] * needed:
@@ -446,7 +446,8 @@ class AdaptiveKController:
     def state(self) -> dict:
         """JSON-safe view for /specrl/status and /metrics."""
         tokens = self.acceptance.expected_tokens()
-        return {"max_k": self.max_k, "choices": list(self.choices), "steps": self.steps, "steady_steps": self.steady_steps,
+        return {"max_k": self.max_k, "choices": list(self.choices), "steps": self.steps,
+                "steady_steps": self.steady_steps,
                 "explored_steps": self.explored_steps, "calibration_steps": self.calibration_steps,
                 "last_k": self.last_choice,
                 "chosen_k_counts": list(self.chosen_counts),
