@@ -14,6 +14,7 @@ import pytest
 import requests
 from openai import OpenAI
 
+from vllm_specrl.adaptive import SCHEDULER_CLS
 from vllm_specrl.server import VLLMServer
 
 pytestmark = pytest.mark.server
@@ -28,7 +29,7 @@ REPETITIVE = "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2, 3]\nw = [1, 2, 3]\nv ="
 def server(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "vllm_serve.log"
     args = ["--dtype", "float32", "--max-model-len", "1024", "--speculative-config", SPEC,
-            "--additional-config", HISTORY_KNOBS, "--scheduler-cls", "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"]
+            "--additional-config", HISTORY_KNOBS, "--scheduler-cls", SCHEDULER_CLS]
     with VLLMServer(tiny_model, args, api_key=API_KEY, log_path=log) as srv:
         srv.log = log
         yield srv

@@ -12,6 +12,7 @@ import pytest
 
 from sampling import describe, padded, per_position_pvalues, sample_continuations
 from vllm_specrl import vllm_compat
+from vllm_specrl.adaptive import SCHEDULER_CLS
 
 PROMPT = "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2, 3]\nw = [1, 2, 3]\nv ="
 N, L = 3000, 6
@@ -20,7 +21,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
 ALPHA = 1e-3          # a lossless engine must not be rejected at this level
 POWER_ALPHA = 1e-6    # a lossy setting must be rejected at this level
 STOP_L = 10          # tokens a stopping sample may run to
-ADAPTIVE = "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"
+ADAPTIVE = SCHEDULER_CLS
 RANDOM_DRAFT_ACCEPTANCE: list[float] = []  # accepted tokens per draft of the random draft (filled below)
 
 

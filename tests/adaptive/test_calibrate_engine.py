@@ -9,6 +9,7 @@ import json
 import pytest
 import requests
 
+from vllm_specrl.adaptive import SCHEDULER_CLS
 from vllm_specrl.adaptive.calibrate import calibrate
 from vllm_specrl.adaptive.controller import AdaptiveKConfig
 from vllm_specrl.proposer.checkpoint import init_draft
@@ -26,7 +27,7 @@ def server(tiny_model, tmp_path_factory):
             "draft_sample_method": "probabilistic"}
     args = ["--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", "8",
             "--speculative-config", json.dumps(spec),
-            "--scheduler-cls", "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"]
+            "--scheduler-cls", SCHEDULER_CLS]
     env = dict(cpu_env(), VLLM_ENABLE_V1_MULTIPROCESSING="0")
     with VLLMServer(tiny_model, args, log_path=work / "serve.log", env=env) as srv:
         yield srv

@@ -354,7 +354,7 @@ def test_a_bucket_calibrated_before_any_draft_does_not_serve_a_k_that_cannot_pay
 
 def parallel_cost(batch: int, k_verify: int, k_draft: int) -> float:
     """A parallel drafter: one draft pass whatever k (verify cost as ``cpu_cost``)."""
-    return max(0.045, 0.004 * batch * (k_verify + 1) + 0.035) + (k_draft > 0) * (0.004 + 0.0005 * batch)
+    return cpu_cost(batch, k_verify, 0) + (k_draft > 0) * (0.004 + 0.0005 * batch)
 
 
 @pytest.mark.parametrize("swept", [True, False])

@@ -7,9 +7,10 @@ from safetensors.torch import load_file, save_file
 
 from prompts import code_prompts
 from sampling import greedy_generate
+from vllm_specrl.adaptive import SCHEDULER_CLS
 from vllm_specrl.proposer.checkpoint import init_draft
 
-ADAPTIVE = "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"
+ADAPTIVE = SCHEDULER_CLS
 K = 3
 REPEATING = "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2, 3]\nw = [1, 2, 3]\nv ="
 

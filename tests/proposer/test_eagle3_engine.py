@@ -10,11 +10,12 @@ from conftest import WARM_DRAFT_VOCAB
 from helpers import result_json, run_python
 from prompts import code_prompts
 from sampling import greedy_generate
+from vllm_specrl.adaptive import SCHEDULER_CLS
 from vllm_specrl.proposer.checkpoint import export_stock, init_draft
 
 K = 3
 MAX_TOKENS = 24
-ADAPTIVE = "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"
+ADAPTIVE = SCHEDULER_CLS
 
 
 def eagle3(draft_dir, k=K) -> dict:

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from conftest import PARALLEL_MAX_TOKENS, WARM_DRAFT_VOCAB
 from helpers import assert_captured_rows_match_hf, capture_and_receive
+from vllm_specrl.adaptive import SCHEDULER_CLS
 from vllm_specrl.faults import FAULTS_ENV
 from vllm_specrl.proposer.checkpoint import init_draft
 from vllm_specrl.server import VLLMServer, cpu_env, free_port
@@ -44,7 +45,7 @@ def server(tiny_model, tmp_path_factory, capture_address):
             "draft_sample_method": "probabilistic"}
     args = ["--dtype", "float32", "--max-model-len", "512", "--tensor-parallel-size", "2",
             "--speculative-config", json.dumps(spec),
-            "--scheduler-cls", "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler",
+            "--scheduler-cls", SCHEDULER_CLS,
             "--additional-config", json.dumps({"specrl": {"capture": capture_address}})]
     env = dict(cpu_env(), VLLM_CPU_OMP_THREADS_BIND="0|1",
                **{FAULTS_ENV: "apply:policy:98:7@1,apply:policy:99:11"})

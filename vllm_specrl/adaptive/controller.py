@@ -22,8 +22,9 @@ choosing: cost ratios are read through a monotone envelope (a step never costs l
 verifying and drafting more tokens, so a larger k measured cheaper than a smaller one is
 noise); a switch must promise more than the standard error of the candidate's measured ratio,
 plus ``switch_margin`` where the candidate is the larger k (down, the safer way, needs no
-margin); and a position's acceptance prior is the previous position's estimate, not a fixed 0.5 (with flat costs and a never-accepted draft, as on a tiny model,
-step jitter of 15-25% picked k = 1-3 in 24 of 40 simulated runs without them). Every k is measured in
+margin); and a position's acceptance prior is the previous position's estimate, not a fixed
+0.5 (with flat costs and a never-accepted draft, as on a tiny model, step jitter of 15-25%
+picked k = 1-3 in 24 of 40 simulated runs without them). Every k is measured in
 bursts of a few steps, each right after a few steps of the served k (the first step of
 a burst verifies the previous k: not steady, not counted), before the bucket is
 trusted, except a k that one burst already shows cannot pay (successive elimination,
