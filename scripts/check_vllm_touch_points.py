@@ -67,7 +67,8 @@ TOUCH_POINTS: list[tuple[str, str, str, str]] = [
     ("model_executor/models/llama_eagle3.py", "Eagle3LlamaForCausalLM.combine_hidden_states", "function",
      "P-EAGLE drafts: mask-slot state refreshed after a draft update"),
     ("v1/spec_decode/llm_base_proposer.py", "SpecDecodeBaseProposer", "attrs:method,max_num_tokens,"
-     "num_speculative_tokens,_last_draft_probs,needs_extra_input_slots,uses_mrope,supports_mm_inputs,"
+     "num_speculative_tokens,_last_draft_probs,needs_extra_input_slots,net_num_new_slots_per_request,"
+     "max_batch_size,uses_mrope,supports_mm_inputs,"
      "parallel_drafting", "deferred draft-KV sync: eligibility, the stash bound, the k = 0 return"),
     ("v1/attention/backend.py", "CommonAttentionMetadata", "attrs:query_start_loc,query_start_loc_cpu,seq_lens,"
      "seq_lens_cpu_upper_bound,num_reqs,num_actual_tokens,max_query_len,max_seq_len,block_table_tensor,"

@@ -7,7 +7,9 @@ is vLLM's own path (``VLLM_SPECRL_DEFER_DRAFT_KV=0``, a pass every step) in the 
 settings: every draft the survivor proposes in its tail must be the same tokens, so its
 draft KV cache was rebuilt entry for entry, and outputs must be identical (greedy and
 seeded temperature 1). A planted fault (held rows dropped instead of replayed: holes in
-the draft's KV cache) must change drafts, or the comparison proves nothing.
+the draft's KV cache) must change drafts, or the comparison proves nothing. Both drafter kinds:
+a sequential EAGLE-3 draft, and a parallel (P-EAGLE) one, whose every pass, the replay's too,
+also writes its mask slots after each request's rows.
 """
 
 import textwrap
@@ -28,10 +30,11 @@ draft_kv_stash.DraftKVStash.take = lambda self, *a: _take(self, *a) and None
 """
 
 
-def tail_run(model, draft, env: dict | None = None, plant: str = "") -> dict:
+def tail_run(model, draft, env: dict | None = None, plant: str = "", parallel: bool = False) -> dict:
     spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3,
             "draft_sample_method": "probabilistic",
-            "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 64, 0]]}
+            "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 64, 0]],
+            **({"parallel_drafting": True} if parallel else {})}
     out = run_python(plant + textwrap.dedent(f"""
         import json
         from vllm import LLM, SamplingParams
@@ -62,14 +65,24 @@ def same_drafts(run: dict, reference: dict) -> tuple[int, int]:
     return sum(a == b for a, b in pairs), len(pairs)
 
 
-@pytest.fixture(scope="module")
-def stock(tiny_model, warm_draft):
-    return tail_run(tiny_model, warm_draft, env={DEFER_DRAFT_KV_ENV: "0"})
+@pytest.fixture(scope="module", params=["sequential", "parallel"])
+def drafter(request, tiny_model, warm_draft) -> tuple[str, bool]:
+    """(draft path, parallel drafting) for each kind of EAGLE-3 drafter."""
+    if request.param == "parallel":
+        return str(request.getfixturevalue("parallel_draft")), True
+    return str(warm_draft), False
 
 
 @pytest.fixture(scope="module")
-def deferred(tiny_model, warm_draft):
-    return tail_run(tiny_model, warm_draft)
+def stock(tiny_model, drafter):
+    draft, parallel = drafter
+    return tail_run(tiny_model, draft, env={DEFER_DRAFT_KV_ENV: "0"}, parallel=parallel)
+
+
+@pytest.fixture(scope="module")
+def deferred(tiny_model, drafter):
+    draft, parallel = drafter
+    return tail_run(tiny_model, draft, parallel=parallel)
 
 
 def test_deferred_passes_rebuild_the_draft_kv_exactly(stock, deferred):
@@ -88,8 +101,9 @@ def test_outputs_are_unchanged(stock, deferred):
     assert deferred["sampled"] == stock["sampled"]
 
 
-def test_holes_in_the_draft_kv_would_be_seen(tiny_model, warm_draft, stock):
-    planted = tail_run(tiny_model, warm_draft, plant=PLANT_HOLES)
+def test_holes_in_the_draft_kv_would_be_seen(tiny_model, drafter, stock):
+    draft, parallel = drafter
+    planted = tail_run(tiny_model, draft, plant=PLANT_HOLES, parallel=parallel)
     same, compared = same_drafts(planted, stock)
     assert planted["tokens"] == stock["tokens"]  # lossless either way: only the drafts suffer
     assert same < compared, "dropping the held rows went unnoticed: the comparison cannot fail"

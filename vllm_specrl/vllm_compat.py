@@ -88,7 +88,10 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | runner ``_draft_probs``/``_draft_prob_req_ids``| the rejection sampler             |                   |
 | ``SpecDecodeBaseProposer.propose`` (keyword   | deferred draft-KV sync at k = 0   | 0.32.0 (cpu)      |
 | call, instance wrap), drafter ``method``,      | (the drafter's k = 0 passes held  |                   |
-| ``max_num_tokens``/``num_speculative_tokens``/| and replayed when drafts resume)  |                   |
+| ``max_num_tokens``/``num_speculative_tokens``/| and replayed when drafts resume;  |                   |
+| ``parallel_drafting``/``needs_extra_input_``  | a parallel drafter's too)         |                   |
+| ``slots``/``net_num_new_slots_per_request``/  |                                   |                   |
+| ``max_batch_size``,                           |                                   |                   |
 | ``_last_draft_probs``, ``CommonAttention``     |                                   |                   |
 | ``Metadata`` fields, runner ``input_batch``    |                                   |                   |
 | ``.req_ids``                                  |                                   |                   |
@@ -1532,8 +1535,13 @@ def install_custom_proposer_binding() -> str:
 # reproduces each skipped pass's input ids (``target_token_ids`` = held ids rolled
 # right by one, ``next_token_ids`` = each request's last held id). Drafts are still
 # verified by the target, so this changes cost only; requests that finish at k = 0
-# never pay the pass. Eligible: ``eagle``/``eagle3`` without extra input slots,
-# M-RoPE or multimodal inputs. ``VLLM_SPECRL_DEFER_DRAFT_KV=0`` keeps vLLM's path.
+# never pay the pass. Eligible: ``eagle``/``eagle3`` without M-RoPE or multimodal
+# inputs, and without extra input slots unless they are a parallel drafter's mask
+# slots: its every pass, the replay's too, appends ``net_num_new_slots_per_request``
+# mask rows after each request's rows, at positions the next pass writes again, so
+# the replay leaves the same entries at every position a later pass reads (the stash
+# holds that many rows per batch slot fewer, for the drafter's buffers).
+# ``VLLM_SPECRL_DEFER_DRAFT_KV=0`` keeps vLLM's path.
 # Checked on 0.32.0 (cpu).
 
 DEFER_DRAFT_KV_ENV = "VLLM_SPECRL_DEFER_DRAFT_KV"
@@ -1551,16 +1559,21 @@ class DeferredDraftKV:
 
         self.runner, self.drafter = runner, drafter
         self.stock_propose = drafter.propose
-        self.stash = DraftKVStash(int(drafter.max_num_tokens))
+        # A parallel drafter's replay pass also carries its mask slots (after each request's rows)
+        # in the drafter's buffers of ``max_num_tokens`` rows.
+        mask_slots = int(drafter.net_num_new_slots_per_request) * int(drafter.max_batch_size) \
+            if drafter.needs_extra_input_slots else 0
+        self.stash = DraftKVStash(int(drafter.max_num_tokens) - mask_slots)
         drafter.propose = self.propose
 
     @staticmethod
     def eligible(drafter: Any) -> bool:
         from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
+        parallel = bool(getattr(drafter, "parallel_drafting", False))
         return (isinstance(drafter, SpecDecodeBaseProposer) and getattr(drafter, "method", None) in ("eagle", "eagle3")
-                and not getattr(drafter, "needs_extra_input_slots", True) and not getattr(drafter, "uses_mrope", True)
-                and not getattr(drafter, "supports_mm_inputs", True) and not getattr(drafter, "parallel_drafting", True))
+                and (parallel or not getattr(drafter, "needs_extra_input_slots", True))
+                and not getattr(drafter, "uses_mrope", True) and not getattr(drafter, "supports_mm_inputs", True))
 
     def propose(self, **kw: Any) -> Any:
         import torch
