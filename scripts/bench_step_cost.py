@@ -136,7 +136,8 @@ def main() -> None:
     ap.add_argument("--adaptive", action="store_true", help="also run EAGLE-3 at max k with adaptive k")
     ap.add_argument("--held-at", default="",
                     help="also run EAGLE-3 at max k held at these k's by vLLM's batch-size table "
-                         "(e.g. 0,1: what an adaptive engine's step costs at that k, without the controller)")
+                         "(e.g. 0,1: what an adaptive engine's step costs at that k, without the controller); "
+                         "with --parallel-draft, that draft too (at 0 and max k only)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every configuration this many times, in turn (single engines differ by 10-15%%)")
     ap.add_argument("--compile", default="eager",
@@ -191,15 +192,20 @@ def main() -> None:
         spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": max(ks),
                 "draft_sample_method": "probabilistic"}
         configs.append((f"eagle3_adaptive_k{max(ks)}", spec, {}, SCHEDULER_CLS))
+    held_drafts = [("", draft, {})] + ([("_parallel", args.parallel_draft, {"parallel_drafting": True})]
+                                        if args.parallel_draft else [])
     for held in [int(k) for k in args.held_at.split(",") if k]:
-        spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": max(ks),
-                "draft_sample_method": "probabilistic",
-                "num_speculative_tokens_per_batch_size": [[1, 1024, held]]}
-        configs.append((f"eagle3_k{max(ks)}_held_at_{held}", spec, {}, None))
-        if held == 0:
-            # vLLM's own k = 0 path beside it: the drafter's KV-sync pass on every step.
-            configs.append((f"eagle3_k{max(ks)}_held_at_0_stock_kv_sync", spec,
-                            {"VLLM_SPECRL_DEFER_DRAFT_KV": "0"}, None))
+        for suffix, held_draft, extra in held_drafts:
+            if extra and held not in (0, max(ks)):
+                continue  # a parallel drafter serves only 0 and the k it was started with
+            spec = {"method": "eagle3", "model": str(held_draft), "num_speculative_tokens": max(ks),
+                    "draft_sample_method": "probabilistic",
+                    "num_speculative_tokens_per_batch_size": [[1, 1024, held]], **extra}
+            configs.append((f"eagle3_k{max(ks)}{suffix}_held_at_{held}", spec, {}, None))
+            if held == 0:
+                # vLLM's own k = 0 path beside it: the drafter's KV-sync pass on every step.
+                configs.append((f"eagle3_k{max(ks)}{suffix}_held_at_0_stock_kv_sync", spec,
+                                {"VLLM_SPECRL_DEFER_DRAFT_KV": "0"}, None))
     modes = [m for m in args.compile.split(",") if m]
     if set(modes) - {"eager", "compiled"}:
         sys.exit(f"--compile takes eager and/or compiled, not {args.compile}")
