@@ -107,3 +107,26 @@ def test_holes_in_the_draft_kv_would_be_seen(tiny_model, drafter, stock):
     same, compared = same_drafts(planted, stock)
     assert planted["tokens"] == stock["tokens"]  # lossless either way: only the drafts suffer
     assert same < compared, "dropping the held rows went unnoticed: the comparison cannot fail"
+
+
+def test_a_parallel_drafter_is_deferred_only_where_its_mask_slots_leave_room_for_a_batch():
+    """The replay pass carries a parallel drafter's mask slots too, in buffers of ``max_num_tokens``
+    rows: the stash holds that many rows fewer, and a configuration without room for one full batch
+    keeps vLLM's own pass (a stash of fewer than one row could not even be built)."""
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    from vllm_specrl.vllm_compat import DeferredDraftKV
+
+    drafter = object.__new__(SpecDecodeBaseProposer)
+    vars(drafter).update(method="eagle3", parallel_drafting=True, needs_extra_input_slots=True,
+                         net_num_new_slots_per_request=2, max_batch_size=64, max_num_tokens=2048,
+                         uses_mrope=False, supports_mm_inputs=False)
+    assert DeferredDraftKV.stash_rows(drafter) == 2048 - 2 * 64
+    assert DeferredDraftKV.eligible(drafter)
+    drafter.max_num_tokens = 3 * 64 - 1
+    assert not DeferredDraftKV.eligible(drafter)
+    # Extra input slots of another kind (not a parallel drafter's mask slots) are never deferred.
+    vars(drafter).update(parallel_drafting=False, max_num_tokens=2048)
+    assert not DeferredDraftKV.eligible(drafter)
+    vars(drafter).update(needs_extra_input_slots=False, net_num_new_slots_per_request=0)
+    assert DeferredDraftKV.stash_rows(drafter) == 2048 and DeferredDraftKV.eligible(drafter)

@@ -1559,12 +1559,16 @@ class DeferredDraftKV:
 
         self.runner, self.drafter = runner, drafter
         self.stock_propose = drafter.propose
-        # A parallel drafter's replay pass also carries its mask slots (after each request's rows)
-        # in the drafter's buffers of ``max_num_tokens`` rows.
-        mask_slots = int(drafter.net_num_new_slots_per_request) * int(drafter.max_batch_size) \
-            if drafter.needs_extra_input_slots else 0
-        self.stash = DraftKVStash(int(drafter.max_num_tokens) - mask_slots)
+        self.stash = DraftKVStash(self.stash_rows(drafter))
         drafter.propose = self.propose
+
+    @staticmethod
+    def stash_rows(drafter: Any) -> int:
+        """Rows one replay pass may carry: the drafter's buffers hold ``max_num_tokens`` rows, and a
+        parallel drafter's pass also carries its mask slots after each request's rows."""
+        mask_slots = (int(drafter.net_num_new_slots_per_request) * int(drafter.max_batch_size)
+                      if drafter.needs_extra_input_slots else 0)
+        return int(drafter.max_num_tokens) - mask_slots
 
     @staticmethod
     def eligible(drafter: Any) -> bool:
@@ -1573,7 +1577,9 @@ class DeferredDraftKV:
         parallel = bool(getattr(drafter, "parallel_drafting", False))
         return (isinstance(drafter, SpecDecodeBaseProposer) and getattr(drafter, "method", None) in ("eagle", "eagle3")
                 and (parallel or not getattr(drafter, "needs_extra_input_slots", True))
-                and not getattr(drafter, "uses_mrope", True) and not getattr(drafter, "supports_mm_inputs", True))
+                and not getattr(drafter, "uses_mrope", True) and not getattr(drafter, "supports_mm_inputs", True)
+                # room for at least a full batch's step (else vLLM's own pass every step)
+                and DeferredDraftKV.stash_rows(drafter) >= int(drafter.max_batch_size))
 
     def propose(self, **kw: Any) -> Any:
         import torch
