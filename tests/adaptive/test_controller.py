@@ -406,3 +406,24 @@ def test_a_k_slightly_worse_than_k_zero_is_left_for_it():
         # E[tokens | k = 3] = 1 + a + a^2 + a^3 = 1.455 at a = 0.32: 0.97 of k = 0's throughput.
         simulate(ctl, batch=4, accept=0.32, cost=cost, steps=1500, seed=100 + seed)
         assert ctl.k_for(4) == 0, (seed, ctl.state()["buckets"]["4-4"])
+
+
+def sixteen_sequence_cost(batch: int, k_verify: int, k_draft: int) -> float:
+    """SmolLM2 at 16 sequences on the 2-core AMD VM (float32): k = 1 / 2 / 3 steps cost 1.46 / 2.0 / 2.3
+    k = 0 steps (``benchmarks/README.md``, sixteen sequences), so k = 1 ties k = 0 near acceptance 0.45."""
+    verify = {0: 1.0, 1: 1.38, 2: 1.9, 3: 2.2}[k_verify]
+    return 0.115 * (verify + 0.03 * k_draft + (0.05 if k_draft else 0))
+
+
+@pytest.mark.parametrize("accept", [0.3, 0.45])
+def test_where_no_k_pays_adaptive_k_stays_within_two_percent_of_k_zero(accept):
+    """Issue 12's "never more than 3% slower than plain", for the controller's own choices: at the costs
+    measured at sixteen sequences, after a warm-up, its exploration bursts and near-tie choices cost
+    under 2% against serving k = 0 throughout (0.99-1.0 per seed). Planted: a burst every 8 steps
+    (``explore_every`` 8) -> 7% lost at acceptance 0.3 (1-3% at 0.45, where k = 1 nearly ties)."""
+    k0 = 16 / sixteen_sequence_cost(16, 0, 0)
+    for seed in range(4):
+        ctl = AdaptiveKController(3, 16)
+        simulate(ctl, 16, accept, sixteen_sequence_cost, 96, seed=seed)
+        got = simulate(ctl, 16, accept, sixteen_sequence_cost, 500, seed=100 + seed, jitter=0.08)
+        assert got >= 0.98 * k0, (seed, got / k0, ctl.state()["chosen_k_counts"])
