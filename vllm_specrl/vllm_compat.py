@@ -1540,7 +1540,8 @@ def install_custom_proposer_binding() -> str:
 # slots: its every pass, the replay's too, appends ``net_num_new_slots_per_request``
 # mask rows after each request's rows, at positions the next pass writes again, so
 # the replay leaves the same entries at every position a later pass reads (the stash
-# holds that many rows per batch slot fewer, for the drafter's buffers).
+# holds that many rows per batch slot fewer, for the drafter's buffers; where that
+# leaves no room for a full batch, vLLM's own pass runs).
 # ``VLLM_SPECRL_DEFER_DRAFT_KV=0`` keeps vLLM's path.
 # Checked on 0.32.0 (cpu).
 
