@@ -21,7 +21,6 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
 ALPHA = 1e-3          # a lossless engine must not be rejected at this level
 POWER_ALPHA = 1e-6    # a lossy setting must be rejected at this level
 STOP_L = 10          # tokens a stopping sample may run to
-ADAPTIVE = SCHEDULER_CLS
 RANDOM_DRAFT_ACCEPTANCE: list[float] = []  # accepted tokens per draft of the random draft (filled below)
 
 
@@ -94,12 +93,12 @@ def test_adaptive_k_t1_is_lossless(tiny_model, plain_t1, warm_draft):
     eagle3 = {"method": "eagle3", "model": str(warm_draft), "num_speculative_tokens": 3,
               "draft_sample_method": "probabilistic"}
     spec = sample_continuations(tiny_model, PROMPT, N, L, 1.0, seed=7, speculative_config=eagle3,
-                                scheduler_cls=ADAPTIVE)
+                                scheduler_cls=SCHEDULER_CLS)
     p = per_position_pvalues(plain_t1, spec)
     assert min(p) > ALPHA, describe(p)
 
 
-@pytest.mark.parametrize("scheduler_cls", [None, ADAPTIVE], ids=["fixed_k", "adaptive_k"])
+@pytest.mark.parametrize("scheduler_cls", [None, SCHEDULER_CLS], ids=["fixed_k", "adaptive_k"])
 def test_parallel_drafting_t1_is_lossless(tiny_model, plain_t1, parallel_draft, scheduler_cls):
     """A P-EAGLE draft: all k drafts from one pass over mask slots, each sampled from its own
     distribution, which the rejection sampler is given; accepted at volume. With adaptive k the
@@ -156,7 +155,7 @@ def test_stop_tokens_end_speculative_samples_as_plain(tiny_model, warm_draft, st
     eagle3 = {"method": "eagle3", "model": str(warm_draft), "num_speculative_tokens": 3,
               "draft_sample_method": "probabilistic"}
     spec, stats = sample_continuations(tiny_model, PROMPT, N, STOP_L, 1.0, seed=11, speculative_config=eagle3,
-                                       scheduler_cls=ADAPTIVE, with_stats=True, group=4, max_num_seqs=16,
+                                       scheduler_cls=SCHEDULER_CLS, with_stats=True, group=4, max_num_seqs=16,
                                        stop_token_ids=[stop_token])
     for sample in spec:  # vLLM's contract: the stop token is the last one, and nothing follows it
         assert stop_token not in sample[:-1], sample

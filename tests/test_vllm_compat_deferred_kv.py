@@ -66,7 +66,7 @@ def same_drafts(run: dict, reference: dict) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module", params=["sequential", "parallel"])
-def drafter(request, tiny_model, warm_draft) -> tuple[str, bool]:
+def drafter(request, warm_draft) -> tuple[str, bool]:
     """(draft path, parallel drafting) for each kind of EAGLE-3 drafter."""
     if request.param == "parallel":
         return str(request.getfixturevalue("parallel_draft")), True

@@ -10,7 +10,6 @@ from sampling import greedy_generate
 from vllm_specrl.adaptive import SCHEDULER_CLS
 from vllm_specrl.proposer.checkpoint import init_draft
 
-ADAPTIVE = SCHEDULER_CLS
 K = 3
 REPEATING = "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2, 3]\nw = [1, 2, 3]\nv ="
 
@@ -24,7 +23,7 @@ def test_greedy_with_adaptive_k_equals_plain(tiny_model, warm_draft):
     prompts = code_prompts(32)
     plain = greedy_generate(tiny_model, prompts, 40, max_num_seqs=8)
     # Undecayed acceptance counts (decay 1), so they can be compared with vLLM's counters.
-    adaptive = greedy_generate(tiny_model, prompts, 40, eagle3(warm_draft), scheduler_cls=ADAPTIVE,
+    adaptive = greedy_generate(tiny_model, prompts, 40, eagle3(warm_draft), scheduler_cls=SCHEDULER_CLS,
                                max_num_seqs=8, additional_config={"specrl": {"adaptive_k": {"decay": 1.0}}})
     assert adaptive["tokens"] == plain["tokens"]
     state, served = adaptive["adaptive_k"], adaptive["spec_decode"]
@@ -51,7 +50,7 @@ def never_accepted_draft(tiny_model, out):
 
 def test_a_draft_that_is_never_accepted_settles_on_k0(tiny_model, tmp_path):
     draft = never_accepted_draft(tiny_model, tmp_path / "never")
-    out = greedy_generate(tiny_model, [REPEATING], 460, eagle3(draft), scheduler_cls=ADAPTIVE, max_num_seqs=4)
+    out = greedy_generate(tiny_model, [REPEATING], 460, eagle3(draft), scheduler_cls=SCHEDULER_CLS, max_num_seqs=4)
     state = out["adaptive_k"]
     assert out["spec_decode"]["num_drafts"] > 0 and out["spec_decode"]["num_accepted_tokens"] == 0, \
         out["spec_decode"]  # the premise
@@ -64,7 +63,7 @@ def test_drafts_that_are_mostly_accepted_settle_on_max_k(tiny_model):
     # repeating prompt differs between builds (0.69-0.84+ of ngram drafts accepted); lookups of
     # 2-4 tokens keep the premise well clear of the bound.
     ngram = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    out = greedy_generate(tiny_model, [REPEATING], 460, ngram, scheduler_cls=ADAPTIVE, max_num_seqs=4)
+    out = greedy_generate(tiny_model, [REPEATING], 460, ngram, scheduler_cls=SCHEDULER_CLS, max_num_seqs=4)
     state = out["adaptive_k"]
     assert out["spec_decode"]["acceptance_rate"] > 0.6, out["spec_decode"]  # the premise
     assert state["buckets"]["1-1"]["calibrated"] and state["buckets"]["1-1"]["best_k"] == K, state

@@ -15,7 +15,6 @@ from vllm_specrl.proposer.checkpoint import export_stock, init_draft
 
 K = 3
 MAX_TOKENS = 24
-ADAPTIVE = SCHEDULER_CLS
 
 
 def eagle3(draft_dir, k=K) -> dict:
@@ -142,7 +141,7 @@ def test_adaptive_k_serves_a_parallel_draft_at_zero_or_its_k(tiny_model, prompts
     fails on 0.32 (scripts/repro_parallel_drafting_varying_k.py), a k = 0 step between k = 3 ones
     serves. Adaptive k switches a parallel draft between 0 and 3 only, and stays lossless."""
     spec = greedy_generate(tiny_model, prompts, MAX_TOKENS, dict(eagle3(parallel_draft), parallel_drafting=True),
-                           scheduler_cls=ADAPTIVE)
+                           scheduler_cls=SCHEDULER_CLS)
     assert_same_tokens(plain, spec)
     state = spec["adaptive_k"]
     counts = state["chosen_k_counts"]
