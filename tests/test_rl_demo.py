@@ -135,6 +135,11 @@ def test_plain_run_replays_every_run_at_its_exact_lengths(report):
         own = sum(s["generation_s"] for s in data["runs"]["plain"]["steps"])
         assert c["base_replay_over_its_loop"] == pytest.approx(sum(r["generation_s"] for r in replays["plain"]) / own)
         assert f"against plain at the same lengths {c['rollout_time_same_lengths']:.2f}" in stdout
+        # Spec's loop over plain's loop estimated at spec's lengths: plain's replay at them, scaled up
+        # by how much less than its loop plain's replay of its own lengths took.
+        plain_loop_estimate = sum(r["generation_s"] for r in replays[mode]) / c["base_replay_over_its_loop"]
+        assert c["rollout_time_same_lengths_loop_adjusted"] == pytest.approx(gen / plain_loop_estimate)
+        assert f"adjusted for that {c['rollout_time_same_lengths_loop_adjusted']:.2f}" in stdout
     # The synchronous history run: its steps with plain's generation at its lengths in place of its own.
     c = data["summary"]["comparisons"]["history_vs_plain"]
     steps = data["runs"]["history"]["steps"]
