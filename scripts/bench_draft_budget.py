@@ -4,7 +4,9 @@ Reads the rollouts a warm start saved (``warm_start_rollouts.json`` in its draft
 directory), computes the target's features once, and trains fresh drafts:
 - budgets: the first N training prompts (all their rollouts) for several N, same
   steps, same held-out prompts: held-out served acceptance vs completion tokens;
-- objectives (``--objectives``): soft CE, + TV term, acceptance-weighted TTT, both.
+- objectives (``--objectives``): soft CE, + TV term, acceptance-weighted TTT, both;
+- ``--init-from DRAFT``: every run fine-tunes that draft instead of a fresh one (what the online
+  trainer does to a warm-started draft), and the report starts with the draft's own held-out figure.
 Every figure is the trainer's estimate of vLLM's counters on held-out prompts
 (``served_accept_pos*``), which ``bench_calibration.py`` checks against the engine.
 JSON + PNG.
@@ -24,16 +26,18 @@ from pathlib import Path
 
 import torch
 
-OBJECTIVES = {"ce": {}, "ce+tv": {"tv_weight": 1.0}, "ce+accept_weighted": {"accept_weighted": True},
+OBJECTIVES = {"ce": {}, "ce+tv": {"tv_weight": 1.0}, "ce+tv4": {"tv_weight": 4.0},
+              "ce+accept_weighted": {"accept_weighted": True},
               "ce+tv+accept_weighted": {"tv_weight": 1.0, "accept_weighted": True}}
 
 
 def train_one(target: Path, features: list[dict], counts: torch.Tensor, train_idx: list[int],
               eval_items: list[dict], args: argparse.Namespace, objective: dict) -> dict:
-    from vllm_specrl.proposer.checkpoint import init_draft, target_lm_head
+    from vllm_specrl.proposer.checkpoint import init_draft, load_draft, target_lm_head
     from vllm_specrl.trainer.core import DraftTrainer, TrainConfig, collate
 
-    draft = init_draft(target, None, args.draft_vocab_size, token_counts=counts, seed=0)
+    draft = (load_draft(args.init_from, target) if args.init_from
+             else init_draft(target, None, args.draft_vocab_size, token_counts=counts, seed=0))
     cfg = TrainConfig(lr=args.lr, ttt_steps=args.k, seed=0, mixed_precision=args.mixed_precision, **objective)
     trainer = DraftTrainer(draft, target_lm_head(target), cfg)
     rng = random.Random(0)
@@ -66,6 +70,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--draft-vocab-size", type=int, default=8192)
     ap.add_argument("--mixed-precision", default="no", choices=["no", "bf16"])
+    ap.add_argument("--init-from", type=Path, default=None,
+                    help="fine-tune this draft in every run instead of training a fresh one")
     ap.add_argument("--out", type=Path, default=Path("results/bench_draft_budget.json"))
     args = ap.parse_args()
 
@@ -74,7 +80,12 @@ def main() -> None:
     eval_prompts = set(data["eval_prompts"])
     train_prompts = sorted(set(index) - eval_prompts)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
-    aux = default_aux_layer_ids(read_config(args.target)["num_hidden_layers"])
+    if args.init_from:  # the features its layers were trained on
+        from vllm_specrl.proposer.checkpoint import load_draft
+
+        aux = load_draft(args.init_from, args.target).shape.aux_layer_ids
+    else:
+        aux = default_aux_layer_ids(read_config(args.target)["num_hidden_layers"])
     t0 = time.time()
     features = sequence_features(target, seqs, aux, prompt_lengths=lengths)
     feature_seconds = time.time() - t0
@@ -84,6 +95,15 @@ def main() -> None:
     report = {"target": str(args.target), "rollouts": str(args.rollouts), "steps": args.steps,
               "batch_size": args.batch_size, "lr": args.lr, "k": args.k, "eval_rollouts": len(eval_items),
               "feature_seconds": round(feature_seconds, 1), "budgets": [], "objectives": []}
+    if args.init_from:
+        from vllm_specrl.proposer.checkpoint import load_draft, target_lm_head
+        from vllm_specrl.trainer.core import DraftTrainer, TrainConfig
+
+        m = DraftTrainer(load_draft(args.init_from, args.target), target_lm_head(args.target),
+                         TrainConfig(ttt_steps=args.k)).evaluate_many(eval_items)
+        report["init_from"] = {"draft": str(args.init_from), "acceptance_length": m["served_acceptance_length"],
+                               "per_position": [m[f"served_accept_pos{j}"] for j in range(args.k)]}
+        print(json.dumps(report["init_from"]), flush=True)
 
     def counts_for(prompt_ids: set[int]) -> torch.Tensor:
         c = Counter(t for s, n, i in zip(seqs, lengths, index) if i in prompt_ids for t in s[n:])
