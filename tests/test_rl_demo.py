@@ -9,6 +9,8 @@ vLLM's (float32), k chosen per step, and the JSON/PNG/table.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 
 import pytest
 
@@ -24,7 +26,16 @@ WARM_UP = 1  # one untimed step per run first, as make demo takes
 def report(tiny_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("rl_demo") / "rl_demo.json"
     return run_rl_demo(tiny_model, "spec-async,history,plain", out, STEPS, PROMPTS, GROUP,
-                       "--draft-vocab-size", str(WARM_DRAFT_VOCAB), warm_up_steps=WARM_UP)
+                       "--draft-vocab-size", str(WARM_DRAFT_VOCAB), "--draft-lr", "3e-4", "--draft-tv-weight", "0.5",
+                       warm_up_steps=WARM_UP)
+
+
+def test_the_online_trainer_trains_with_the_demos_draft_options(report):
+    """``--draft-lr`` and ``--draft-tv-weight`` reach the online trainer: its checkpoint's config says so."""
+    data, _ = report
+    out = Path(data["settings"]["out"])
+    meta = json.loads((out.parent / f"{out.stem}_work" / "draft-online-spec-async" / "trainer_meta.json").read_text())
+    assert (meta["config"]["lr"], meta["config"]["tv_weight"]) == (3e-4, 0.5)
 
 
 def test_every_rollout_once_with_its_versions(report):
