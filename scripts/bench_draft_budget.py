@@ -56,7 +56,9 @@ def train_one(target: Path, features: list[dict], counts: torch.Tensor, train_id
 def main() -> None:
     from transformers import AutoModelForCausalLM
 
+    from vllm_specrl.proposer.checkpoint import load_draft, target_lm_head
     from vllm_specrl.proposer.eagle3_config import default_aux_layer_ids, read_config
+    from vllm_specrl.trainer.core import DraftTrainer, TrainConfig
     from vllm_specrl.trainer.features import sequence_features
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -80,12 +82,10 @@ def main() -> None:
     eval_prompts = set(data["eval_prompts"])
     train_prompts = sorted(set(index) - eval_prompts)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
-    if args.init_from:  # the features its layers were trained on
-        from vllm_specrl.proposer.checkpoint import load_draft
-
-        aux = load_draft(args.init_from, args.target).shape.aux_layer_ids
-    else:
-        aux = default_aux_layer_ids(read_config(args.target)["num_hidden_layers"])
+    # A draft to fine-tune reads the target layers it was trained on; a fresh one the default ones.
+    initial = load_draft(args.init_from, args.target) if args.init_from else None
+    aux = (initial.shape.aux_layer_ids if initial is not None
+           else default_aux_layer_ids(read_config(args.target)["num_hidden_layers"]))
     t0 = time.time()
     features = sequence_features(target, seqs, aux, prompt_lengths=lengths)
     feature_seconds = time.time() - t0
@@ -95,12 +95,8 @@ def main() -> None:
     report = {"target": str(args.target), "rollouts": str(args.rollouts), "steps": args.steps,
               "batch_size": args.batch_size, "lr": args.lr, "k": args.k, "eval_rollouts": len(eval_items),
               "feature_seconds": round(feature_seconds, 1), "budgets": [], "objectives": []}
-    if args.init_from:
-        from vllm_specrl.proposer.checkpoint import load_draft, target_lm_head
-        from vllm_specrl.trainer.core import DraftTrainer, TrainConfig
-
-        m = DraftTrainer(load_draft(args.init_from, args.target), target_lm_head(args.target),
-                         TrainConfig(ttt_steps=args.k)).evaluate_many(eval_items)
+    if initial is not None:
+        m = DraftTrainer(initial, target_lm_head(args.target), TrainConfig(ttt_steps=args.k)).evaluate_many(eval_items)
         report["init_from"] = {"draft": str(args.init_from), "acceptance_length": m["served_acceptance_length"],
                                "per_position": [m[f"served_accept_pos{j}"] for j in range(args.k)]}
         print(json.dumps(report["init_from"]), flush=True)
