@@ -57,3 +57,32 @@ def test_with_a_send_timeout_the_sender_thread_waits_and_nothing_is_lost(send_ti
     assert state["frames_dropped_no_peer"] == state["frames_dropped_queue_full"] == 0, state
     assert received == state["frames_sent"] == FRAMES
     assert offer_s < 1.0  # the engine's side still never waited: the queue absorbed the burst
+
+
+def wait_for_connected(sender: CaptureSender, expected: bool, timeout_s: float = 10.0) -> bool:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and sender.state()["trainer_connected"] != expected:
+        time.sleep(0.05)
+    return sender.state()["trainer_connected"]
+
+
+def test_trainer_connected_follows_the_connection_not_the_traffic():
+    """A replica that is idle while its trainer lives reads connected (the fleet test read it after the
+    other replica's request, and a 'sent recently' rule flaked there); a trainer that went away reads
+    disconnected, with nothing sent either way."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    sender = CaptureSender(address)
+    try:
+        time.sleep(0.5)
+        assert sender.state()["trainer_connected"] is False  # nobody listening yet
+        receiver = CaptureReceiver(address)
+        try:
+            assert wait_for_connected(sender, True) is True
+            time.sleep(0.5)
+            assert sender.state()["trainer_connected"] is True
+        finally:
+            receiver.close()
+        assert wait_for_connected(sender, False) is False
+        assert sender.state()["frames_sent"] == 0
+    finally:
+        sender.close()

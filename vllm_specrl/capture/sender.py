@@ -5,6 +5,10 @@ only enqueues (``put_nowait``). A background thread encodes and sends frames
 without blocking (``zmq.NOBLOCK``). A full queue, a slow trainer or no trainer
 at all means dropped frames, counted, never a stalled engine.
 
+``trainer_connected`` in ``state()`` is the socket's own view (a ZeroMQ socket monitor's
+connect/disconnect events), so an idle replica with a live trainer reads connected and a
+replica whose trainer died reads disconnected, whatever the traffic.
+
 ``send_timeout_s`` > 0 lets the *sender thread* wait that long for a slow peer
 before dropping a frame (the queue keeps absorbing the engine's frames meanwhile,
 so the step still never waits). An offline warm start, which wants every row,
@@ -37,7 +41,7 @@ class CaptureSender:
         self.send_timeout_s = send_timeout_s
         self.counters = {"frames_offered": 0, "frames_sent": 0, "frames_dropped_queue_full": 0,
                          "frames_dropped_no_peer": 0, "bytes_sent": 0}
-        self.last_send_ok: float | None = None
+        self._peers = 0  # live connections to a trainer, from the socket monitor's events
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specrl-capture", daemon=True)
         self._thread.start()
@@ -58,9 +62,11 @@ class CaptureSender:
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.setsockopt(zmq.LINGER, 0)
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sock.connect(self.address)
         try:
             while not self._stop.is_set():
+                self._read_connection_events(monitor)
                 try:
                     header, tensors = self._queue.get(timeout=0.2)
                 except queue.Empty:
@@ -71,9 +77,21 @@ class CaptureSender:
                     continue
                 self.counters["frames_sent"] += 1
                 self.counters["bytes_sent"] += sum(len(p) for p in parts)
-                self.last_send_ok = time.time()
         finally:
+            sock.disable_monitor()
+            monitor.close(0)
             sock.close(0)
+
+    def _read_connection_events(self, monitor) -> None:
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+
+        while monitor.poll(0):
+            event = recv_monitor_message(monitor)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self._peers += 1
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._peers = max(0, self._peers - 1)
 
     def _send(self, sock, parts: list) -> bool:
         """Hand a frame to ZeroMQ without blocking; with ``send_timeout_s``, retry while the peer
@@ -91,9 +109,8 @@ class CaptureSender:
                 sock.poll(50, zmq.POLLOUT)
 
     def state(self) -> dict[str, Any]:
-        recent = self.last_send_ok is not None and time.time() - self.last_send_ok < 10.0
         return {"address": self.address, **self.counters, "queued": self._queue.qsize(),
-                "trainer_connected": recent}
+                "trainer_connected": self._peers > 0}
 
     def close(self) -> None:
         self._stop.set()
