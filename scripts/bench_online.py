@@ -36,6 +36,7 @@ import requests
 import torch
 from safetensors.torch import load_file, save_file
 
+from vllm_specrl import metrics
 from vllm_specrl.bench_engine import host_info
 
 
@@ -133,12 +134,11 @@ def main() -> None:
                 with ThreadPoolExecutor(8) as pool:
                     list(pool.map(one, batch))
                 st = client.status()
-                drafts = st["spec_decode"]["num_drafts"] - before["num_drafts"]
-                accepted = st["spec_decode"]["num_accepted_tokens"] - before["num_accepted_tokens"]
-                first = [(d["per_position_acceptance"] or [0.0])[0] * d["num_drafts"] for d in (before, st["spec_decode"])]
+                served = metrics.SpecDecodeCounters.from_summary(st["spec_decode"]).minus(
+                    metrics.SpecDecodeCounters.from_summary(before)).summary()
                 rec = last_trainer_record(log)
-                curve.append({"round": r, "acceptance_length": 1 + accepted / max(drafts, 1),
-                              "accept_pos0": (first[1] - first[0]) / max(drafts, 1),
+                curve.append({"round": r, "acceptance_length": served["acceptance_length"] or 1.0,
+                              "accept_pos0": (served["per_position_acceptance"] or [0.0])[0],
                               "trainer_accept_pos0": rec.get("accept_pos0"),
                               "policy_version": st["versions"]["policy"], "draft_version": st["versions"]["draft"],
                               "trainer_step": rec.get("step"), "trainer_loss": rec.get("loss"),

@@ -57,7 +57,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_specrl import cpu_malloc
+from vllm_specrl import cpu_malloc, metrics
 from vllm_specrl.adaptive import SCHEDULER_CLS
 from vllm_specrl.adaptive.calibrate import WARM_UP_TOKENS
 from vllm_specrl.bench_engine import host_info
@@ -190,8 +190,8 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path, replay: d
                 # next-token distributions with every captured row.
                 t_sync = time.perf_counter() - t0
                 pause.unlink(missing_ok=True)
-                sd0, sd1 = before["spec_decode"], after["spec_decode"]
-                drafts = sd1["num_drafts"] - sd0["num_drafts"]
+                served = metrics.SpecDecodeCounters.from_summary(after["spec_decode"]).minus(
+                    metrics.SpecDecodeCounters.from_summary(before["spec_decode"])).summary()
                 versions = sorted({(s["policy_version_start"], s["policy_version_end"]) for s in samples})
                 rec = {"step": step, "mean_reward": sum(s["reward"] for s in samples) / len(samples),
                        "rewards": [s["reward"] for s in samples], "loss": loss,
@@ -207,8 +207,10 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path, replay: d
                        # this process's page faults in the policy phases (vllm_specrl.cpu_malloc)
                        "logprob_page_faults": f_logp, "training_page_faults": f_train,
                        "rollouts": len(samples), "tokens": sum(len(s["completion_ids"]) for s in samples),
-                       "acceptance_length": (1 + (sd1["num_accepted_tokens"] - sd0["num_accepted_tokens"]) / drafts)
-                       if drafts else None,
+                       "acceptance_length": served["acceptance_length"],
+                       # the first draft token's acceptance: unlike the length, independent of the k's served
+                       "accept_pos0": (served["per_position_acceptance"] or [0.0])[0]
+                       if served["num_drafts"] else None,
                        "policy_version": after["versions"]["policy"], "draft_version": after["versions"]["draft"],
                        "rollout_policy_versions": [list(v) for v in versions],
                        "rollouts_from_trained_version": sum(on_policy),
@@ -222,7 +224,8 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path, replay: d
                       f"(bulk {timing['bulk_s']:.1f}s, tail {timing['tail_s']:.1f}s"
                       + (f", mean k {rec['mean_k']:.2f}" if rec["mean_k"] is not None else "") + ") "
                       f"(exposed {t_exposed:.1f}s), logp {t_logp:.1f}s, train {t_train:.1f}s, sync {t_sync:.1f}s, "
-                      f"step {rec['step_s']:.1f}s, accept {rec['acceptance_length'] or float('nan'):.2f}, "
+                      f"step {rec['step_s']:.1f}s, accept {rec['acceptance_length'] or float('nan'):.2f} "
+                      f"(first draft {rec['accept_pos0'] if rec['accept_pos0'] is not None else float('nan'):.3f}), "
                       f"versions {versions}, "
                       f"|dlogp| max {rec['logprob_abs_diff_max']:.3f}", flush=True)
             if replay:

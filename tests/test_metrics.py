@@ -26,6 +26,7 @@ def test_summary_from_prometheus_text():
     assert s["acceptance_rate"] == pytest.approx(0.5)
     assert s["acceptance_length"] == pytest.approx(2.5)
     assert s["per_position_acceptance"] == pytest.approx([0.8, 0.5, 0.2])
+    assert s["accepted_per_position"] == [8, 5, 2]
 
 
 def test_summary_before_any_draft_has_no_ratios():
@@ -40,6 +41,21 @@ def test_minus_gives_the_phase_delta():
     delta = after.minus(before).summary()
     assert delta["num_drafts"] == 10 and delta["num_accepted_tokens"] == 10
     assert delta["acceptance_length"] == pytest.approx(2.0)
+
+
+def test_a_phase_delta_from_two_summaries():
+    """What a client holds is two /specrl/status summaries; their delta must equal the counters' own,
+    per position too (position 0's rate does not depend on how many drafts each step proposed)."""
+    before = metrics.from_prometheus_text(PROM_TEXT)
+    after = metrics.from_prometheus_text(
+        PROM_TEXT.replace(" 10.0", " 20.0").replace(" 15.0", " 22.0").replace("\"0\"} 8.0", "\"0\"} 12.0")
+        .replace("\"1\"} 5.0", "\"1\"} 7.0").replace("\"2\"} 2.0", "\"2\"} 3.0"))
+    direct = after.minus(before).summary()
+    via = metrics.SpecDecodeCounters.from_summary(after.summary()).minus(
+        metrics.SpecDecodeCounters.from_summary(before.summary())).summary()
+    assert via == direct
+    assert via["per_position_acceptance"] == pytest.approx([0.4, 0.2, 0.1])
+    assert via["acceptance_length"] == pytest.approx(1.7)
 
 
 def test_from_registry_sums_engines():

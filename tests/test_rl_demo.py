@@ -75,8 +75,11 @@ def test_speculative_run_chose_k_per_step(report):
     steps = data["runs"]["spec-async"]["steps"]
     assert all(s["mean_k"] is not None for s in steps), steps  # adaptive k reported every step
     assert any(s["acceptance_length"] for s in steps), "nothing was drafted"
+    for s in steps:  # the first draft's acceptance is a share of all accepted draft tokens
+        if s["acceptance_length"] is not None:
+            assert 0.0 <= s["accept_pos0"] <= s["acceptance_length"] - 1.0 + 1e-9, s
     for s in data["runs"]["plain"]["steps"]:
-        assert s["mean_k"] is None and s["acceptance_length"] is None
+        assert s["mean_k"] is None and s["acceptance_length"] is None and s["accept_pos0"] is None
         assert s["generation_bulk_s"] + s["generation_tail_s"] == pytest.approx(s["generation_s"])
 
 

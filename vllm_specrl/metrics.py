@@ -65,7 +65,15 @@ class SpecDecodeCounters:
             "per_position_acceptance": (
                 [self.accepted_per_position[p] / drafts for p in positions] if drafts else []
             ),
+            "accepted_per_position": [int(self.accepted_per_position[p]) for p in positions],
         }
+
+    @classmethod
+    def from_summary(cls, summary: dict[str, Any]) -> SpecDecodeCounters:
+        """The counters back from a ``summary()`` (e.g. two ``/specrl/status`` snapshots, to take the
+        delta of a phase with ``minus``)."""
+        return cls(summary["num_drafts"], summary["num_draft_tokens"], summary["num_accepted_tokens"],
+                   dict(enumerate(summary.get("accepted_per_position", []))))
 
 
 def from_prometheus_registry(registry: Any = None) -> SpecDecodeCounters:
