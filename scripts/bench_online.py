@@ -134,8 +134,7 @@ def main() -> None:
                 with ThreadPoolExecutor(8) as pool:
                     list(pool.map(one, batch))
                 st = client.status()
-                served = metrics.SpecDecodeCounters.from_summary(st["spec_decode"]).minus(
-                    metrics.SpecDecodeCounters.from_summary(before)).summary()
+                served = metrics.summary_delta(before, st["spec_decode"])
                 rec = last_trainer_record(log)
                 curve.append({"round": r, "acceptance_length": served["acceptance_length"] or 1.0,
                               "accept_pos0": (served["per_position_acceptance"] or [0.0])[0],

@@ -190,8 +190,7 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path, replay: d
                 # next-token distributions with every captured row.
                 t_sync = time.perf_counter() - t0
                 pause.unlink(missing_ok=True)
-                served = metrics.SpecDecodeCounters.from_summary(after["spec_decode"]).minus(
-                    metrics.SpecDecodeCounters.from_summary(before["spec_decode"])).summary()
+                served = metrics.summary_delta(before["spec_decode"], after["spec_decode"])
                 versions = sorted({(s["policy_version_start"], s["policy_version_end"]) for s in samples})
                 rec = {"step": step, "mean_reward": sum(s["reward"] for s in samples) / len(samples),
                        "rewards": [s["reward"] for s in samples], "loss": loss,

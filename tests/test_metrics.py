@@ -51,8 +51,7 @@ def test_a_phase_delta_from_two_summaries():
         PROM_TEXT.replace(" 10.0", " 20.0").replace(" 15.0", " 22.0").replace("\"0\"} 8.0", "\"0\"} 12.0")
         .replace("\"1\"} 5.0", "\"1\"} 7.0").replace("\"2\"} 2.0", "\"2\"} 3.0"))
     direct = after.minus(before).summary()
-    via = metrics.SpecDecodeCounters.from_summary(after.summary()).minus(
-        metrics.SpecDecodeCounters.from_summary(before.summary())).summary()
+    via = metrics.summary_delta(before.summary(), after.summary())
     assert via == direct
     assert via["per_position_acceptance"] == pytest.approx([0.4, 0.2, 0.1])
     assert via["acceptance_length"] == pytest.approx(1.7)

@@ -76,6 +76,11 @@ class SpecDecodeCounters:
                    dict(enumerate(summary.get("accepted_per_position", []))))
 
 
+def summary_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The summary of what accrued between two ``summary()`` snapshots (a phase, an RL step)."""
+    return SpecDecodeCounters.from_summary(after).minus(SpecDecodeCounters.from_summary(before)).summary()
+
+
 def from_prometheus_registry(registry: Any = None) -> SpecDecodeCounters:
     """Read the counters from a ``prometheus_client`` registry (default: the global one)."""
     import prometheus_client
