@@ -281,7 +281,8 @@ def replay_lengths(srv, policy: Policy, args: argparse.Namespace, runs: dict, mo
 
 
 def publish_gate_verdicts(log: Path) -> list[dict]:
-    """The online trainer's publish decisions (held-out estimates of the candidate and the served draft)."""
+    """The online trainer's publish decisions (held-out estimates of the candidate and the served draft),
+    and after each hold the policy versions its rest spans (``--rest-backoff-max``)."""
     if not log.exists():
         return []
     out = []
@@ -289,7 +290,8 @@ def publish_gate_verdicts(log: Path) -> list[dict]:
         record = json.loads(line)
         if record.get("gate"):
             out.append({"time": record["time"], "trainer_step": record["step"],
-                        "policy_version": record["policy_version"], **record["gate"]})
+                        "policy_version": record["policy_version"], **record["gate"],
+                        **({"rest_span_versions": record["rest_span_versions"]} if record.get("rest") else {})})
     return out
 
 

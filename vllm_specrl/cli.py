@@ -120,7 +120,8 @@ def _cmd_train_online(args: argparse.Namespace) -> int:
                        pause_file=str(args.pause_file) if args.pause_file else None,
                        holdout_every=args.holdout_every, publish_margin=args.publish_margin,
                        rest_after_hold=args.rest_after_hold,
-                       rest_sequences=args.rest_sequences, drafter="mtp" if args.mtp else "eagle3")
+                       rest_sequences=args.rest_sequences, rest_backoff_max=args.rest_backoff_max,
+                       drafter="mtp" if args.mtp else "eagle3")
     trainer = OnlineDraftTrainer(args.draft, args.target, cfg, _train_config(args), args.checkpoint_dir, args.log)
     print(json.dumps({"event": "started", "resumed_from_step": trainer.resumed_from_step,
                       "checkpoint_dir": str(trainer.checkpoint_dir)}), flush=True)
@@ -240,10 +241,14 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--rest-after-hold", action=argparse.BooleanOptionalAction, default=True,
                     help="online: when the gate holds a candidate as not better, return to the served draft's "
                          "weights and train no more until the next policy version or --rest-sequences new "
-                         "rollouts (--no-rest-after-hold: keep training the held candidate)")
+                         "rollouts, longer after each hold in a row (--rest-backoff-max) (--no-rest-after-hold: keep training the held candidate)")
     tr.add_argument("--rest-sequences", type=int, default=32,
                     help="online: a rest also ends after this many newly captured rollouts (0: only a new "
                          "policy version ends it)")
+    tr.add_argument("--rest-backoff-max", type=int, default=8,
+                    help="online: each hold in a row doubles the next rest (1, 2, 4, ... policy versions, and "
+                         "as many times --rest-sequences rollouts) up to this many versions; a publish resets it "
+                         "(1: every new policy version ends a rest)")
     tr.add_argument("--mtp", action="store_true",
                     help="online: train the policy's own MTP layer (an engine serving \"method\": \"mtp\"); "
                          "--draft is then the checkpoint holding the MTP layer to start from (the policy's)")

@@ -195,6 +195,50 @@ def test_a_rest_ends_after_enough_fresh_rollouts_under_the_same_policy(tiny_mode
         trainer.close()
 
 
+def test_holds_in_a_row_lengthen_the_rest_and_a_publish_resets_it(tiny_model, tmp_path):
+    """Each hold in a row doubles the policy versions (and fresh rollouts) the next rest spans, up to
+    ``rest_backoff_max``: a trainer that cannot beat the served draft stops spending shared cores on
+    every version; a published draft puts it back to one version."""
+    trainer, address = trainer_on_frames(tiny_model, tmp_path, holdout_every=4, publish_every=2, max_seconds=2.0,
+                                         rest_sequences=8, rest_backoff_max=4)
+    tx = None
+    try:
+        trainer.on_policy_version(0)
+
+        def resting_through(versions: range) -> list[bool]:
+            states = []
+            for version in versions:
+                trainer.on_policy_version(version)
+                states.append(trainer.resting())
+            return states
+
+        trainer.rest()  # first hold at version 0: the next version ends it
+        assert trainer.rest_span() == 1 and resting_through(range(1, 2)) == [False]
+        trainer.rest()  # second in a row, at version 1: two versions
+        assert trainer.report()["rest_span_versions"] == 2
+        assert resting_through(range(2, 4)) == [True, False]
+        trainer.rest()  # third, at version 3: four
+        assert resting_through(range(4, 8)) == [True, True, True, False]
+        trainer.rest()  # fourth, at version 7: capped at four
+        assert resting_through(range(8, 12)) == [True, True, True, False]
+        trainer.rest()  # at version 11; fresh rollouts end a rest only at rest_sequences x the span (8 x 4)
+        trainer.ingested += 31
+        assert trainer.resting()
+        trainer.ingested += 1
+        assert not trainer.resting() and trainer.report()["rest_span_versions"] == 0
+        # A candidate that wins is published (no engine here: the publish is a no-op that succeeds) and
+        # the next hold rests one version again.
+        trainer.gate.decide = lambda: {"publish": True, "reason": "better", "held_out": 4}
+        tx = send_sequences(address, 12, 12, 256, policy_version=11)
+        assert trainer.run()["steps"] >= 2 and trainer.holds_in_a_row == 0
+        trainer.rest()
+        assert trainer.rest_span() == 1 and resting_through(range(12, 13)) == [False]
+    finally:
+        if tx is not None:
+            tx.close()
+        trainer.close()
+
+
 class RestartingReplica:
     """A one-replica fleet serving draft ``version`` (``restart()`` puts it back to the draft on disk,
     version 0), recording each draft pushed to it."""

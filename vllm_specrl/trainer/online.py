@@ -92,6 +92,13 @@ class OnlineConfig:
     # rollouts stopped the trainer for the rest of the run. Enough fresh rollouts are fresh evidence
     # (and refresh most of the held-out set), so the trainer tries again from the served weights.
     rest_sequences: int = 32
+    # Back off: each hold in a row (no publish between them) doubles what the next rest spans, up to
+    # this many policy versions (and as many times ``rest_sequences``); a published draft resets it
+    # (1: every new policy version ends a rest). On shared cores a trainer that cannot beat the served
+    # draft, because the policy barely moved, took ~7% of `make demo`'s generation time for nothing;
+    # backing off keeps that cost to one version in ``rest_backoff_max`` while a policy that drifts,
+    # and so lets candidates win again, is followed every version.
+    rest_backoff_max: int = 8
     # While resting, how often to ask the replicas whether one restarted and lost the published draft.
     lost_draft_check_s: float = 5.0
     # While this file exists the trainer ingests frames but neither trains nor publishes: an RL loop
@@ -144,6 +151,7 @@ class OnlineDraftTrainer:
         self.resting_version: int | None = None  # policy version the trainer rests through (rest_after_hold)
         self.rest_began_at = 0  # ``ingested`` when the current rest began (rest_sequences ends it)
         self.rests = 0
+        self.holds_in_a_row = 0  # rests since the last publish: the current rest spans 2**(n-1) versions
         self.topk_targets = False  # whether captured sequences carry the engine's top-K logprobs
         self.draft_version = 0
         self.publish_errors = 0
@@ -235,22 +243,33 @@ class OnlineDraftTrainer:
     def paused(self) -> bool:
         return self.cfg.pause_file is not None and os.path.exists(self.cfg.pause_file)
 
+    def rest_span(self) -> int:
+        """Policy versions the current rest spans: 1, 2, 4, ... for each hold in a row, at most
+        ``rest_backoff_max``."""
+        return min(2 ** max(self.holds_in_a_row - 1, 0), max(self.cfg.rest_backoff_max, 1))
+
     def resting(self) -> bool:
-        """Resting after a held candidate: until the policy moves or ``rest_sequences`` new rollouts came."""
-        if self.resting_version is None or self.resting_version != self.policy_version:
+        """Resting after a held candidate: until the policy has moved ``rest_span()`` versions, or
+        ``rest_sequences`` x that many new rollouts came."""
+        if self.resting_version is None or self.policy_version is None:
+            return False
+        span = self.rest_span()
+        if self.policy_version != self.resting_version and not (
+                self.resting_version < self.policy_version < self.resting_version + span):
             return False
         fresh = self.ingested - self.rest_began_at
-        return not (self.cfg.rest_sequences and fresh >= self.cfg.rest_sequences)
+        return not (self.cfg.rest_sequences and fresh >= self.cfg.rest_sequences * span)
 
     def rest(self) -> None:
         """Drop the held candidate: the served draft's weights, a fresh optimizer, no training until the
-        policy moves (``on_policy_version`` changes ``policy_version``) or ``rest_sequences`` new rollouts
-        have been ingested."""
+        policy moves ``rest_span()`` versions (``on_policy_version`` changes ``policy_version``) or
+        ``rest_sequences`` x that many new rollouts have been ingested."""
         self.gate.revert()
         self.trainer.optimizer.state.clear()
         self.resting_version = self.policy_version
         self.rest_began_at = self.ingested
         self.rests += 1
+        self.holds_in_a_row += 1
 
     def can_train(self) -> bool:
         """Enough sequences, replay budget left, and neither paused by the RL loop nor resting."""
@@ -270,7 +289,8 @@ class OnlineDraftTrainer:
     def report(self) -> dict[str, Any]:
         """What the engine shows of this trainer (``/specrl/status`` ``draft_trainer``, ``/metrics``)."""
         return {"capture": self.capture_counts(), "steps": self.trainer.step_count,
-                "publish_gate": self.gate.status(), "rests": self.rests}
+                "publish_gate": self.gate.status(), "rests": self.rests,
+                "rest_span_versions": self.rest_span() if self.resting() else 0}
 
     def send_report(self) -> None:
         """The report alone, when the gate kept the served draft (a publish carries it otherwise)."""
@@ -367,10 +387,12 @@ class OnlineDraftTrainer:
                         record["publish"], record["engine_spec_decode"] = self.publish()
                         if record["publish"] is None or "error" not in record["publish"]:
                             self.gate.published(verdict)
+                            self.holds_in_a_row = 0
                     else:
                         if cfg.rest_after_hold and verdict["reason"] == "not_better":
                             self.rest()
                             record["rest"] = True
+                            record["rest_span_versions"] = self.rest_span()
                         self.send_report()
                     record["draft_version"] = self.draft_version
                 if step % cfg.checkpoint_every == 0:
