@@ -213,6 +213,10 @@ def _engine_server(cfg: dict) -> list[dict]:
             return metrics.from_prometheus_text(requests.get(srv.url + "/metrics", timeout=30).text)
 
         one((0, 0), 0.0)  # warm-up
+        if cfg.get("calibrate"):  # the start-up sweep a rollout server runs (`make demo` does); plain: a warm-up
+            from vllm_specrl.adaptive.calibrate import calibrate
+
+            calibrate(srv.url, model, max_batch=max(cfg["batch_sizes"]), seed=cfg["seed"])
         for temperature in cfg["temperatures"]:
             for batch in cfg["batch_sizes"]:
                 jobs = cell_jobs(cfg, batch)
@@ -405,6 +409,10 @@ def main() -> None:
                          "ratios per round and pooled, so engine-to-engine noise shows as spread")
     ap.add_argument("--warmup-steps", type=int, default=96,
                     help="tokens decoded at every batch size before measuring (adaptive k calibrates)")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="--mode server: run adaptive k's start-up calibration sweep (vllm_specrl.adaptive."
+                         "calibrate, what `make demo` runs) on every engine before measuring; plain engines get "
+                         "the same requests as a warm-up")
     ap.add_argument("--adaptive-max-k", type=int, default=3, help="k limit of eagle3-warm-adaptive")
     ap.add_argument("--adaptive-config", type=json.loads, default=None,
                     help='adaptive-k knobs as JSON (AdaptiveKConfig), e.g. \'{"elimination_z": 0}\'')
@@ -420,6 +428,8 @@ def main() -> None:
     ap.add_argument("--engine-timeout", type=float, default=1800)
     ap.add_argument("--out", type=Path, default=Path("results/bench_rollout.json"))
     args = ap.parse_args()
+    if args.calibrate and args.mode != "server":
+        ap.error("--calibrate sweeps through the server's HTTP API: it needs --mode server")
 
     if args._engine:
         cfg = json.loads(args._engine)
@@ -468,7 +478,7 @@ def main() -> None:
             "batch_sizes": [int(b) for b in args.batch_sizes.split(",")], "dtype": args.dtype,
             "max_model_len": args.max_model_len, "seed": args.seed, "log_dir": str(args.out.parent),
             "warmup_steps": args.warmup_steps, "adaptive_config": args.adaptive_config,
-            "rounds": args.rounds}
+            "rounds": args.rounds, "calibrate": args.calibrate}
     report = {"benchmark": "rollout_throughput", "model": model,
               "fixture": None if args.model else args.fixture, "drafts": drafts,
               "host": host_info(),
