@@ -241,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--rest-after-hold", action=argparse.BooleanOptionalAction, default=True,
                     help="online: when the gate holds a candidate as not better, return to the served draft's "
                          "weights and train no more until the next policy version or --rest-sequences new "
-                         "rollouts, longer after each hold in a row (--rest-backoff-max) (--no-rest-after-hold: keep training the held candidate)")
+                         "rollouts, longer after each hold in a row (--rest-backoff-max) "
+                         "(--no-rest-after-hold: keep training the held candidate)")
     tr.add_argument("--rest-sequences", type=int, default=32,
                     help="online: a rest also ends after this many newly captured rollouts (0: only a new "
                          "policy version ends it)")

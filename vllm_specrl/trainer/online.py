@@ -254,8 +254,7 @@ class OnlineDraftTrainer:
         if self.resting_version is None or self.policy_version is None:
             return False
         span = self.rest_span()
-        if self.policy_version != self.resting_version and not (
-                self.resting_version < self.policy_version < self.resting_version + span):
+        if not self.resting_version <= self.policy_version < self.resting_version + span:
             return False
         fresh = self.ingested - self.rest_began_at
         return not (self.cfg.rest_sequences and fresh >= self.cfg.rest_sequences * span)
