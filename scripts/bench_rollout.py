@@ -212,6 +212,16 @@ def _engine_server(cfg: dict) -> list[dict]:
         def counters():
             return metrics.from_prometheus_text(requests.get(srv.url + "/metrics", timeout=30).text)
 
+        def engine_state() -> dict | None:
+            """What the speculative engine did beside its counters: deferred draft-KV rows, adaptive k."""
+            if not spec:
+                return None
+            st = requests.get(srv.url + "/specrl/status", timeout=60).json()
+            workers = st.get("workers") or [{}]
+            ak = st.get("adaptive_k") or {}
+            return {"deferred_draft_kv": workers[0].get("deferred_draft_kv"),
+                    "adaptive_k": {key: ak.get(key) for key in ("chosen_k_counts", "explored_steps", "buckets")}}
+
         one((0, 0), 0.0)  # warm-up
         if cfg.get("calibrate"):  # the start-up sweep a rollout server runs (`make demo` does); plain: a warm-up
             from vllm_specrl.adaptive.calibrate import calibrate
@@ -230,6 +240,7 @@ def _engine_server(cfg: dict) -> list[dict]:
                 wall = time.perf_counter() - t0
                 stats = counters().minus(before).summary()
                 cells.append(_cell(temperature, batch, len(jobs), tokens, wall, stats if spec else None))
+                cells[-1]["engine_state"] = engine_state()
     return cells
 
 

@@ -47,6 +47,9 @@ TOUCH_POINTS: list[tuple[str, str, str, str]] = [
     ("v1/core/sched/scheduler.py", "Scheduler", "attrs:dynamic_sd_lookup,num_spec_tokens,scheduler_config",
      "adaptive k rewrites the k table"),
     ("v1/core/sched/async_scheduler.py", "AsyncScheduler", "class", "adaptive k (async engines)"),
+    ("v1/engine/core.py", "EngineCore.post_step", "function", "no draft fetch after a step that asked for none"),
+    ("v1/engine/core.py", "EngineCore", "attrs:scheduler,async_scheduling,vllm_config",
+     "no draft fetch after a step that asked for none"),
     ("v1/core/sched/output.py", "SchedulerOutput", "attrs:num_spec_tokens_to_schedule,scheduled_spec_decode_tokens,"
      "num_scheduled_tokens,scheduled_new_reqs", "adaptive k reads each step's shape"),
     ("v1/outputs.py", "ModelRunnerOutput", "attrs:req_ids,req_id_to_index,sampled_token_ids",

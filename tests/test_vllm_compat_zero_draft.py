@@ -1,17 +1,20 @@
-"""Steps without drafts take the plain sampler (``vllm_compat.install_zero_draft_plain_sampler``).
+"""Steps without drafts take the plain sampler (``vllm_compat.install_zero_draft_plain_sampler``)
+and are followed by no draft fetch (``vllm_compat.install_skip_empty_draft_fetch``).
 
 An EAGLE-3 engine held at k = 0 by vLLM's own batch-size table drafts nothing, so with
 the plugin every decode step skips the rejection sampler. Its seeded temperature-1
 tokens and their logprobs must be exactly plain vLLM's (same seeds, float32), and the
 runner must have counted the steps it routed; vLLM's own path (the knob off) gives
-the same tokens, so the shortcut changes cost, not output.
+the same tokens, so the shortcut changes cost, not output. The engine core skips the
+draft fetch after those steps, and only those: where the table asks for drafts (one
+request left), they must still reach the scheduler and be verified.
 """
 
 import pytest
 
 from helpers import result_json, run_python
 from prompts import code_prompts
-from vllm_specrl.vllm_compat import ZERO_DRAFT_ENV
+from vllm_specrl.vllm_compat import SKIP_EMPTY_DRAFT_FETCH_ENV, ZERO_DRAFT_ENV
 
 PROMPTS = code_prompts(8)
 
@@ -26,7 +29,8 @@ def seeded_run(model, speculative_config: dict | None, env: dict | None = None) 
                   for i in range({len(PROMPTS)})]
         outs = llm.generate({PROMPTS!r}, params, use_tqdm=False)
         routed = llm.collective_rpc(lambda w: getattr(w.model_runner, "_specrl_zero_draft_steps", 0))[0]
-        print("RESULT " + json.dumps({{
+        skipped = getattr(llm.llm_engine.engine_core.engine_core, "_specrl_skipped_draft_fetches", 0)
+        print("RESULT " + json.dumps({{"skipped": skipped,
             "tokens": [list(o.outputs[0].token_ids) for o in outs],
             "logprobs": [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
                          for o in outs],
@@ -62,3 +66,32 @@ def test_vllm_rejection_path_gives_the_same_tokens(tiny_model, held_at_zero, pla
     stock = seeded_run(tiny_model, held_at_zero, env={ZERO_DRAFT_ENV: "0"})
     assert stock["routed"] == 0
     assert stock["tokens"] == plain["tokens"]
+
+
+def test_no_draft_fetch_follows_a_step_without_drafts(held_at_zero, plain, tiny_model):
+    spec = seeded_run(tiny_model, held_at_zero)
+    assert spec["skipped"] >= 23, spec["skipped"]
+    stock = seeded_run(tiny_model, held_at_zero, env={SKIP_EMPTY_DRAFT_FETCH_ENV: "0"})
+    assert stock["skipped"] == 0
+    assert spec["tokens"] == stock["tokens"] == plain["tokens"]
+
+
+def test_drafts_asked_for_are_still_fetched_and_verified(tiny_model, warm_draft):
+    """Two requests at k = 0, then the longer one alone at k = 3: its drafts must be verified."""
+    spec = {"method": "eagle3", "model": str(warm_draft), "num_speculative_tokens": 3,
+            "draft_sample_method": "probabilistic", "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 64, 0]]}
+    out = result_json(run_python(f"""
+        import json
+        from vllm import LLM, SamplingParams
+        from vllm_specrl import metrics
+        llm = LLM(model={str(tiny_model)!r}, dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
+                  max_num_seqs=8, speculative_config={spec!r}, disable_log_stats=False)
+        params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (8, 40)]
+        llm.generate({PROMPTS[:2]!r}, params, use_tqdm=False)
+        skipped = getattr(llm.llm_engine.engine_core.engine_core, "_specrl_skipped_draft_fetches", 0)
+        print("RESULT " + json.dumps({{"skipped": skipped,
+                                       "drafts": metrics.from_llm_metrics(llm.get_metrics()).summary()}}))
+    """, env={"VLLM_PLUGINS": "specrl"}))
+    # ~32 steps alone at k = 3 (fewer when drafts are accepted): every one verified 3 drafts
+    assert out["drafts"]["num_draft_tokens"] >= 3 * 10, out
+    assert 5 <= out["skipped"] <= 8, out  # the steps both requests ran (k = 0), not the tail's

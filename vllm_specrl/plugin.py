@@ -60,6 +60,8 @@ def _install_registrations() -> list[str]:
                       vllm_compat.install_runner_step_timer))
         steps.append(("deferred_draft_kv", "deferred draft-KV sync at k = 0",
                       vllm_compat.install_deferred_draft_kv))
+        steps.append(("skip_empty_draft_fetch", "no draft fetch after steps without drafts",
+                      vllm_compat.install_skip_empty_draft_fetch))
         steps.append(("custom_proposer_binding", "runner batch for custom_class proposers (history)",
                       vllm_compat.install_custom_proposer_binding))
     done = []

@@ -78,6 +78,9 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 
 | ``GPUModelRunner._sample``, ``SpecDecode``     | zero-draft steps take the plain   | 0.32.0 (cpu)      |
 | ``Metadata.max_spec_len``                      | sampler (no rejection sampler)    |                   |
+| ``EngineCore.post_step`` (class wrap),        | no draft fetch after a step that  | 0.32.0 (cpu)      |
+| ``.scheduler/.async_scheduling/.vllm_config``, | asked for none (one engine-core   |                   |
+| ``Scheduler.schedule`` (class wrap)            | to worker RPC less per k = 0 step)|                   |
 | ``CPUModelRunner.execute_model/sample_tokens``| runner step time for adaptive k   | 0.32.0 (cpu)      |
 | (class wrap), attribute on ``ModelRunnerOutput``|                                 |                   |
 | ``GPUModelRunner.propose_draft_token_ids``    | custom_class proposers (history): | 0.32.0 (cpu)      |
@@ -775,6 +778,57 @@ def install_zero_draft_plain_sampler() -> str:
 
     GPUModelRunner._sample = _sample
     GPUModelRunner._specrl_zero_draft_plain = True
+    return "installed"
+
+
+# --- no draft fetch after a step that asked for none ----------------------------------
+#
+# After every step of a synchronously scheduled speculative engine,
+# ``EngineCore.post_step`` fetches the drafts the worker proposed
+# (``take_draft_token_ids``): with ``vllm serve``'s multi-process executor, one more
+# engine-core -> worker RPC per step, ~1 ms here (0.5 s of a 59 s 16-sequence cell
+# whose steps were mostly k = 0, py-spy). A step scheduled with
+# ``num_spec_tokens_to_schedule == 0`` (adaptive k or vLLM's batch-size table at k = 0)
+# proposes an empty draft per request, and the scheduler already cleared every
+# request's ``spec_token_ids`` when it scheduled the step, so the fetch changes
+# nothing: it is skipped. Not for ``custom_class`` proposers, which vLLM 0.32 does not
+# hand the step's k (they draft at k = 0 steps too, and those drafts are then scheduled,
+# truncated to the next step's k). ``VLLM_SPECRL_SKIP_EMPTY_DRAFT_FETCH=0`` keeps
+# vLLM's path. Checked on 0.32.0 (cpu).
+
+SKIP_EMPTY_DRAFT_FETCH_ENV = "VLLM_SPECRL_SKIP_EMPTY_DRAFT_FETCH"
+
+
+def install_skip_empty_draft_fetch() -> str:
+    """Skip ``take_draft_token_ids`` after steps that asked for no drafts (see above); counts skips
+    on the engine core (``_specrl_skipped_draft_fetches``)."""
+    if os.environ.get(SKIP_EMPTY_DRAFT_FETCH_ENV, "1") == "0":
+        return f"off ({SKIP_EMPTY_DRAFT_FETCH_ENV}=0)"
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCore
+
+    if getattr(EngineCore, "_specrl_skip_empty_draft_fetch", False):
+        return "installed"
+    if _signature_names(EngineCore.post_step) != ["self", "model_executed"]:
+        return "not installed (EngineCore.post_step is not the method checked on 0.32.0)"
+    stock_schedule, stock_post_step = Scheduler.schedule, EngineCore.post_step
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        out = stock_schedule(self, *args, **kwargs)
+        self._specrl_drafts_asked = out.num_spec_tokens_to_schedule
+        return out
+
+    def post_step(self, model_executed: bool) -> None:
+        spec = self.vllm_config.speculative_config
+        if (model_executed and not self.async_scheduling and spec is not None and spec.method != "custom_class"
+                and getattr(self.scheduler, "_specrl_drafts_asked", None) == 0):
+            self._specrl_skipped_draft_fetches = getattr(self, "_specrl_skipped_draft_fetches", 0) + 1
+            return
+        stock_post_step(self, model_executed)
+
+    Scheduler.schedule = schedule
+    EngineCore.post_step = post_step
+    EngineCore._specrl_skip_empty_draft_fetch = True
     return "installed"
 
 
