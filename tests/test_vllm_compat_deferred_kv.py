@@ -30,7 +30,10 @@ draft_kv_stash.DraftKVStash.take = lambda self, *a: _take(self, *a) and None
 """
 
 
-def tail_run(model, draft, env: dict | None = None, plant: str = "", parallel: bool = False) -> dict:
+def tail_run(model, draft, env: dict | None = None, plant: str = "", parallel: bool = False,
+             greedy_waves: list[list[int]] | None = None, max_num_seqs: int = 8) -> dict:
+    """Greedy waves (max_tokens per request, one wave after another) with their drafts recorded,
+    then a seeded temperature-1 wave of ``MAX_TOKENS``."""
     spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3,
             "draft_sample_method": "probabilistic",
             "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 64, 0]],
@@ -40,13 +43,16 @@ def tail_run(model, draft, env: dict | None = None, plant: str = "", parallel: b
         from vllm import LLM, SamplingParams
         from vllm_specrl import vllm_compat
         llm = LLM(model={str(model)!r}, dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
-                  max_num_seqs=8, speculative_config={spec!r})
+                  max_num_seqs={max_num_seqs}, speculative_config={spec!r})
         drafts = []
         llm.collective_rpc(lambda w: vllm_compat.install_draft_recorder(w.model_runner, lambda records: drafts.extend(
             [r["request_id"].split("-")[0], r["base_position"], r["draft_token_ids"]] for r in records
             if r["draft_token_ids"])) and None)
-        greedy = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in {MAX_TOKENS!r}]
-        tokens = [list(o.outputs[0].token_ids) for o in llm.generate({PROMPTS!r}, greedy, use_tqdm=False)]
+        tokens = []
+        for wave in {greedy_waves or [MAX_TOKENS]!r}:
+            greedy = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in wave]
+            tokens += [list(o.outputs[0].token_ids) for o in llm.generate({PROMPTS!r}[:len(wave)], greedy,
+                                                                          use_tqdm=False)]
         greedy_drafts = list(drafts)
         seeded = [SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True, seed=50 + i)
                   for i, m in enumerate({MAX_TOKENS!r})]
@@ -99,6 +105,32 @@ def test_deferred_passes_rebuild_the_draft_kv_exactly(stock, deferred):
 def test_outputs_are_unchanged(stock, deferred):
     assert deferred["tokens"] == stock["tokens"]
     assert deferred["sampled"] == stock["sampled"]
+
+
+# Two at a time (max_num_seqs = 2), so requests join a running batch at k = 0: the joining step's
+# prompt is passed alone and the running request's row is held. Wave 1: the survivor (80 tokens)
+# decoded beside two joins; wave 2: the survivor (90) joined a running batch itself.
+JOINING_WAVES = [[6, 80, 10, 10], [6, 40, 10, 90]]
+
+
+@pytest.fixture(scope="module")
+def joining_stock(tiny_model, drafter):
+    draft, parallel = drafter
+    return tail_run(tiny_model, draft, env={DEFER_DRAFT_KV_ENV: "0"}, parallel=parallel,
+                    greedy_waves=JOINING_WAVES, max_num_seqs=2)
+
+
+def test_requests_joining_at_k0_leave_the_held_rows_held(tiny_model, drafter, joining_stock):
+    draft, parallel = drafter
+    joined = tail_run(tiny_model, draft, parallel=parallel, greedy_waves=JOINING_WAVES, max_num_seqs=2)
+    c = joined["counters"]
+    # 2 joins per greedy wave, 2 in the seeded one (4 requests, two at a time)
+    assert c["prompt_passes"] >= 6, c
+    assert c["rows_deferred"] == c["rows_replayed"] + c["rows_dropped"] + c["rows_held"], c
+    same, compared = same_drafts(joined, joining_stock)
+    assert compared >= 2 * 15 and compared == len(joining_stock["drafts"]), (compared, len(joining_stock["drafts"]))
+    assert same == compared, f"{compared - same} of {compared} tail drafts differ from vLLM's own KV sync"
+    assert joined["tokens"] == joining_stock["tokens"] and joined["sampled"] == joining_stock["sampled"]
 
 
 def test_holes_in_the_draft_kv_would_be_seen(tiny_model, drafter, stock):

@@ -59,6 +59,7 @@ class StashCounters:
     rows_replayed: int = 0
     rows_dropped: int = 0        # held for requests that finished, were preempted or skipped a step
     replays: int = 0
+    prompt_passes: int = 0       # k = 0 steps whose prompt chunks were passed alone, their decodes held
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
