@@ -114,15 +114,15 @@ def test_summary_table_and_plot(report):
 
 def test_runs_start_calibrated_or_warmed_up_alike(report):
     """Before step 0 the speculative run's adaptive k measured every k at each batch size the steps
-    run at (8, 4, 2, 1 here), the plain run got the same requests as a warm-up, and each run ran in
+    run at (8, 7, 5, 3, 2, 1 here: each bucket's largest), the plain run got the same requests as a warm-up, and each run ran in
     a process of its own with its own trainer warm-up, so no run pays a start-up cost in its timed
     steps and none reuses a heap that a run before it grew."""
     data, _ = report
     spec = data["runs"]["spec-async"]["calibration"]
-    assert spec["adaptive_k"] and [b["batch"] for b in spec["batches"]] == [8, 4, 2, 1], spec
+    assert spec["adaptive_k"] and [b["batch"] for b in spec["batches"]] == [8, 7, 5, 3, 2, 1], spec
     assert all(b["swept"] for b in spec["batches"]), spec
     plain = data["runs"]["plain"]["calibration"]
-    assert not plain["adaptive_k"] and [b["batch"] for b in plain["batches"]] == [8, 4, 2, 1], plain
+    assert not plain["adaptive_k"] and [b["batch"] for b in plain["batches"]] == [8, 7, 5, 3, 2, 1], plain
     runs = data["runs"].values()
     assert all(r["trainer_warm_up_s"] > 0 for r in runs)
     assert len({r["pid"] for r in runs} | {data["pid"]}) == len(data["runs"]) + 1

@@ -8,8 +8,8 @@ from vllm_specrl.adaptive.calibrate import (bucket_label, calibration_batch_size
 from vllm_specrl.adaptive.controller import AdaptiveKController
 
 
-@pytest.mark.parametrize("max_batch, sizes", [(16, [16, 8, 4, 2, 1]), (12, [12, 4, 2, 1]), (1, [1]),
-                                              (3, [3, 1])])
+@pytest.mark.parametrize("max_batch, sizes", [(16, [16, 15, 11, 7, 5, 3, 2, 1]), (12, [12, 11, 7, 5, 3, 2, 1]),
+                                              (1, [1]), (3, [3, 2, 1]), (4, [4, 3, 2, 1])])
 def test_one_batch_size_per_bucket_up_to_the_largest(max_batch, sizes):
     assert calibration_batch_sizes(max_batch) == sizes
     labels = AdaptiveKController(3, 256).state()["buckets"]

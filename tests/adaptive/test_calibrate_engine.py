@@ -45,9 +45,9 @@ def test_a_sweep_measures_every_k_and_leaves_acceptance_to_the_workload(server):
     before = server.status()["adaptive_k"]
     report = calibrate(server.url, max_batch=4)
     after = server.status()["adaptive_k"]
-    assert report["adaptive_k"] and [b["batch"] for b in report["batches"]] == [4, 2, 1], report
+    assert report["adaptive_k"] and [b["batch"] for b in report["batches"]] == [4, 3, 2, 1], report
     assert all(b["swept"] for b in report["batches"]), report
-    for label in ("4-7", "2-3", "1-1"):
+    for label in ("4-5", "3-3", "2-2", "1-1"):
         bucket = after["buckets"][label]
         assert bucket["swept"] and bucket["calibrated"] and not bucket["from_neighbour"], (label, bucket)
     assert not after["buckets"]["8-8"]["swept"]
@@ -63,4 +63,4 @@ def test_a_sweep_measures_every_k_and_leaves_acceptance_to_the_workload(server):
 
 def test_a_second_sweep_finds_every_bucket_done(server):
     report = calibrate(server.url, max_batch=4)
-    assert [b["rounds"] for b in report["batches"]] == [1, 1, 1], report
+    assert [b["rounds"] for b in report["batches"]] == [1, 1, 1, 1], report

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from vllm_specrl.adaptive.controller import (AcceptanceTracker, AdaptiveKConfig, AdaptiveKController,
-                                             RelativeCost, batch_bucket)
+                                             RelativeCost, batch_bucket, bucket_bounds)
 
 
 def simulate(ctl: AdaptiveKController, batch: int, accept: float, cost, steps: int, seed: int = 0,
@@ -55,7 +55,17 @@ def best_k(batch: int, accept: float, max_k: int = 3) -> int:
 
 
 def test_buckets():
-    assert [batch_bucket(b) for b in (1, 2, 3, 4, 7, 8, 16, 31, 32)] == [0, 1, 1, 2, 2, 3, 4, 4, 5]
+    sizes = (1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 15, 16, 23, 24, 31, 32, 47, 48)
+    assert [batch_bucket(b) for b in sizes] == [0, 1, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8, 9, 9, 10]
+    for b in range(1, 300):
+        lo, hi = bucket_bounds(batch_bucket(b))
+        assert lo <= b <= hi and hi < 1.5 * lo + 1, (b, lo, hi)  # half octaves: within 1.5x of each other
+    assert [bucket_bounds(i) for i in range(7)] == [(1, 1), (2, 2), (3, 3), (4, 5), (6, 7), (8, 11), (12, 15)]
+
+
+def label(batch: int, max_batch: int = 10 ** 6) -> str:
+    lo, hi = bucket_bounds(batch_bucket(batch))
+    return f"{lo}-{min(hi, max_batch)}"
 
 
 def test_never_accepted_drafts_give_k_zero():
@@ -121,8 +131,7 @@ def test_a_new_batch_size_starts_from_its_calibrated_neighbour(accept, first, th
         simulate(ctl, batch=then, accept=accept, cost=cpu_cost, steps=1, seed=1)
         assert (ctl.k_for(then) == neighbours_k) if share else (ctl.k_for(then) == 0)
         simulate(ctl, batch=then, accept=accept, cost=cpu_cost, steps=400, seed=2)
-        assert ctl.state()["buckets"][f"{2 ** batch_bucket(then)}-{2 ** (batch_bucket(then) + 1) - 1}"][
-            "from_neighbour"] is share
+        assert ctl.state()["buckets"][label(then)]["from_neighbour"] is share
         return ctl.explored_steps - explored, ctl.k_for(then)
 
     shared, alone = run(True), run(False)
@@ -134,9 +143,9 @@ def test_a_new_batch_size_starts_from_its_calibrated_neighbour(accept, first, th
 
 @pytest.mark.parametrize("warm_up_first", [False, True])
 def test_a_small_bucket_starts_from_the_nearest_larger_calibrated_bucket(warm_up_first):
-    """A 4-sequence workload's waves end in tails of 2-3, then 1 sequence: the 2-3 bucket inherits
-    the 4-7 bucket's k, and the 1-sequence bucket, whose only neighbour is that inherited bucket,
-    starts from the 4-7 bucket too and climbs to the optimum -- also when it ran a few steps before
+    """A 4-sequence workload's waves end in tails of 2-3, then 1 sequence: the 2 bucket inherits
+    the 4-5 bucket's k, and the 1-sequence bucket, whose only neighbour is that inherited bucket,
+    starts from the 4-5 bucket too and climbs to the optimum -- also when it ran a few steps before
     any bucket was calibrated (an engine's one-sequence warm-up): it adopts the donor when one
     appears. It used to calibrate from nothing in the few tail steps it got, serving k = 0 where
     k = 3 is best."""
@@ -147,7 +156,7 @@ def test_a_small_bucket_starts_from_the_nearest_larger_calibrated_bucket(warm_up
         assert not ctl.state()["buckets"]["1-1"]["calibrated"]
     simulate(ctl, batch=4, accept=accept, cost=cpu_cost, steps=300)
     simulate(ctl, batch=2, accept=accept, cost=cpu_cost, steps=20, seed=1)
-    assert ctl.state()["buckets"]["2-3"]["from_neighbour"]
+    assert ctl.state()["buckets"]["2-2"]["from_neighbour"]
     simulate(ctl, batch=1, accept=accept, cost=cpu_cost, steps=1, seed=2)
     assert ctl.state()["buckets"]["1-1"]["from_neighbour"]
     assert ctl.k_for(1) == ctl.k_for(4) > 0
@@ -195,16 +204,16 @@ def test_a_start_up_sweep_measures_every_k_in_every_bucket_it_reaches():
     see): every k measured to ``sweep_samples`` in each bucket swept; buckets it did not reach stay
     as they were; the acceptance estimate is untouched; no step counts as live exploration."""
     ctl = AdaptiveKController(3, 32)
-    for batch, label in ((16, "16-31"), (4, "4-7"), (1, "1-1")):
+    for batch, name in ((16, "16-23"), (4, "4-5"), (1, "1-1")):
         before = list(ctl.chosen_counts)
         sweep(ctl, batches=(batch,))
         steps_at = [n - m for n, m in zip(ctl.chosen_counts, before)]
         assert all(n >= ctl.cfg.sweep_samples for n in steps_at), (batch, steps_at)
-        bucket = ctl.state()["buckets"][label]
-        assert bucket["swept"] and bucket["calibrated"] and not bucket["from_neighbour"], (label, bucket)
+        bucket = ctl.state()["buckets"][name]
+        assert bucket["swept"] and bucket["calibrated"] and not bucket["from_neighbour"], (name, bucket)
     state = ctl.state()
-    for label in ("2-3", "8-15"):
-        assert not state["buckets"][label]["swept"] and not state["buckets"][label]["calibrated"]
+    for name in ("2-2", "3-3", "8-11", "12-15"):
+        assert not state["buckets"][name]["swept"] and not state["buckets"][name]["calibrated"]
     assert state["acceptance_drafts"] == [0.0, 0.0, 0.0]
     assert state["explored_steps"] == 0 and state["calibration_steps"] == 600
 

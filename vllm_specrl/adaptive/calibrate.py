@@ -6,7 +6,8 @@ first answers end, too few steps to measure k = 0..3 in, so every bucket spends 
 steps at k's that cannot pay (1.3-2.2 plain steps each at 16 sequences on a 2-core CPU).
 Costs belong to the hardware and the models, not to the prompts, so they can be measured
 once, at start-up, like vLLM captures its CUDA graphs per batch size: a few synthetic
-requests of ``n`` = 16, 8, 4, 2, 1 sequences (one batch bucket each, ``ignore_eos``), which
+requests of ``n`` = 16, 15, 11, 7, 5, 3, 2, 1 sequences (one batch bucket each, its largest
+batch; ``ignore_eos``), which
 the scheduler recognises by their request ids and sweeps every k on. Their acceptance is
 kept out of the controller's estimate: drafts of the real workload choose k from the first
 real step on.
@@ -23,6 +24,8 @@ import uuid
 from collections.abc import Iterable
 
 import requests
+
+from vllm_specrl.adaptive.controller import batch_bucket, bucket_bounds
 
 CALIBRATION_ID_PREFIX = "specrl-calibrate-"
 PROMPT = "Count from one to one thousand in words, one number per line:\n"
@@ -46,11 +49,11 @@ def only_calibration(request_ids: Iterable[str]) -> bool:
 
 
 def calibration_batch_sizes(max_batch: int) -> list[int]:
-    """``max_batch`` and the powers of two of the buckets below it, largest first: one per bucket."""
+    """One batch size per bucket up to ``max_batch``, largest first: each bucket's largest (its
+    costliest: a k measured there is served at no batch where it costs more), ``max_batch`` for its own."""
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-    sizes = [max_batch] + [2 ** i for i in range(max_batch.bit_length() - 2, -1, -1)]
-    return sorted(set(sizes), reverse=True)
+    return [min(bucket_bounds(b)[1], max_batch) for b in range(batch_bucket(max_batch), -1, -1)]
 
 
 def bucket_label(buckets: dict, batch: int) -> str | None:

@@ -6,8 +6,8 @@ Two estimates, both kept current from the engine's own steps:
   positions < j were (exponentially decayed counts per position, so a policy update
   that moves the draft's quality is followed within a few hundred drafts). Expected
   tokens per request and step with k drafts: ``1 + sum_{j<k} prod_{i<=j} c_i``.
-* **cost**: the wall time of a decode step, per batch-size bucket (1, 2-3, 4-7,
-  8-15, ...) and k, *relative to the k being served*, from steady steps (every
+* **cost**: the wall time of a decode step, per batch-size bucket (half octaves: 1, 2, 3,
+  4-5, 6-7, 8-11, 12-15, ...) and k, *relative to the k being served*, from steady steps (every
   request verifying k drafts and drafting k more) measured in pairs (``RelativeCost``).
   Where the worker times its model runner (CPU), a step is that time plus the median
   time outside it, not the raw interval between outputs.
@@ -53,8 +53,28 @@ import numpy as np
 
 
 def batch_bucket(batch: int) -> int:
-    """0 for 1 sequence, 1 for 2-3, 2 for 4-7, ... (floor of log2)."""
-    return max(batch, 1).bit_length() - 1
+    """0 for 1 sequence, 1 for 2, 2 for 3, 3 for 4-5, 4 for 6-7, 5 for 8-11, 6 for 12-15, ...
+
+    Half octaves: on a CPU a verify pass turns from memory-bound to compute-bound between a few rows
+    and a few tens, so what k costs changes within an octave. Octave buckets calibrated at their
+    lower end served k = 3 to 3 sequences at the cost measured at 2 (12 rows verified, not 8: the
+    long tail of a `make demo` step), and k = 1 to a refilled 16-sequence batch whenever it dipped
+    to 15 for a step, at the cost measured at 8."""
+    b = max(batch, 1)
+    octave = b.bit_length() - 1
+    if octave == 0:
+        return 0
+    return 2 * octave - 1 + (b >= 3 << (octave - 1))
+
+
+def bucket_bounds(bucket: int) -> tuple[int, int]:
+    """The smallest and largest batch size of ``bucket`` (``batch_bucket``'s inverse)."""
+    if bucket == 0:
+        return 1, 1
+    octave, upper_half = (bucket + 1) // 2, bucket % 2 == 0
+    if upper_half:
+        return 3 << (octave - 1), (1 << (octave + 1)) - 1
+    return 1 << octave, (3 << (octave - 1)) - 1
 
 
 @dataclass
@@ -458,7 +478,7 @@ class AdaptiveKController:
                 "expected_tokens_per_step": [round(float(t), 4) for t in tokens],
                 "calibrated": any(b.calibrated for b in self.buckets),
                 "step_overhead_ms": round(1e3 * float(np.mean(self.overheads)), 3) if self.overheads else None,
-                "buckets": {f"{2 ** i}-{min(2 ** (i + 1) - 1, self.max_batch)}": {
+                "buckets": {f"{bucket_bounds(i)[0]}-{min(bucket_bounds(i)[1], self.max_batch)}": {
                     "best_k": b.best, "calibrated": b.calibrated, "from_neighbour": b.inherited,
                     "swept": b.swept,
                     "served_step_ms": None if np.isnan(b.cost.served_seconds)
