@@ -48,7 +48,7 @@ TOUCH_POINTS: list[tuple[str, str, str, str]] = [
      "adaptive k rewrites the k table"),
     ("v1/core/sched/async_scheduler.py", "AsyncScheduler", "class", "adaptive k (async engines)"),
     ("v1/engine/core.py", "EngineCore.post_step", "function", "no draft fetch after a step that asked for none"),
-    ("v1/engine/core.py", "EngineCore", "attrs:scheduler,async_scheduling,vllm_config",
+    ("v1/engine/core.py", "EngineCore", "attrs:scheduler,async_scheduling,vllm_config,batch_queue",
      "no draft fetch after a step that asked for none"),
     ("v1/core/sched/output.py", "SchedulerOutput", "attrs:num_spec_tokens_to_schedule,scheduled_spec_decode_tokens,"
      "num_scheduled_tokens,scheduled_new_reqs", "adaptive k reads each step's shape"),

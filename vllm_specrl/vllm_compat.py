@@ -79,7 +79,8 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | ``GPUModelRunner._sample``, ``SpecDecode``     | zero-draft steps take the plain   | 0.32.0 (cpu)      |
 | ``Metadata.max_spec_len``                      | sampler (no rejection sampler)    |                   |
 | ``EngineCore.post_step`` (class wrap),        | no draft fetch after a step that  | 0.32.0 (cpu)      |
-| ``.scheduler/.async_scheduling/.vllm_config``, | asked for none (one engine-core   |                   |
+| ``.scheduler/.async_scheduling/.vllm_config/``| asked for none (one engine-core   |                   |
+| ``.batch_queue``,                              |                                   |                   |
 | ``Scheduler.schedule`` (class wrap)            | to worker RPC less per k = 0 step)|                   |
 | ``CPUModelRunner.execute_model/sample_tokens``| runner step time for adaptive k   | 0.32.0 (cpu)      |
 | (class wrap), attribute on ``ModelRunnerOutput``|                                 |                   |
@@ -820,8 +821,9 @@ def install_skip_empty_draft_fetch() -> str:
 
     def post_step(self, model_executed: bool) -> None:
         spec = self.vllm_config.speculative_config
-        if (model_executed and not self.async_scheduling and spec is not None and spec.method != "custom_class"
-                and getattr(self.scheduler, "_specrl_drafts_asked", None) == 0):
+        # With a batch queue (pipeline parallel) the step that finished is not always the last scheduled.
+        if (model_executed and not self.async_scheduling and self.batch_queue is None and spec is not None
+                and spec.method != "custom_class" and getattr(self.scheduler, "_specrl_drafts_asked", None) == 0):
             self._specrl_skipped_draft_fetches = getattr(self, "_specrl_skipped_draft_fetches", 0) + 1
             return
         stock_post_step(self, model_executed)
@@ -1641,8 +1643,6 @@ class DeferredDraftKV:
                 and DeferredDraftKV.stash_rows(drafter) >= int(drafter.max_batch_size))
 
     def propose(self, **kw: Any) -> Any:
-        import torch
-
         cam = kw["common_attn_metadata"]
         n = cam.num_reqs
         req_ids = self.runner.input_batch.req_ids[:n]
