@@ -54,8 +54,13 @@ def plain(tiny_model):
     return seeded_run(tiny_model, None)
 
 
-def test_zero_draft_steps_sample_exactly_as_plain_vllm(tiny_model, held_at_zero, plain):
-    spec = seeded_run(tiny_model, held_at_zero)
+@pytest.fixture(scope="module")
+def spec_at_zero(tiny_model, held_at_zero):
+    return seeded_run(tiny_model, held_at_zero)
+
+
+def test_zero_draft_steps_sample_exactly_as_plain_vllm(spec_at_zero, plain):
+    spec = spec_at_zero
     assert spec["routed"] >= 23, spec["routed"]  # every decode step of the wave had no drafts
     assert spec["tokens"] == plain["tokens"]
     flat = lambda rows: [x for row in rows for x in row]  # noqa: E731
@@ -68,8 +73,8 @@ def test_vllm_rejection_path_gives_the_same_tokens(tiny_model, held_at_zero, pla
     assert stock["tokens"] == plain["tokens"]
 
 
-def test_no_draft_fetch_follows_a_step_without_drafts(held_at_zero, plain, tiny_model):
-    spec = seeded_run(tiny_model, held_at_zero)
+def test_no_draft_fetch_follows_a_step_without_drafts(tiny_model, held_at_zero, spec_at_zero, plain):
+    spec = spec_at_zero
     assert spec["skipped"] >= 23, spec["skipped"]
     stock = seeded_run(tiny_model, held_at_zero, env={SKIP_EMPTY_DRAFT_FETCH_ENV: "0"})
     assert stock["skipped"] == 0
