@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from vllm_specrl.adaptive.calibrate import bucket_label
 from vllm_specrl.adaptive.controller import (AcceptanceTracker, AdaptiveKConfig, AdaptiveKController,
                                              RelativeCost, batch_bucket, bucket_bounds)
 
@@ -61,11 +62,6 @@ def test_buckets():
         lo, hi = bucket_bounds(batch_bucket(b))
         assert lo <= b <= hi and hi < 1.5 * lo + 1, (b, lo, hi)  # half octaves: within 1.5x of each other
     assert [bucket_bounds(i) for i in range(7)] == [(1, 1), (2, 2), (3, 3), (4, 5), (6, 7), (8, 11), (12, 15)]
-
-
-def label(batch: int, max_batch: int = 10 ** 6) -> str:
-    lo, hi = bucket_bounds(batch_bucket(batch))
-    return f"{lo}-{min(hi, max_batch)}"
 
 
 def test_never_accepted_drafts_give_k_zero():
@@ -131,7 +127,8 @@ def test_a_new_batch_size_starts_from_its_calibrated_neighbour(accept, first, th
         simulate(ctl, batch=then, accept=accept, cost=cpu_cost, steps=1, seed=1)
         assert (ctl.k_for(then) == neighbours_k) if share else (ctl.k_for(then) == 0)
         simulate(ctl, batch=then, accept=accept, cost=cpu_cost, steps=400, seed=2)
-        assert ctl.state()["buckets"][label(then)]["from_neighbour"] is share
+        buckets = ctl.state()["buckets"]
+        assert buckets[bucket_label(buckets, then)]["from_neighbour"] is share
         return ctl.explored_steps - explored, ctl.k_for(then)
 
     shared, alone = run(True), run(False)
