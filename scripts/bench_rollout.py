@@ -22,6 +22,9 @@ frameworks drive rollout servers). Output: a JSON file and a PNG next to it.
 ``--rounds N`` runs every engine N times in turn (plain, each method, plain again,
 ...): on 2 cores two engines doing the same work read up to ~20% apart in one run,
 so each cell's ratio is reported per round and pooled over rounds (``pooled``).
+``--interleave S`` keeps a round's engines alive together and measures each cell S times on each,
+one engine after another: the same engine's speed drifts by 10-15% over a minute on this VM, and
+engines measured one after another take that drift into their ratio; interleaved, every method sees it.
 
     python scripts/bench_rollout.py --fixture real            # the full sweep
     python scripts/bench_rollout.py --methods plain,ngram --ks 3 --batch-sizes 4
@@ -41,6 +44,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from vllm_specrl.adaptive import SCHEDULER_CLS
@@ -85,20 +89,29 @@ def speculative_config(method: str, k: int, drafts: dict[str, str]) -> dict | No
             "draft_sample_method": "probabilistic"}
 
 
-def cell_jobs(cfg: dict, batch: int) -> list[tuple[int, int]]:
-    """(prompt index, seed) per request: ``samples`` consecutive requests share a prompt."""
+def cell_jobs(cfg: dict, batch: int, slice_index: int = 0) -> list[tuple[int, int]]:
+    """(prompt index, seed) per request: ``samples`` consecutive requests share a prompt; each
+    interleaved slice samples the same prompts with its own seeds (the same in every engine)."""
     n = batch * cfg["waves"]
-    return [((j // cfg["samples"]) % len(cfg["prompts"]), cfg["seed"] + j) for j in range(n)]
+    return [((j // cfg["samples"]) % len(cfg["prompts"]), cfg["seed"] + slice_index * n + j) for j in range(n)]
+
+
+def _drive(cfg: dict, run_cells) -> list[dict] | None:
+    """Measure once and return the cells, or, with ``--interleave``, measure one slice per command
+    from the parent until it says quit (``bench_engine.serve_commands``)."""
+    if cfg.get("interleave"):
+        from vllm_specrl.bench_engine import serve_commands
+
+        serve_commands(run_cells)
+        return None
+    return run_cells({})
 
 
 # --- one engine, run in a subprocess ---------------------------------------------
 
-def _engine_offline(cfg: dict) -> list[dict]:
+def _engine_offline(cfg: dict) -> list[dict] | None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
-
-    from vllm_specrl import metrics
-    from vllm_specrl.adaptive import state as adaptive_state
 
     spec = cfg["speculative_config"]
     llm = LLM(model=cfg["model"], dtype=cfg["dtype"], enforce_eager=True, seed=cfg["seed"],
@@ -120,34 +133,49 @@ def _engine_offline(cfg: dict) -> list[dict]:
         llm.generate([prompts[-1 - i % len(prompts)] for i in range(batch)],
                      [SamplingParams(max_tokens=cfg["warmup_steps"], temperature=1.0, ignore_eos=True,
                                      seed=1 + i) for i in range(batch)], use_tqdm=False)
-    cells = []
-    for temperature in cfg["temperatures"]:
-        for batch in cfg["batch_sizes"]:
-            jobs = cell_jobs(cfg, batch)
-            before = metrics.from_llm_metrics(llm.get_metrics())
-            k_before = (adaptive_state.read() or {}).get("chosen_k_counts")
-            tokens, t0 = 0, time.perf_counter()
 
-            def params(seed: int) -> SamplingParams:
-                return SamplingParams(temperature=temperature, max_tokens=cfg["max_tokens"],
-                                      ignore_eos=cfg["ignore_eos"], seed=seed)
+    def run_cells(command: dict) -> list[dict]:
+        cells = []
+        for temperature in cfg["temperatures"]:
+            for batch in cfg["batch_sizes"]:
+                cells.append(_offline_cell(cfg, llm, prompts, temperature, batch, command.get("slice", 0)))
+        return cells
 
-            if cfg.get("refill"):
-                tokens = _run_refilled(llm.llm_engine, [(prompts[i], params(seed)) for i, seed in jobs], batch)
-            else:
-                for w in range(0, len(jobs), batch):
-                    wave = jobs[w:w + batch]
-                    outs = llm.generate([prompts[i] for i, _ in wave], [params(seed) for _, seed in wave],
-                                        use_tqdm=False)
-                    tokens += sum(len(o.outputs[0].token_ids) for o in outs)
-            wall = time.perf_counter() - t0
-            stats = metrics.from_llm_metrics(llm.get_metrics()).minus(before).summary()
-            cells.append(_cell(temperature, batch, len(jobs), tokens, wall, stats if spec else None))
-            if cfg.get("scheduler_cls"):
-                state = adaptive_state.read() or {}
-                cells[-1]["adaptive_k"] = chosen_k(k_before, state.get("chosen_k_counts"))
-                cells[-1]["adaptive_k"]["controller"] = state
-    return cells
+    return _drive(cfg, run_cells)
+
+
+def _offline_cell(cfg: dict, llm, prompts: list[str], temperature: float, batch: int, slice_index: int) -> dict:
+    from vllm import SamplingParams
+
+    from vllm_specrl import metrics
+    from vllm_specrl.adaptive import state as adaptive_state
+
+    spec = cfg["speculative_config"]
+    jobs = cell_jobs(cfg, batch, slice_index)
+    before = metrics.from_llm_metrics(llm.get_metrics())
+    k_before = (adaptive_state.read() or {}).get("chosen_k_counts")
+    tokens, t0 = 0, time.perf_counter()
+
+    def params(seed: int) -> SamplingParams:
+        return SamplingParams(temperature=temperature, max_tokens=cfg["max_tokens"],
+                              ignore_eos=cfg["ignore_eos"], seed=seed)
+
+    if cfg.get("refill"):
+        tokens = _run_refilled(llm.llm_engine, [(prompts[i], params(seed)) for i, seed in jobs], batch)
+    else:
+        for w in range(0, len(jobs), batch):
+            wave = jobs[w:w + batch]
+            outs = llm.generate([prompts[i] for i, _ in wave], [params(seed) for _, seed in wave],
+                                use_tqdm=False)
+            tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+    wall = time.perf_counter() - t0
+    stats = metrics.from_llm_metrics(llm.get_metrics()).minus(before).summary()
+    cell = _cell(temperature, batch, len(jobs), tokens, wall, stats if spec else None)
+    if cfg.get("scheduler_cls"):
+        state = adaptive_state.read() or {}
+        cell["adaptive_k"] = chosen_k(k_before, state.get("chosen_k_counts"))
+        cell["adaptive_k"]["controller"] = state
+    return cell
 
 
 def _run_refilled(engine, requests: list[tuple[str, object]], batch: int) -> int:
@@ -177,7 +205,7 @@ def chosen_k(before: list[int] | None, after: list[int] | None) -> dict | None:
     return {"steps_per_k": counts, "mean_k": sum(k * n for k, n in enumerate(counts)) / total if total else None}
 
 
-def _engine_server(cfg: dict) -> list[dict]:
+def _engine_server(cfg: dict) -> list[dict] | None:
     from concurrent.futures import ThreadPoolExecutor
 
     import requests
@@ -196,7 +224,6 @@ def _engine_server(cfg: dict) -> list[dict]:
     if spec:
         extra += ["--speculative-config", json.dumps(spec)]
     log = Path(cfg["log_dir"]) / f"server_{cfg['name']}.log"
-    cells = []
     with VLLMServer(cfg["model"], extra, log_path=log) as srv:
         client = OpenAI(base_url=srv.url + "/v1", api_key="none")
         model = client.models.list().data[0].id
@@ -227,21 +254,26 @@ def _engine_server(cfg: dict) -> list[dict]:
             from vllm_specrl.adaptive.calibrate import calibrate
 
             calibrate(srv.url, model, max_batch=max(cfg["batch_sizes"]), seed=cfg["seed"])
-        for temperature in cfg["temperatures"]:
-            for batch in cfg["batch_sizes"]:
-                jobs = cell_jobs(cfg, batch)
-                before, tokens, t0 = counters(), 0, time.perf_counter()
-                with ThreadPoolExecutor(batch) as pool:
-                    if cfg.get("refill"):  # the pool's `batch` threads keep `batch` requests in flight
-                        tokens = sum(pool.map(lambda j: one(j, temperature), jobs))
-                    else:
-                        for w in range(0, len(jobs), batch):
-                            tokens += sum(pool.map(lambda j: one(j, temperature), jobs[w:w + batch]))
-                wall = time.perf_counter() - t0
-                stats = counters().minus(before).summary()
-                cells.append(_cell(temperature, batch, len(jobs), tokens, wall, stats if spec else None))
-                cells[-1]["engine_state"] = engine_state()
-    return cells
+
+        def run_cells(command: dict) -> list[dict]:
+            cells = []
+            for temperature in cfg["temperatures"]:
+                for batch in cfg["batch_sizes"]:
+                    jobs = cell_jobs(cfg, batch, command.get("slice", 0))
+                    before, tokens, t0 = counters(), 0, time.perf_counter()
+                    with ThreadPoolExecutor(batch) as pool:
+                        if cfg.get("refill"):  # the pool's `batch` threads keep `batch` requests in flight
+                            tokens = sum(pool.map(lambda j: one(j, temperature), jobs))
+                        else:
+                            for w in range(0, len(jobs), batch):
+                                tokens += sum(pool.map(lambda j: one(j, temperature), jobs[w:w + batch]))
+                    wall = time.perf_counter() - t0
+                    stats = counters().minus(before).summary()
+                    cells.append(_cell(temperature, batch, len(jobs), tokens, wall, stats if spec else None))
+                    cells[-1]["engine_state"] = engine_state()
+            return cells
+
+        return _drive(cfg, run_cells)
 
 
 def _cell(temperature: float, batch: int, requests: int, tokens: int, wall: float,
@@ -250,14 +282,47 @@ def _cell(temperature: float, batch: int, requests: int, tokens: int, wall: floa
             "wall_s": round(wall, 3), "tokens_per_s": tokens / wall, "spec_decode": spec_decode}
 
 
-def run_engine_in_subprocess(cfg: dict, timeout_s: float) -> list[dict] | str:
-    from vllm_specrl.bench_engine import run_engine_subprocess
+def engine_env() -> dict[str, str]:
     from vllm_specrl.server import with_intel_openmp
 
     env = with_intel_openmp(dict(os.environ))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     env.setdefault("VLLM_PLUGINS", "specrl,specrl_http")
-    return run_engine_subprocess(__file__, cfg, env, timeout_s)
+    return env
+
+
+def run_engine_in_subprocess(cfg: dict, timeout_s: float) -> list[dict] | str:
+    from vllm_specrl.bench_engine import run_engine_subprocess
+
+    return run_engine_subprocess(__file__, cfg, engine_env(), timeout_s)
+
+
+def run_interleaved(engines: list[tuple], cfgs: list[dict], args: argparse.Namespace,
+                    rnd: int) -> Iterator[tuple[tuple, int, list[dict] | str]]:
+    """``--interleave``: the round's engines started one after another and kept alive, then every
+    slice measured on each in turn, the order rotating by one each slice (no engine always
+    measured first or right after another's start-up)."""
+    from contextlib import ExitStack
+
+    from vllm_specrl.bench_engine import EngineProcess
+
+    with ExitStack() as stack:
+        procs = []
+        for cfg in cfgs:
+            print(f"[bench] starting {cfg['name']} (round {rnd + 1}/{args.rounds}, interleaved): "
+                  f"{json.dumps(cfg['speculative_config']) if cfg['speculative_config'] else 'no speculation'}",
+                  flush=True)
+            log = Path(cfg["log_dir"]) / f"engine_{cfg['name']}_r{rnd}.log"
+            procs.append(stack.enter_context(EngineProcess(__file__, dict(cfg, interleave=True), engine_env(),
+                                                           str(log), args.engine_timeout)))
+        for slice_index in range(args.interleave):
+            for i in range(len(engines)):
+                j = (i + slice_index) % len(engines)
+                print(f"[bench] {cfgs[j]['name']} slice {slice_index + 1}/{args.interleave}", flush=True)
+                try:
+                    yield engines[j], slice_index, procs[j].request({"slice": slice_index})
+                except RuntimeError as e:
+                    yield engines[j], slice_index, str(e)
 
 
 # --- drafts, ratios, plot ------------------------------------------------------------
@@ -289,11 +354,11 @@ def prepare_drafts(args: argparse.Namespace, model: str, methods: list[str]) -> 
 
 
 def add_ratios(cells: list[dict]) -> None:
-    """Each speculative cell against the plain cell of the same round, temperature and batch size."""
-    plain = {(c.get("round", 0), c["temperature"], c["batch_size"]): c["tokens_per_s"]
+    """Each speculative cell against the plain cell of the same round, slice, temperature and batch size."""
+    plain = {(c.get("round", 0), c.get("slice", 0), c["temperature"], c["batch_size"]): c["tokens_per_s"]
              for c in cells if c["method"] == "plain" and "error" not in c}
     for c in cells:
-        base = plain.get((c.get("round", 0), c.get("temperature"), c.get("batch_size")))
+        base = plain.get((c.get("round", 0), c.get("slice", 0), c.get("temperature"), c.get("batch_size")))
         if c["method"] == "plain" or "error" in c or not base:
             continue
         c["throughput_ratio_vs_plain"] = c["tokens_per_s"] / base
@@ -381,10 +446,11 @@ def plot(report: dict, path: Path) -> None:
             ax.set_xlabel("k (num_speculative_tokens)")
             ax.grid(alpha=0.3)
     axes[0][1].legend(fontsize=7, ncol=2)
-    rounds = report["settings"].get("rounds", 1)
+    rounds, slices = report["settings"].get("rounds", 1), report["settings"].get("interleave") or 0
     fig.suptitle(f"{report['fixture'] or report['model']} ({report['settings']['dtype']}, "
                  f"{report['host']['cpus']} CPUs, {report['settings']['mode']}"
-                 + (f", {rounds} rounds pooled" if rounds > 1 else "") + ")")
+                 + (f", {rounds} rounds pooled" if rounds > 1 else "")
+                 + (f", {slices} interleaved slices" if slices else "") + ")")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -418,6 +484,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every engine this many times, in turn (plain, then each method, again): "
                          "ratios per round and pooled, so engine-to-engine noise shows as spread")
+    ap.add_argument("--interleave", type=int, default=0, metavar="SLICES",
+                    help="start a round's engines together and measure every cell SLICES times, one engine "
+                         "after another (the order rotating each slice), so the VM's drift over a run falls "
+                         "on every method alike; each slice's ratio is against plain's slice beside it")
     ap.add_argument("--warmup-steps", type=int, default=96,
                     help="tokens decoded at every batch size before measuring (adaptive k calibrates)")
     ap.add_argument("--calibrate", action="store_true",
@@ -445,9 +515,10 @@ def main() -> None:
     if args._engine:
         cfg = json.loads(args._engine)
         cells = (_engine_offline if cfg["mode"] == "offline" else _engine_server)(cfg)
-        from vllm_specrl.bench_engine import report_result
+        if cells is not None:
+            from vllm_specrl.bench_engine import report_result
 
-        report_result(cells)
+            report_result(cells)
         return
 
     from vllm_specrl.fixtures import fixture_target
@@ -489,7 +560,7 @@ def main() -> None:
             "batch_sizes": [int(b) for b in args.batch_sizes.split(",")], "dtype": args.dtype,
             "max_model_len": args.max_model_len, "seed": args.seed, "log_dir": str(args.out.parent),
             "warmup_steps": args.warmup_steps, "adaptive_config": args.adaptive_config,
-            "rounds": args.rounds, "calibrate": args.calibrate}
+            "rounds": args.rounds, "calibrate": args.calibrate, "interleave": args.interleave}
     report = {"benchmark": "rollout_throughput", "model": model,
               "fixture": None if args.model else args.fixture, "drafts": drafts,
               "host": host_info(),
@@ -498,21 +569,32 @@ def main() -> None:
     if set(methods) & set(MTP_TARGET_METHODS):
         report["mtp_model"] = str(mtp_model)
     t_start = time.time()
-    for rnd, (method, k, spec) in ((r, e) for r in range(args.rounds) for e in engines):
-        name = method if method == "plain" else f"{method}_k{k}"
-        print(f"[bench] {name}" + (f" (round {rnd + 1}/{args.rounds})" if args.rounds > 1 else "")
-              + f": {json.dumps(spec) if spec else 'no speculation'}", flush=True)
-        res = run_engine_in_subprocess(dict(base, name=name, speculative_config=spec,
-                                            model=report["mtp_model"] if method in MTP_TARGET_METHODS else model,
-                                            scheduler_cls=ADAPTIVE_SCHEDULER if method.endswith("-adaptive")
-                                            else None), args.engine_timeout)
+
+    def engine_cfg(method: str, k: int, spec: dict | None) -> dict:
+        return dict(base, name=method if method == "plain" else f"{method}_k{k}", speculative_config=spec,
+                    model=report["mtp_model"] if method in MTP_TARGET_METHODS else model,
+                    scheduler_cls=ADAPTIVE_SCHEDULER if method.endswith("-adaptive") else None)
+
+    def measured(rnd: int) -> "Iterator[tuple[tuple, int, list[dict] | str]]":
+        """(engine, slice, its cells or why there are none), in the order measured."""
+        if not args.interleave:
+            for engine in engines:
+                print(f"[bench] {engine_cfg(*engine)['name']}" + (f" (round {rnd + 1}/{args.rounds})"
+                      if args.rounds > 1 else "") + f": {json.dumps(engine[2]) if engine[2] else 'no speculation'}",
+                      flush=True)
+                yield engine, 0, run_engine_in_subprocess(engine_cfg(*engine), args.engine_timeout)
+            return
+        yield from run_interleaved(engines, [engine_cfg(*e) for e in engines], args, rnd)
+
+    for rnd, (method, k, spec), slice_index, res in ((r, *m) for r in range(args.rounds) for m in measured(r)):
         if isinstance(res, str):
             print(f"[bench]   FAILED: {res[-800:]}", flush=True)
-            report["cells"].append({"method": method, "k": k, "round": rnd, "speculative_config": spec,
-                                    "error": res})
+            report["cells"].append({"method": method, "k": k, "round": rnd, "slice": slice_index,
+                                    "speculative_config": spec, "error": res})
             continue
         for cell in res:
-            report["cells"].append({"method": method, "k": k, "round": rnd, "speculative_config": spec, **cell})
+            report["cells"].append({"method": method, "k": k, "round": rnd, "slice": slice_index,
+                                    "speculative_config": spec, **cell})
         add_ratios(report["cells"])
         for cell in report["cells"][-len(res):]:
             sd = cell["spec_decode"] or {}
@@ -529,7 +611,7 @@ def main() -> None:
         report["pooled"] = pool_rounds(report["cells"])
         args.out.write_text(json.dumps(report, indent=2))  # partial results survive a stop
     report["pooled"] = pool_rounds(report["cells"])
-    if args.rounds > 1:
+    if args.rounds > 1 or args.interleave > 1:
         for r in report["pooled"]:
             if "throughput_ratio_vs_plain" in r:
                 print(f"[bench] pooled {r['method']}_k{r['k']} T={r['temperature']:g} b={r['batch_size']:>2}: "

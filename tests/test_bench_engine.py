@@ -1,10 +1,14 @@
-"""host_info: benchmark JSONs say which CPU (and which vector extensions) produced them."""
+"""host_info says which CPU produced a benchmark; EngineProcess drives engine subprocesses in turn."""
 
 from __future__ import annotations
 
+import os
+import textwrap
 from pathlib import Path
 
-from vllm_specrl.bench_engine import host_info
+import pytest
+
+from vllm_specrl.bench_engine import EngineProcess, host_info
 
 CPUINFO = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -81,3 +85,53 @@ def test_a_completion_wave_sends_every_prompt_seeded_and_counts_its_tokens() -> 
         assert len(bodies) == 3 and not any("seed" in b for b in bodies)
     finally:
         server.shutdown()
+
+
+# A stand-in engine: the same --_engine protocol as the benchmark scripts, no vLLM (what is tested is the
+# plumbing: commands in order, results back, the child's state kept between commands, failures named).
+CHILD = textwrap.dedent("""
+    import json, sys, time
+    from vllm_specrl.bench_engine import serve_commands
+    cfg = json.loads(sys.argv[2])
+    print("vLLM-style chatter on stdout before the engine is up", flush=True)
+    if cfg.get("die_before_ready"):
+        sys.exit(3)
+    seen = []
+    def run(command):
+        if command.get("hang"):
+            time.sleep(60)
+        if command.get("die"):
+            sys.exit(4)
+        seen.append(command["slice"])
+        return {"name": cfg["name"], "slices_so_far": list(seen)}
+    serve_commands(run)
+    print("quit cleanly", file=sys.stderr, flush=True)
+""")
+
+
+def _engine(tmp_path: Path, timeout_s: float = 30, **cfg) -> EngineProcess:
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    return EngineProcess(str(script), {"name": "e", **cfg}, env, str(tmp_path / "engine.log"), timeout_s)
+
+
+def test_an_engine_process_keeps_its_state_between_commands_and_quits_when_closed(tmp_path: Path) -> None:
+    with _engine(tmp_path) as engine:
+        assert engine.request({"slice": 0}) == {"name": "e", "slices_so_far": [0]}
+        assert engine.request({"slice": 1}) == {"name": "e", "slices_so_far": [0, 1]}
+    assert engine.proc.returncode == 0
+    log = (tmp_path / "engine.log").read_text()
+    assert "quit cleanly" in log and "chatter" in log  # stderr and non-protocol stdout both kept
+
+
+def test_an_engine_that_dies_or_hangs_is_named_with_its_log(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="ENGINE_READY.*engine.log"):
+        _engine(tmp_path, die_before_ready=True)
+    with _engine(tmp_path) as engine:
+        with pytest.raises(RuntimeError, match="rc=4"):
+            engine.request({"slice": 0, "die": True})
+    with _engine(tmp_path, timeout_s=3) as engine:
+        with pytest.raises(RuntimeError, match="ENGINE_RESULT"):
+            engine.request({"slice": 0, "hang": True})
+        assert engine.proc.poll() is not None  # killed, not left running

@@ -64,6 +64,50 @@ def test_rounds_are_compared_within_a_round_and_pooled_over_rounds():
     assert row["spec_decode"]["acceptance_length"] == 1.0 + 70 / 130
 
 
+def test_interleaved_slices_are_measured_in_rotating_order_and_compared_slice_by_slice(monkeypatch, tmp_path):
+    """--interleave: every engine started once, then each slice on each engine in turn (the first one
+    rotating), and each slice's cell against plain's cell of the same slice, not of another."""
+    import argparse
+
+    import vllm_specrl.bench_engine as bench_engine
+
+    bench = _bench_rollout_module()
+    started, asked = [], []
+
+    class FakeEngine:
+        def __init__(self, script, cfg, env, log_path, timeout_s):
+            assert cfg["interleave"] is True
+            self.name = cfg["name"]
+            started.append(self.name)
+
+        def request(self, command):
+            asked.append((self.name, command["slice"]))
+            wall = {"plain": [10.0, 20.0], "spec": [5.0, 40.0]}[self.name][command["slice"]]
+            return [{"temperature": 1.0, "batch_size": 4, "tokens": 100, "wall_s": wall,
+                     "tokens_per_s": 100 / wall, "spec_decode": None}]
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    monkeypatch.setattr(bench_engine, "EngineProcess", FakeEngine)
+    engines = [("plain", 0, None), ("spec", 3, {"method": "eagle3"})]
+    cfgs = [{"name": "plain", "log_dir": str(tmp_path), "speculative_config": None},
+            {"name": "spec", "log_dir": str(tmp_path), "speculative_config": {"method": "eagle3"}}]
+    args = argparse.Namespace(interleave=2, rounds=1, engine_timeout=10)
+    cells = []
+    for (method, k, spec), slice_index, res in bench.run_interleaved(engines, cfgs, args, 0):
+        cells += [{"method": method, "k": k, "round": 0, "slice": slice_index, **c} for c in res]
+    assert started == ["plain", "spec"]
+    assert asked == [("plain", 0), ("spec", 0), ("spec", 1), ("plain", 1)]
+    bench.add_ratios(cells)
+    assert sorted(c["throughput_ratio_vs_plain"] for c in cells if c["method"] == "spec") == [0.5, 2.0]
+    (row,) = [r for r in bench.pool_rounds(cells) if r["method"] == "spec"]
+    assert row["throughput_ratio_vs_plain"] == 200 / 45 / (200 / 30)
+
+
 def test_explain_prompts_are_the_rl_tasks_own_and_chat_prompts_are_held_out():
     """``--prompt-set explain`` measures the prompts an RL run samples every epoch (and the demo draft is
     warm-started on): all of the task's 81, never dropped as "trained on"; ``chat`` drops them."""

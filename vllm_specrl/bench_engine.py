@@ -1,7 +1,9 @@
 """One vLLM engine per subprocess for the benchmark scripts (vLLM allows one engine per process).
 
 A script re-runs itself with ``--_engine <json config>``; the child prints one
-``ENGINE_RESULT <json>`` line, which the parent reads back.
+``ENGINE_RESULT <json>`` line, which the parent reads back. ``EngineProcess`` keeps such a
+child alive and sends it one JSON command per measurement (``serve_commands`` in the child),
+so a benchmark can measure several engines in turn, slice by slice.
 """
 
 from __future__ import annotations
@@ -9,8 +11,10 @@ from __future__ import annotations
 import json
 import os
 import platform
+import queue
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -82,3 +86,86 @@ def run_engine_subprocess(script: str, cfg: dict, env: dict[str, str], timeout_s
         if line.startswith(TAG):
             return json.loads(line[len(TAG):])
     return f"engine failed (rc={proc.returncode}): {(proc.stdout + proc.stderr)[-3000:]}"
+
+
+# --- engines kept alive and driven in turn (interleaved measurement) ----------------------
+
+READY = "ENGINE_READY"
+
+
+def serve_commands(run: Any, stdin: Any = None) -> None:
+    """In the child, after the engine is set up: announce it, then run ``run(command)`` for every JSON
+    command line on stdin and report each result, until ``{"quit": true}`` or end of input."""
+    stdin = stdin or sys.stdin
+    print(READY, flush=True)
+    for line in stdin:
+        command = json.loads(line)
+        if command.get("quit"):
+            return
+        report_result(run(command))
+
+
+class EngineProcess:
+    """In the parent: one engine subprocess (``script --_engine cfg``) kept alive between commands, so
+    several engines can be measured in turn, slice by slice.
+
+    Why: on a shared 2-core VM the same engine's step time drifts by 10-15% over a minute and two
+    engines of one configuration read up to 17% apart, so cells measured one engine after another
+    mix that drift into the ratio. Engines alive together, each measured while the others wait
+    (blocked on their stdin, no CPU), see the same drift."""
+
+    def __init__(self, script: str, cfg: dict, env: dict[str, str], log_path: str, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, script, "--_engine", json.dumps(cfg)], env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        self._wait_for(READY)
+
+    def _read_stdout(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)  # the child exited
+
+    def _wait_for(self, prefix: str) -> str:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                line = None
+            if line is None:
+                break
+            if line.startswith(prefix):
+                return line[len(prefix):]
+            self.log.write(line)
+        self.proc.kill()
+        self.close()
+        raise RuntimeError(f"engine exited or timed out waiting for {prefix.strip()} "
+                           f"(rc={self.proc.returncode}); its log: {self.log.name}")
+
+    def request(self, command: dict) -> Any:
+        """Send one command and wait for its result."""
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._wait_for(TAG))
+
+    def close(self) -> None:
+        if self.log.closed:
+            return
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=120)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+    def __enter__(self) -> "EngineProcess":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
