@@ -119,6 +119,11 @@ def _engine_offline(cfg: dict) -> list[dict] | None:
               speculative_config=spec, disable_log_stats=False,
               additional_config={"specrl": {"adaptive_k": cfg["adaptive_config"]}} if cfg.get("adaptive_config") else {},
               **({"scheduler_cls": cfg["scheduler_cls"]} if cfg.get("scheduler_cls") else {}))
+    if cfg.get("phases"):
+        from vllm_specrl import vllm_compat
+
+        llm.collective_rpc(lambda worker: vllm_compat.install_phase_timers(worker.model_runner) and None)
+        _time_scheduler(llm)
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                        add_generation_prompt=True) for p in cfg["prompts"]]
@@ -144,6 +149,40 @@ def _engine_offline(cfg: dict) -> list[dict] | None:
     return _drive(cfg, run_cells)
 
 
+SCHEDULER_PHASES = ("schedule", "update_from_output")
+
+
+def _time_scheduler(llm) -> None:
+    """Time the in-process engine core's scheduler calls (adaptive k runs inside them)."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    totals = llm._bench_scheduler_seconds = dict.fromkeys(SCHEDULER_PHASES, 0.0)
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[name] += time.perf_counter() - t0
+        return wrapper
+
+    for name in SCHEDULER_PHASES:
+        setattr(scheduler, name, timed(name, getattr(scheduler, name)))
+
+
+def _phase_totals(llm) -> dict:
+    """Seconds so far in each phase of the model runner (``vllm_compat.install_phase_timers``) and the
+    scheduler, and the drafter's deferred draft-KV counters where it has them."""
+    from vllm_specrl import vllm_compat
+
+    def read(worker):
+        totals = dict(worker.model_runner._specrl_phase_totals)
+        totals.update({f"deferred_{k}": v for k, v in (vllm_compat.deferred_draft_kv_counters(worker) or {}).items()
+                       if k != "rows_held"})
+        return totals
+    return {**llm.collective_rpc(read)[0], **llm._bench_scheduler_seconds}
+
+
 def _offline_cell(cfg: dict, llm, prompts: list[str], temperature: float, batch: int, slice_index: int) -> dict:
     from vllm import SamplingParams
 
@@ -152,6 +191,7 @@ def _offline_cell(cfg: dict, llm, prompts: list[str], temperature: float, batch:
 
     spec = cfg["speculative_config"]
     jobs = cell_jobs(cfg, batch, slice_index)
+    phases_before = _phase_totals(llm) if cfg.get("phases") else None
     before = metrics.from_llm_metrics(llm.get_metrics())
     k_before = (adaptive_state.read() or {}).get("chosen_k_counts")
     tokens, t0 = 0, time.perf_counter()
@@ -171,6 +211,14 @@ def _offline_cell(cfg: dict, llm, prompts: list[str], temperature: float, batch:
     wall = time.perf_counter() - t0
     stats = metrics.from_llm_metrics(llm.get_metrics()).minus(before).summary()
     cell = _cell(temperature, batch, len(jobs), tokens, wall, stats if spec else None)
+    if phases_before is not None:
+        from vllm_specrl.vllm_compat import PHASES
+
+        after = _phase_totals(llm)
+        seconds = PHASES + SCHEDULER_PHASES
+        cell["phases_s"] = {k: round(after[k] - phases_before[k], 4) for k in seconds}
+        cell["phases_s"]["outside_runner"] = round(wall - cell["phases_s"]["step"], 4)
+        cell["phase_counts"] = {k: after[k] - phases_before[k] for k in after if k not in seconds}
     if cfg.get("scheduler_cls"):
         state = adaptive_state.read() or {}
         cell["adaptive_k"] = chosen_k(k_before, state.get("chosen_k_counts"))
@@ -368,9 +416,10 @@ def add_ratios(cells: list[dict]) -> None:
 
 
 def pool_rounds(cells: list[dict]) -> list[dict]:
-    """One row per (method, k, temperature, batch size) over every round: tokens and wall time
-    summed (the pooled ratio against plain's pooled rate), acceptance from the summed counters, and
-    each round's own ratio (its spread is what one run of engines cannot resolve)."""
+    """One row per (method, k, temperature, batch size) over every round (and interleaved slice):
+    tokens and wall time summed (the pooled ratio against plain's pooled rate), acceptance from the
+    summed counters, and each round's or slice's own ratio (its spread is what one run of engines
+    cannot resolve)."""
     groups: dict[tuple, list[dict]] = {}
     for c in cells:
         if "error" not in c:
@@ -488,6 +537,10 @@ def main() -> None:
                     help="start a round's engines together and measure every cell SLICES times, one engine "
                          "after another (the order rotating each slice), so the VM's drift over a run falls "
                          "on every method alike; each slice's ratio is against plain's slice beside it")
+    ap.add_argument("--phases", action="store_true",
+                    help="offline: time each cell's model-runner phases (target forward, logits, samplers, "
+                         "the drafter's proposal), the scheduler's calls (adaptive k runs in them) and the "
+                         "time outside the runner, in every engine")
     ap.add_argument("--warmup-steps", type=int, default=96,
                     help="tokens decoded at every batch size before measuring (adaptive k calibrates)")
     ap.add_argument("--calibrate", action="store_true",
@@ -511,6 +564,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.calibrate and args.mode != "server":
         ap.error("--calibrate sweeps through the server's HTTP API: it needs --mode server")
+    if args.phases and args.mode != "offline":
+        ap.error("--phases times the model runner in this process: it needs --mode offline")
 
     if args._engine:
         cfg = json.loads(args._engine)
@@ -560,7 +615,8 @@ def main() -> None:
             "batch_sizes": [int(b) for b in args.batch_sizes.split(",")], "dtype": args.dtype,
             "max_model_len": args.max_model_len, "seed": args.seed, "log_dir": str(args.out.parent),
             "warmup_steps": args.warmup_steps, "adaptive_config": args.adaptive_config,
-            "rounds": args.rounds, "calibrate": args.calibrate, "interleave": args.interleave}
+            "rounds": args.rounds, "calibrate": args.calibrate, "interleave": args.interleave,
+            "phases": args.phases}
     report = {"benchmark": "rollout_throughput", "model": model,
               "fixture": None if args.model else args.fixture, "drafts": drafts,
               "host": host_info(),

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -15,7 +17,7 @@ def test_bench_rollout_sweep_on_tiny(tiny_model, warm_draft, tmp_path):
                     "--methods", "plain,ngram,eagle3-random,eagle3-warm", "--ks", "2",
                     "--temperatures", "0,1", "--batch-sizes", "2", "--waves", "1",
                     "--prompts", "2", "--samples", "2", "--max-tokens", "16",
-                    "--dtype", "float32", "--max-model-len", "512", "--out", str(out)],
+                    "--dtype", "float32", "--max-model-len", "512", "--phases", "--out", str(out)],
                    check=True, timeout=900)
     report = json.loads(out.read_text())
     cells = report["cells"]
@@ -24,6 +26,16 @@ def test_bench_rollout_sweep_on_tiny(tiny_model, warm_draft, tmp_path):
         (m, t) for m in ("plain", "ngram", "eagle3-random", "eagle3-warm") for t in (0.0, 1.0)}
     for c in cells:
         assert c["tokens"] == 2 * 16 and c["batch_size"] == 2
+        # --phases: the runner's phases fit inside the cell's wall time, the target's forward inside a
+        # step, and only speculative engines propose (their drafter's deferred KV counted beside).
+        phases = c["phases_s"]
+        assert 0 < phases["target_forward"] < phases["step"] < c["wall_s"]
+        assert phases["outside_runner"] == pytest.approx(c["wall_s"] - phases["step"], abs=1e-3)
+        assert 0 < phases["schedule"] + phases["update_from_output"] < phases["outside_runner"]
+        counts = c["phase_counts"]
+        assert counts["steps"] >= c["tokens"] / (2 * (c["k"] + 1))  # at most k + 1 tokens a request a step
+        assert (phases["propose"] > 0) == (c["method"] != "plain")
+        assert ("deferred_steps_deferred" in counts) == c["method"].startswith("eagle3")
         if c["method"] != "plain":
             assert c["k"] == 2 and c["spec_decode"]["num_drafts"] > 0
             assert c["throughput_ratio_vs_plain"] > 0
