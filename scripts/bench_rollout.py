@@ -154,20 +154,12 @@ SCHEDULER_PHASES = ("schedule", "update_from_output")
 
 def _time_scheduler(llm) -> None:
     """Time the in-process engine core's scheduler calls (adaptive k runs inside them)."""
+    from vllm_specrl.vllm_compat import timed_into
+
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     totals = llm._bench_scheduler_seconds = dict.fromkeys(SCHEDULER_PHASES, 0.0)
-
-    def timed(name, fn):
-        def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                totals[name] += time.perf_counter() - t0
-        return wrapper
-
     for name in SCHEDULER_PHASES:
-        setattr(scheduler, name, timed(name, getattr(scheduler, name)))
+        setattr(scheduler, name, timed_into(totals, name, getattr(scheduler, name)))
 
 
 def _phase_totals(llm) -> dict:

@@ -1026,8 +1026,24 @@ PHASES = ("step", "target_forward", "target_logits", "sampler", "rejection_sampl
           "draft_forward", "draft_logits_and_sampling")
 
 
+def timed_into(totals: dict[str, float], name: str, fn: Any, count: str | None = None) -> Any:
+    """``fn`` wrapped to add its seconds to ``totals[name]`` (and 1 to ``totals[count]``) per call."""
+    import time
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[name] += time.perf_counter() - t0
+            if count:
+                totals[count] += 1
+    return wrapper
+
+
 def install_phase_timers(runner: Any) -> dict[str, float]:
     """Accumulate seconds per phase into the returned dict (plus ``steps``, ``steps_with_drafts``)."""
+    import functools
     import time
 
     totals = getattr(runner, "_specrl_phase_totals", None)
@@ -1035,17 +1051,7 @@ def install_phase_timers(runner: Any) -> dict[str, float]:
         return totals
     totals = runner._specrl_phase_totals = dict.fromkeys(PHASES, 0.0)
     totals.update(steps=0, forward_calls=0)
-
-    def timed(name, fn, count=None):
-        def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                totals[name] += time.perf_counter() - t0
-                if count:
-                    totals[count] += 1
-        return wrapper
+    timed = functools.partial(timed_into, totals)
 
     def hook(module, name):
         starts = []
