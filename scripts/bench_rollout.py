@@ -347,22 +347,29 @@ def run_interleaved(engines: list[tuple], cfgs: list[dict], args: argparse.Names
     from vllm_specrl.bench_engine import EngineProcess
 
     with ExitStack() as stack:
-        procs = []
+        procs: list = []  # an EngineProcess, or why it did not start
         for cfg in cfgs:
             print(f"[bench] starting {cfg['name']} (round {rnd + 1}/{args.rounds}, interleaved): "
                   f"{json.dumps(cfg['speculative_config']) if cfg['speculative_config'] else 'no speculation'}",
                   flush=True)
             log = Path(cfg["log_dir"]) / f"engine_{cfg['name']}_r{rnd}.log"
-            procs.append(stack.enter_context(EngineProcess(__file__, dict(cfg, interleave=True), engine_env(),
-                                                           str(log), args.engine_timeout)))
+            try:
+                procs.append(stack.enter_context(EngineProcess(__file__, dict(cfg, interleave=True), engine_env(),
+                                                               str(log), args.engine_timeout)))
+            except RuntimeError as e:
+                procs.append(str(e))
         for slice_index in range(args.interleave):
             for i in range(len(engines)):
                 j = (i + slice_index) % len(engines)
                 print(f"[bench] {cfgs[j]['name']} slice {slice_index + 1}/{args.interleave}", flush=True)
+                if isinstance(procs[j], str):
+                    yield engines[j], slice_index, procs[j]
+                    continue
                 try:
                     yield engines[j], slice_index, procs[j].request({"slice": slice_index})
                 except RuntimeError as e:
-                    yield engines[j], slice_index, str(e)
+                    procs[j] = str(e)
+                    yield engines[j], slice_index, procs[j]
 
 
 # --- drafts, ratios, plot ------------------------------------------------------------

@@ -91,6 +91,8 @@ def test_interleaved_slices_are_measured_in_rotating_order_and_compared_slice_by
             assert cfg["interleave"] is True
             self.name = cfg["name"]
             started.append(self.name)
+            if self.name == "broken":
+                raise RuntimeError("engine exited before ENGINE_READY")
 
         def request(self, command):
             asked.append((self.name, command["slice"]))
@@ -105,15 +107,20 @@ def test_interleaved_slices_are_measured_in_rotating_order_and_compared_slice_by
             pass
 
     monkeypatch.setattr(bench_engine, "EngineProcess", FakeEngine)
-    engines = [("plain", 0, None), ("spec", 3, {"method": "eagle3"})]
+    engines = [("plain", 0, None), ("spec", 3, {"method": "eagle3"}), ("broken", 1, {"method": "ngram"})]
     cfgs = [{"name": "plain", "log_dir": str(tmp_path), "speculative_config": None},
-            {"name": "spec", "log_dir": str(tmp_path), "speculative_config": {"method": "eagle3"}}]
+            {"name": "spec", "log_dir": str(tmp_path), "speculative_config": {"method": "eagle3"}},
+            {"name": "broken", "log_dir": str(tmp_path), "speculative_config": {"method": "ngram"}}]
     args = argparse.Namespace(interleave=2, rounds=1, engine_timeout=10)
-    cells = []
+    cells, failed = [], []
     for (method, k, spec), slice_index, res in bench.run_interleaved(engines, cfgs, args, 0):
+        if isinstance(res, str):  # an engine that did not start: its slices are errors, the others run
+            failed.append((method, slice_index, res))
+            continue
         cells += [{"method": method, "k": k, "round": 0, "slice": slice_index, **c} for c in res]
-    assert started == ["plain", "spec"]
+    assert started == ["plain", "spec", "broken"]
     assert asked == [("plain", 0), ("spec", 0), ("spec", 1), ("plain", 1)]
+    assert [(m, i) for m, i, _ in failed] == [("broken", 0), ("broken", 1)] and "ENGINE_READY" in failed[0][2]
     bench.add_ratios(cells)
     assert sorted(c["throughput_ratio_vs_plain"] for c in cells if c["method"] == "spec") == [0.5, 2.0]
     (row,) = [r for r in bench.pool_rounds(cells) if r["method"] == "spec"]

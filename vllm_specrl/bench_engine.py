@@ -140,7 +140,10 @@ class EngineProcess:
             if line.startswith(prefix):
                 return line[len(prefix):]
             self.log.write(line)
-        self.proc.kill()
+        try:  # let a child that is exiting finish, so its exit status is its own
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
         self.close()
         raise RuntimeError(f"engine exited or timed out waiting for {prefix.strip()} "
                            f"(rc={self.proc.returncode}); its log: {self.log.name}")
