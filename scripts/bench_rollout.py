@@ -96,6 +96,12 @@ def cell_jobs(cfg: dict, batch: int, slice_index: int = 0) -> list[tuple[int, in
     return [((j // cfg["samples"]) % len(cfg["prompts"]), cfg["seed"] + slice_index * n + j) for j in range(n)]
 
 
+# Interleaved slices: before each measured cell, a few steps at its batch size, so an engine that just
+# waited out another's slice (cold caches, the other engine's pages in the way) does not pay for that in
+# its measurement (unwarmed, whichever engine ran right after a switch read a few percent slower).
+REWARM_TOKENS = 16
+
+
 def _drive(cfg: dict, run_cells) -> list[dict] | None:
     """Measure once and return the cells, or, with ``--interleave``, measure one slice per command
     from the parent until it says quit (``bench_engine.serve_commands``)."""
@@ -143,6 +149,10 @@ def _engine_offline(cfg: dict) -> list[dict] | None:
         cells = []
         for temperature in cfg["temperatures"]:
             for batch in cfg["batch_sizes"]:
+                if command.get("rewarm"):
+                    llm.generate(prompts[:1] * batch, [SamplingParams(max_tokens=REWARM_TOKENS, temperature=temperature,
+                                                                      ignore_eos=True, seed=i) for i in range(batch)],
+                                 use_tqdm=False)
                 cells.append(_offline_cell(cfg, llm, prompts, temperature, batch, command.get("slice", 0)))
         return cells
 
@@ -268,11 +278,11 @@ def _engine_server(cfg: dict) -> list[dict] | None:
         client = OpenAI(base_url=srv.url + "/v1", api_key="none")
         model = client.models.list().data[0].id
 
-        def one(job, temperature):
+        def one(job, temperature, max_tokens=None):
             i, seed = job
             r = client.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": cfg["prompts"][i]}],
-                temperature=temperature, max_tokens=cfg["max_tokens"], seed=seed,
+                temperature=temperature, max_tokens=max_tokens or cfg["max_tokens"], seed=seed,
                 logprobs=True, extra_body={"ignore_eos": cfg["ignore_eos"]})
             return r.usage.completion_tokens
 
@@ -299,6 +309,9 @@ def _engine_server(cfg: dict) -> list[dict] | None:
             cells = []
             for temperature in cfg["temperatures"]:
                 for batch in cfg["batch_sizes"]:
+                    if command.get("rewarm"):
+                        with ThreadPoolExecutor(batch) as pool:
+                            list(pool.map(lambda i: one((0, i), temperature, REWARM_TOKENS), range(batch)))
                     jobs = cell_jobs(cfg, batch, command.get("slice", 0))
                     before, tokens, t0 = counters(), 0, time.perf_counter()
                     with ThreadPoolExecutor(batch) as pool:
@@ -366,7 +379,7 @@ def run_interleaved(engines: list[tuple], cfgs: list[dict], args: argparse.Names
                     yield engines[j], slice_index, procs[j]
                     continue
                 try:
-                    yield engines[j], slice_index, procs[j].request({"slice": slice_index})
+                    yield engines[j], slice_index, procs[j].request({"slice": slice_index, "rewarm": True})
                 except RuntimeError as e:
                     procs[j] = str(e)
                     yield engines[j], slice_index, procs[j]

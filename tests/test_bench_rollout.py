@@ -95,6 +95,7 @@ def test_interleaved_slices_are_measured_in_rotating_order_and_compared_slice_by
                 raise RuntimeError("engine exited before ENGINE_READY")
 
         def request(self, command):
+            assert command["rewarm"] is True  # every slice re-warms its engine before measuring
             asked.append((self.name, command["slice"]))
             wall = {"plain": [10.0, 20.0], "spec": [5.0, 40.0]}[self.name][command["slice"]]
             return [{"temperature": 1.0, "batch_size": 4, "tokens": 100, "wall_s": wall,
