@@ -643,14 +643,14 @@ def main() -> None:
                     model=report["mtp_model"] if method in MTP_TARGET_METHODS else model,
                     scheduler_cls=ADAPTIVE_SCHEDULER if method.endswith("-adaptive") else None)
 
-    def measured(rnd: int) -> "Iterator[tuple[tuple, int, list[dict] | str]]":
+    def measured(rnd: int) -> Iterator[tuple[tuple, int, list[dict] | str]]:
         """(engine, slice, its cells or why there are none), in the order measured."""
         if not args.interleave:
             for engine in engines:
-                print(f"[bench] {engine_cfg(*engine)['name']}" + (f" (round {rnd + 1}/{args.rounds})"
-                      if args.rounds > 1 else "") + f": {json.dumps(engine[2]) if engine[2] else 'no speculation'}",
-                      flush=True)
-                yield engine, 0, run_engine_in_subprocess(engine_cfg(*engine), args.engine_timeout)
+                cfg = engine_cfg(*engine)
+                print(f"[bench] {cfg['name']}" + (f" (round {rnd + 1}/{args.rounds})" if args.rounds > 1 else "")
+                      + f": {json.dumps(engine[2]) if engine[2] else 'no speculation'}", flush=True)
+                yield engine, 0, run_engine_in_subprocess(cfg, args.engine_timeout)
             return
         yield from run_interleaved(engines, [engine_cfg(*e) for e in engines], args, rnd)
 
