@@ -164,9 +164,9 @@ SCHEDULER_PHASES = ("schedule", "update_from_output")
 
 def _time_scheduler(llm) -> None:
     """Time the in-process engine core's scheduler calls (adaptive k runs inside them)."""
-    from vllm_specrl.vllm_compat import timed_into
+    from vllm_specrl.vllm_compat import in_process_scheduler, timed_into
 
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    scheduler = in_process_scheduler(llm)
     totals = llm._bench_scheduler_seconds = dict.fromkeys(SCHEDULER_PHASES, 0.0)
     for name in SCHEDULER_PHASES:
         setattr(scheduler, name, timed_into(totals, name, getattr(scheduler, name)))

@@ -50,6 +50,8 @@ TOUCH_POINTS: list[tuple[str, str, str, str]] = [
     ("v1/engine/core.py", "EngineCore.post_step", "function", "no draft fetch after a step that asked for none"),
     ("v1/engine/core.py", "EngineCore", "attrs:scheduler,async_scheduling,vllm_config,batch_queue",
      "no draft fetch after a step that asked for none"),
+    ("v1/engine/llm_engine.py", "LLMEngine", "attrs:engine_core", "bench_rollout --phases: the in-process scheduler"),
+    ("v1/engine/core_client.py", "InprocClient", "attrs:engine_core", "bench_rollout --phases: the in-process scheduler"),
     ("v1/core/sched/output.py", "SchedulerOutput", "attrs:num_spec_tokens_to_schedule,scheduled_spec_decode_tokens,"
      "num_scheduled_tokens,scheduled_new_reqs", "adaptive k reads each step's shape"),
     ("v1/outputs.py", "ModelRunnerOutput", "attrs:req_ids,req_id_to_index,sampled_token_ids",

@@ -99,6 +99,8 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | ``_last_draft_probs``, ``CommonAttention``     |                                   |                   |
 | ``Metadata`` fields, runner ``input_batch``    |                                   |                   |
 | ``.req_ids``                                  |                                   |                   |
+| ``LLM.llm_engine.engine_core`` (``InprocClient``)| the in-process scheduler, timed   | 0.32.0 (cpu)      |
+| ``.engine_core.scheduler``                     | by ``bench_rollout --phases``     |                   |
 | ``AsyncLLM.errored``                          | an RPC pending when the engine    | 0.32.0 (cpu)      |
 |                                               | core dies fails (see below)       |                   |
 | ``AsyncLLM.engine_core.core_engines``,         | worker RPCs answered by every     | 0.32.0 (cpu)      |
@@ -1039,6 +1041,12 @@ def timed_into(totals: dict[str, float], name: str, fn: Any, count: str | None =
             if count:
                 totals[count] += 1
     return wrapper
+
+
+def in_process_scheduler(llm: Any) -> Any:
+    """The scheduler of an in-process ``vllm.LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): its
+    ``LLMEngine``'s ``InprocClient``'s ``EngineCore``'s, for the benchmark's scheduler timers."""
+    return llm.llm_engine.engine_core.engine_core.scheduler
 
 
 def install_phase_timers(runner: Any) -> dict[str, float]:
