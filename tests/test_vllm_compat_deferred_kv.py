@@ -31,7 +31,8 @@ draft_kv_stash.DraftKVStash.take = lambda self, *a: _take(self, *a) and None
 
 
 def tail_run(model, draft, env: dict | None = None, plant: str = "", parallel: bool = False,
-             greedy_waves: list[list[int]] | None = None, max_num_seqs: int = 8) -> dict:
+             greedy_waves: list[list[int]] | None = None, max_num_seqs: int = 8,
+             max_num_batched_tokens: int | None = None) -> dict:
     """Greedy waves (max_tokens per request, one wave after another) with their drafts recorded,
     then a seeded temperature-1 wave of ``MAX_TOKENS``."""
     spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3,
@@ -43,7 +44,8 @@ def tail_run(model, draft, env: dict | None = None, plant: str = "", parallel: b
         from vllm import LLM, SamplingParams
         from vllm_specrl import vllm_compat
         llm = LLM(model={str(model)!r}, dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
-                  max_num_seqs={max_num_seqs}, speculative_config={spec!r})
+                  max_num_seqs={max_num_seqs}, speculative_config={spec!r},
+                  **{ {"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {} !r})
         drafts = []
         llm.collective_rpc(lambda w: vllm_compat.install_draft_recorder(w.model_runner, lambda records: drafts.extend(
             [r["request_id"].split("-")[0], r["base_position"], r["draft_token_ids"]] for r in records
@@ -131,6 +133,30 @@ def test_requests_joining_at_k0_leave_the_held_rows_held(tiny_model, drafter, jo
     assert compared >= 2 * 15 and compared == len(joining_stock["drafts"]), (compared, len(joining_stock["drafts"]))
     assert same == compared, f"{compared - same} of {compared} tail drafts differ from vLLM's own KV sync"
     assert joined["tokens"] == joining_stock["tokens"] and joined["sampled"] == joining_stock["sampled"]
+
+
+# A stash of 32 rows (the drafter's buffers: max_num_batched_tokens) fills in the joining waves: it
+# first forgets the rows of the requests that left the batch, then replays if still full.
+SMALL_STASH = 32
+
+
+@pytest.fixture(scope="module")
+def small_stash_stock(tiny_model, warm_draft):
+    return tail_run(tiny_model, str(warm_draft), env={DEFER_DRAFT_KV_ENV: "0"}, greedy_waves=JOINING_WAVES,
+                    max_num_seqs=2, max_num_batched_tokens=SMALL_STASH)
+
+
+def test_a_full_stash_forgets_requests_that_left_and_the_drafts_stay_vllms(tiny_model, warm_draft, small_stash_stock):
+    """Planted: forgetting every held row, not only the absent requests' -> tail drafts differ."""
+    run = tail_run(tiny_model, str(warm_draft), greedy_waves=JOINING_WAVES, max_num_seqs=2,
+                   max_num_batched_tokens=SMALL_STASH)
+    c = run["counters"]
+    assert c["forgets"] >= 2 and c["rows_dropped"] > 0, c
+    assert c["rows_deferred"] == c["rows_replayed"] + c["rows_dropped"] + c["rows_held"], c
+    same, compared = same_drafts(run, small_stash_stock)
+    assert compared >= 2 * 15 and compared == len(small_stash_stock["drafts"]), compared
+    assert same == compared, f"{compared - same} of {compared} tail drafts differ from vLLM's own KV sync"
+    assert run["tokens"] == small_stash_stock["tokens"] and run["sampled"] == small_stash_stock["sampled"]
 
 
 def test_holes_in_the_draft_kv_would_be_seen(tiny_model, drafter, stock):

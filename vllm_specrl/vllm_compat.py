@@ -1600,8 +1600,9 @@ def install_custom_proposer_binding() -> str:
 # one-token decodes (a request joining a running batch: with requests joining all the time,
 # a refilled 16-sequence batch, this replayed 93% of held rows, every ~12 steps) holds the
 # decodes' rows too and passes the prompt chunks alone (the prompt's draft KV is written at
-# once). Before any other call (k > 0, a resumed request,
-# or the stash full at ``drafter.max_num_tokens`` rows) the held rows of the
+# once). A full stash (``drafter.max_num_tokens`` rows) first forgets the rows of requests
+# that left the batch. Before any other call (k > 0, a resumed request,
+# or the stash still full) the held rows of the
 # requests still in the batch are written by one stock ``propose(0, ...)`` over a
 # ``CommonAttentionMetadata`` of just those rows (query = the held positions,
 # ``seq_lens`` = the current step's first position, block-table rows of the batch,
@@ -1661,8 +1662,7 @@ class DeferredDraftKV:
         n = cam.num_reqs
         req_ids = self.runner.input_batch.req_ids[:n]
         if kw["num_speculative_tokens"] == 0 and cam.max_query_len == 1 and cam.num_actual_tokens == n:
-            if not self.stash.fits(n):
-                self.replay(cam, req_ids, kw)
+            self._make_room(n, cam, req_ids, kw)
             if self.stash.fits(n):
                 positions = kw["target_positions"][:n]
                 self.stash.add_step(list(req_ids), positions.tolist(), kw["next_token_ids"], positions,
@@ -1673,6 +1673,15 @@ class DeferredDraftKV:
         if self.stash.rows:
             self.replay(cam, req_ids, kw)
         return self.stock_propose(**kw)
+
+    def _make_room(self, rows: int, cam: Any, req_ids: list[str], kw: dict[str, Any]) -> None:
+        """Room for ``rows`` more: first forget the rows of requests that left the batch (never
+        replayed: their draft KV is never read), and replay the batch's only if still full."""
+        if self.stash.fits(rows):
+            return
+        self.stash.forget_absent(list(req_ids))
+        if not self.stash.fits(rows):
+            self.replay(cam, req_ids, kw)
 
     def _no_drafts(self, n: int, kw: dict[str, Any]) -> Any:
         import torch
@@ -1705,10 +1714,9 @@ class DeferredDraftKV:
                 return False
         if not prompts or not decodes:
             return False
+        self._make_room(len(decodes), cam, req_ids, kw)
         if not self.stash.fits(len(decodes)):
-            self.replay(cam, req_ids, kw)
-            if not self.stash.fits(len(decodes)):
-                return False
+            return False
         dev = kw["target_positions"].device
         rows = torch.tensor([int(starts_at[i]) for i in decodes], dtype=torch.long, device=dev)
         idx = torch.tensor(decodes, dtype=torch.long, device=dev)

@@ -433,3 +433,27 @@ def test_where_no_k_pays_adaptive_k_stays_within_two_percent_of_k_zero(accept):
         simulate(ctl, 16, accept, sixteen_sequence_cost, 96, seed=seed)
         got = simulate(ctl, 16, accept, sixteen_sequence_cost, 500, seed=100 + seed, jitter=0.08)
         assert got >= 0.98 * k0, (seed, got / k0, ctl.state()["chosen_k_counts"])
+
+
+def test_bursts_space_out_while_no_neighbour_could_pay_and_come_back_when_one_could():
+    """At sixteen sequences with a draft accepted 20% of the time, k = 1 (1.46 k = 0 steps for 1.2 tokens)
+    is hopeless: after calibration the bucket bursts at gaps growing to ``explore_max``, not every
+    ``explore_every`` steps (each burst also makes a deferred drafter replay the batch's held rows).
+    When the draft gets better (acceptance 0.45, learnt from drafts verified at another batch size), k = 1
+    nearly ties k = 0 there: not served, but hopeful, so bursts come at the usual gap again. Planted:
+    no longer gaps (``explore_max`` = ``explore_every``) -> 15 bursts, not <= 4; never hopeful again
+    (the check skipped) -> no burst in the last 1000 steps."""
+    ctl = AdaptiveKController(3, 16, AdaptiveKConfig(explore_max=8192))  # no burst by the gap alone below
+    simulate(ctl, 16, 0.2, sixteen_sequence_cost, 600, seed=0)
+    assert ctl.k_for(16) == 0
+    before = ctl.explored_steps
+    simulate(ctl, 16, 0.2, sixteen_sequence_cost, 4000, seed=1)
+    assert (ctl.explored_steps - before) / ctl.cfg.burst <= 4, ctl.state()["buckets"]["16-16"]
+    rng = np.random.default_rng(2)
+    for _ in range(600):  # drafts verified elsewhere (a tail's steps, untimed here)
+        ctl.observe_step(2, 1, 0, None, [(1, int(rng.random() < 0.45)), (1, int(rng.random() < 0.45))])
+    assert 0.4 < ctl.acceptance.conditional()[0] < 0.5
+    before = ctl.explored_steps
+    simulate(ctl, 16, 0.45, sixteen_sequence_cost, 1000, seed=3)
+    assert ctl.k_for(16) == 0
+    assert (ctl.explored_steps - before) / ctl.cfg.burst >= 3, ctl.state()["buckets"]["16-16"]

@@ -70,3 +70,26 @@ def test_the_stash_is_bounded():
         add(stash, reference, ["a", "b"], [2, 2])
     with pytest.raises(ValueError):
         DraftKVStash(max_rows=0)
+
+
+def test_forgetting_requests_that_left_frees_their_rows_and_keeps_the_rest_replayable():
+    """A full stash first drops the rows of requests no longer in the batch (and rows orphaned by a
+    restart); the live requests' rows, packed, still replay exactly as held. Planted: the packed
+    rows renumbered in the wrong order -> b's replayed rows are a's."""
+    stash, reference = DraftKVStash(max_rows=8), {}
+    add(stash, reference, ["a", "b", "c"], [10, 20, 30])
+    add(stash, reference, ["c", "a", "b"], [31, 11, 21])
+    add(stash, reference, ["b"], [5])                       # b restarted: its two rows are orphaned
+    assert not stash.fits(2)
+    assert stash.forget_absent(["b", "a"]) == 4             # c's two rows and b's orphaned two
+    assert stash.rows == 3 and stash.counters.rows_dropped == 4 and stash.fits(2)
+    assert stash.forget_absent(["b", "a"]) == 0
+    add(stash, reference, ["a", "b"], [12, 6])
+    plan = stash.take(["b", "a"], [7, 13])
+    assert plan.query_lens == [2, 3] and plan.positions.tolist() == [5, 6, 10, 11, 12]
+    expected = reference["b"][-2:] + reference["a"]
+    for j, name in enumerate(("token_ids", "positions", "hidden_states", "slots"), start=1):
+        assert torch.equal(getattr(plan, name), torch.stack([row[j] for row in expected])), name
+    assert stash.counters.rows_replayed == 5 and stash.counters.rows_dropped == 4
+    assert stash.counters.rows_deferred == 9
+    assert stash.forget_absent([]) == 0 and stash.rows == 0

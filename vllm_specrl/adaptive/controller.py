@@ -87,6 +87,10 @@ class AdaptiveKConfig:
                                    # CPU steps jitter by 15-20%, k's differ by 5-15%
     explore_first: int = 16        # steps of a bucket before its first burst at a neighbour of its best
     explore_every: int = 256       # ... the gap doubles after each burst, up to this
+    explore_max: int = 2048        # ... and on up to this while no neighbour of the served k could pay
+                                   # (``elimination_z`` standard errors in its favour): a burst costs
+                                   # more than its k's steps there, it makes the drafter catch up on
+                                   # every held row (see ``_exploration_due``)
     cost_window: int = 48          # ratio samples per (bucket, k) the estimate is the median of
     decay: float = 0.998           # per-sample decay of each position's acceptance counts
     prior_accept: float = 0.5      # prior conditional acceptance of a position with no data
@@ -236,6 +240,7 @@ class _Bucket:
     explore_gap: int = 16
     inherited: bool = False  # started at a neighbour's k (never a donor itself)
     swept: bool = False      # every k measured by a start-up calibration sweep
+    hopeless_checked_at: int = -1  # steps_since_burst when the neighbours were last found hopeless
 
     @property
     def best(self) -> int:
@@ -297,13 +302,37 @@ class AdaptiveKController:
             state.calibrated = True
             self._choose(bucket)
             return None
-        if state.steps_since_burst >= state.explore_gap:
-            state.steps_since_burst = 0
-            state.explore_gap = min(2 * state.explore_gap, self.cfg.explore_every)
-            at = self.choices.index(state.best)
-            neighbours = [self.choices[i] for i in (at - 1, at + 1) if 0 <= i < len(self.choices)]
-            return min(neighbours, key=state.cost.samples)
+        if self._exploration_due(state):
+            state.steps_since_burst, state.hopeless_checked_at = 0, -1
+            state.explore_gap = min(2 * state.explore_gap, max(self.cfg.explore_every, self.cfg.explore_max))
+            return min(self._neighbours(state), key=state.cost.samples)
         return None
+
+    def _neighbours(self, state: _Bucket) -> list[int]:
+        at = self.choices.index(state.best)
+        return [self.choices[i] for i in (at - 1, at + 1) if 0 <= i < len(self.choices)]
+
+    def _exploration_due(self, state: _Bucket) -> bool:
+        """A calibrated bucket's next burst is due every ``explore_every`` steps (the gap doubling up
+        to it), and only every ``explore_max`` while each neighbour of the served k is hopeless:
+        measured, and unable to pay even with its acceptance and cost ``elimination_z`` standard
+        errors in its favour (``_cannot_pay``). Acceptance is learnt from every bucket's drafts, so
+        a draft that gets better (online training) makes a neighbour hopeful again and the burst
+        comes at the usual gap. Why: at 16 sequences on a CPU, k = 1 costs 1.6 k = 0 steps against
+        1.45-1.5 tokens; a burst every 256 steps was 3-4% of the steps, and each one made the
+        deferred drafter replay every held row of the batch (the draft-KV upkeep the deferral
+        saves for requests that finish without drafting again)."""
+        gone = state.steps_since_burst
+        if gone >= state.explore_gap:
+            return True
+        if gone < self.cfg.explore_every:
+            return False
+        if 0 <= state.hopeless_checked_at and gone - state.hopeless_checked_at < self.cfg.burst:
+            return False  # checked a few steps ago: the estimates move slowly, the check is not free
+        if all(self._cannot_pay(state, k) for k in self._neighbours(state)):
+            state.hopeless_checked_at = gone
+            return False
+        return True
 
     def _start(self, bucket: int) -> None:
         """Start a bucket from a calibrated one, where there is one to start from. The best k changes

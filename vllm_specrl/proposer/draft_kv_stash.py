@@ -12,8 +12,8 @@ writes exactly the entries the skipped passes would have written.
 
 Only one-token decode rows are held (a prompt's draft KV may be shared through the
 prefix cache with a request that outlives the one that wrote it, so prefills are
-never deferred); memory is bounded by ``max_rows`` (the caller flushes before it
-would overflow). Pure torch and Python: the vLLM side is ``vllm_compat``.
+never deferred); memory is bounded by ``max_rows`` (when full, the caller first forgets
+the rows of requests that left the batch, then replays). Pure torch and Python: the vLLM side is ``vllm_compat``.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ class StashCounters:
     rows_dropped: int = 0        # held for requests that finished, were preempted or skipped a step
     replays: int = 0
     prompt_passes: int = 0       # k = 0 steps whose prompt chunks were passed alone, their decodes held
+    forgets: int = 0             # times a full stash made room by dropping requests that left the batch
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
@@ -105,16 +106,51 @@ class DraftKVStash:
         self.counters.steps_deferred += 1
         self.counters.rows_deferred += n
 
+    def _step_offsets(self) -> list[int]:
+        """Where each held step's rows start in the concatenation of all of them."""
+        offsets, total = [], 0
+        for ids, *_ in self._steps:
+            offsets.append(total)
+            total += int(ids.shape[0])
+        return offsets
+
+    def _gathered(self, index: list[int]) -> tuple[torch.Tensor, ...]:
+        """Rows ``index`` of the held steps' concatenated (token ids, positions, hidden states, slots)."""
+        gather = torch.tensor(index, dtype=torch.long)
+        return tuple(torch.cat([st[j] for st in self._steps]).index_select(0, gather.to(self._steps[0][j].device))
+                     for j in range(4))
+
+    def forget_absent(self, req_ids: list[str]) -> int:
+        """Drop the rows of requests not in ``req_ids`` (the current batch: they finished or were
+        preempted, and their draft KV is never read) and pack the rest; returns the rows freed.
+        Called when the stash is full, before replaying: with k held at 0 through a long bulk,
+        most held rows belong to requests that ended without drafting again, and replaying
+        them to make room was draft-KV upkeep the deferral exists to skip."""
+        present = set(req_ids)
+        gone = [rid for rid in self._requests if rid not in present]
+        owned = sum(len(h.rows) for h in self._requests.values())
+        if not gone and owned == self.rows:
+            return 0
+        for rid in gone:
+            self.counters.rows_dropped += len(self._requests.pop(rid).rows)
+        offsets = self._step_offsets()
+        index = [offsets[step] + row for held in self._requests.values() for step, row in held.rows]
+        freed = self.rows - len(index)
+        self.counters.forgets += 1
+        self._steps = [self._gathered(index)] if index else []
+        self.rows, at = len(index), 0
+        for held in self._requests.values():
+            held.rows = [(0, at + i) for i in range(len(held.rows))]
+            at += len(held.rows)
+        return freed
+
     def take(self, req_ids: list[str], start_positions: list[int]) -> ReplayPlan | None:
         """The held rows of the batch's requests (request i's current step starts at
         ``start_positions[i]``), and forget everything held: rows of requests not in the
         batch, or whose held rows do not end right before their current step, are dropped."""
         if not self._steps:
             return None
-        offsets, total = [], 0
-        for ids, *_ in self._steps:
-            offsets.append(total)
-            total += int(ids.shape[0])
+        offsets = self._step_offsets()
         index: list[int] = []
         batch_rows, query_lens, seq_lens = [], [], []
         kept = 0
@@ -129,13 +165,10 @@ class DraftKVStash:
             kept += len(held.rows)
         held_rows = sum(len(h.rows) for h in self._requests.values())
         self.counters.rows_dropped += held_rows - kept
-        steps = self._steps
+        gathered = self._gathered(index) if index else None
         self._clear()
-        if not index:
+        if gathered is None:
             return None
-        gather = torch.tensor(index, dtype=torch.long)
-        token_ids, positions, hidden, slots = (
-            torch.cat([s[j] for s in steps]).index_select(0, gather.to(steps[0][j].device)) for j in range(4))
         self.counters.rows_replayed += kept
         self.counters.replays += 1
-        return ReplayPlan(batch_rows, query_lens, seq_lens, token_ids, positions, hidden, slots)
+        return ReplayPlan(batch_rows, query_lens, seq_lens, *gathered)
