@@ -30,7 +30,16 @@ TOUCH_POINTS: list[tuple[str, str, str, str]] = [
     ("v1/worker/gpu_model_runner.py", "GPUModelRunner.execute_model", "function", "capture tap, step timer, phase timers"),
     ("v1/worker/gpu_model_runner.py", "GPUModelRunner.sample_tokens", "function", "capture tap, seeded rewind, step timer"),
     ("v1/worker/gpu_model_runner.py", "GPUModelRunner.propose_draft_token_ids", "function",
-     "capture tap, draft recorder, custom_class proposer binding"),
+     "capture tap, draft recorder, custom_class proposer binding, deferred draft-KV sync (held before its inputs)"),
+    ("v1/worker/gpu_model_runner.py", "GPUModelRunner._get_positions", "function",
+     "deferred draft-KV sync: a held step's positions"),
+    ("v1/worker/gpu_model_runner.py", "GPUModelRunner", "attrs:use_aux_hidden_state_outputs,"
+     "valid_sampled_token_count_event,speculative_config", "deferred draft-KV sync: where a step is held before "
+     "vLLM gathers the drafter's inputs"),
+    ("v1/spec_decode/metadata.py", "SpecDecodeMetadata", "attrs:max_spec_len",
+     "deferred draft-KV sync: a step that verified no drafts"),
+    ("config/speculative.py", "SpeculativeConfig", "attrs:disable_padded_drafter_batch",
+     "deferred draft-KV sync: held before vLLM's inputs on the padded-batch path only"),
     ("v1/spec_decode/custom_class_proposer.py", "create_custom_proposer", "function",
      "history proposer (custom_class: constructed with vllm_config, propose(token rows))"),
     ("v1/worker/gpu_model_runner.py", "GPUModelRunner.reload_weights", "function", "in-place policy updates"),

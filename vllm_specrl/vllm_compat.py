@@ -98,7 +98,14 @@ groups, ``--worker-extension-cls`` + ``collective_rpc``, OpenAI routes,
 | ``max_batch_size``,                           |                                   |                   |
 | ``_last_draft_probs``, ``CommonAttention``     |                                   |                   |
 | ``Metadata`` fields, runner ``input_batch``    |                                   |                   |
-| ``.req_ids``                                  |                                   |                   |
+| ``.req_ids``; ``GPUModelRunner.propose_draft_`` | ... held before vLLM gathers the  | 0.32.0 (cpu)      |
+| ``token_ids`` (positional parameters),         | drafter's inputs (k = 0 decode    |                   |
+| ``_get_positions``, ``discard_request_mask``,  | steps)                            |                   |
+| ``use_aux_hidden_state_outputs``, ``valid_``    |                                   |                   |
+| ``sampled_token_count_event``, ``_draft_probs``,|                                   |                   |
+| ``SpecDecodeMetadata.max_spec_len``,           |                                   |                   |
+| ``SpeculativeConfig.disable_padded_drafter_``  |                                   |                   |
+| ``batch``                                      |                                   |                   |
 | ``LLM.llm_engine.engine_core`` (``InprocClient``)| the in-process scheduler, timed   | 0.32.0 (cpu)      |
 | ``.engine_core.scheduler``                     | by ``bench_rollout --phases``     |                   |
 | ``AsyncLLM.errored``                          | an RPC pending when the engine    | 0.32.0 (cpu)      |
@@ -1617,6 +1624,10 @@ def install_custom_proposer_binding() -> str:
 # the replay leaves the same entries at every position a later pass reads (the stash
 # holds that many rows per batch slot fewer, for the drafter's buffers; where that
 # leaves no room for a full batch, vLLM's own pass runs).
+# Such a k = 0 step of one-token decodes is held before vLLM gathers the drafter's inputs
+# (``GPUModelRunner.propose_draft_token_ids`` wrapped: its per-request backup-token loop and
+# next-token kernel cost ~0.4 ms of a 16-sequence CPU step for a pass that is not run), on
+# the padded-batch path without async scheduling, where that gathering does nothing else.
 # ``VLLM_SPECRL_DEFER_DRAFT_KV=0`` keeps vLLM's path.
 # Checked on 0.32.0 (cpu).
 
@@ -1625,6 +1636,9 @@ _PROPOSE_PARAMETERS = ["self", "num_speculative_tokens", "target_token_ids", "ta
                        "target_hidden_states", "next_token_ids", "token_indices_to_sample",
                        "common_attn_metadata", "sampling_metadata", "mm_embed_inputs",
                        "num_rejected_tokens_gpu", "slot_mappings"]
+_RUNNER_PROPOSE_PARAMETERS = ["self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
+                              "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata",
+                              "common_attn_metadata", "slot_mappings"]
 
 
 class DeferredDraftKV:
@@ -1635,6 +1649,13 @@ class DeferredDraftKV:
 
         self.runner, self.drafter = runner, drafter
         self.stock_propose = drafter.propose
+        # vLLM's input gathering is skipped only where it does nothing else: the padded-batch path
+        # (sampled tokens as a tensor), no async scheduling (its sampled-count copy), the target's
+        # hidden states as they are (no model hook that replaces them).
+        config = runner.speculative_config
+        self.holds_early = (not config.disable_padded_drafter_batch
+                            and getattr(runner, "valid_sampled_token_count_event", None) is None
+                            and not hasattr(runner.get_model(), "get_mtp_target_hidden_states"))
         self.stash = DraftKVStash(self.stash_rows(drafter))
         drafter.propose = self.propose
 
@@ -1673,6 +1694,34 @@ class DeferredDraftKV:
         if self.stash.rows:
             self.replay(cam, req_ids, kw)
         return self.stock_propose(**kw)
+
+    def hold_before_vllm_inputs(self, scheduler_output: Any, sampled_token_ids: Any, sampling_metadata: Any,
+                                hidden_states: Any, sample_hidden_states: Any, aux_hidden_states: Any,
+                                spec_decode_metadata: Any, cam: Any, slot_mappings: Any) -> Any:
+        """A k = 0 step of one-token decodes that the stash can hold, held before vLLM gathers the
+        drafter's inputs (its Python loop over the batch for backup tokens, the next-token kernel,
+        the hidden-state concatenation: ~0.4 ms of a 16-sequence CPU step, for a pass that is not
+        run). The rows are what ``propose`` would hold: every request decoded one token at k = 0,
+        none is discarded (a partial prompt), none verified drafts (vLLM's spec-decode metadata, when
+        there is one, has none), so each one's next token is its one sampled token. None (nothing
+        done) for any other step. Arguments: ``propose_draft_token_ids``'s."""
+        import torch
+
+        runner, n = self.runner, cam.num_reqs
+        if (scheduler_output.num_spec_tokens_to_schedule != 0
+                or (spec_decode_metadata is not None and spec_decode_metadata.max_spec_len != 0)
+                or cam.max_query_len != 1 or cam.num_actual_tokens != n or not self.stash.fits(n)
+                or not isinstance(sampled_token_ids, torch.Tensor) or sampled_token_ids.shape[1] != 1
+                or runner.discard_request_mask.np[:n].any()):
+            return None
+        positions = runner._get_positions(n)
+        hidden = (torch.cat([h[:n] for h in aux_hidden_states], dim=-1) if runner.use_aux_hidden_state_outputs
+                  else hidden_states[:n])
+        self.stash.add_step(list(runner.input_batch.req_ids[:n]), positions.tolist(),
+                            sampled_token_ids[:n, 0].to(torch.int32), positions, hidden, cam.slot_mapping)
+        self.stash.counters.held_early += 1
+        runner._draft_probs = runner._draft_prob_req_ids = None
+        return self._no_drafts(n, {"next_token_ids": sampled_token_ids})
 
     def _make_room(self, rows: int, cam: Any, req_ids: list[str], kw: dict[str, Any]) -> None:
         """Room for ``rows`` more: first forget the rows of requests that left the batch (never
@@ -1794,17 +1843,24 @@ def install_deferred_draft_kv() -> str:
     if _signature_names(SpecDecodeBaseProposer.propose) != _PROPOSE_PARAMETERS:
         return "not installed (SpecDecodeBaseProposer.propose is not the method checked on 0.32.0)"
     stock = GPUModelRunner.propose_draft_token_ids
+    early = _signature_names(stock) == _RUNNER_PROPOSE_PARAMETERS
 
     @functools.wraps(stock)
     def propose_draft_token_ids(self, *args, **kwargs):
         drafter = getattr(self, "drafter", None)
         if drafter is not None and "_specrl_deferred_kv" not in vars(drafter):
             drafter._specrl_deferred_kv = DeferredDraftKV(self, drafter) if DeferredDraftKV.eligible(drafter) else None
+        deferral = getattr(drafter, "_specrl_deferred_kv", None)
+        if early and deferral is not None and deferral.holds_early and not kwargs:
+            drafts = deferral.hold_before_vllm_inputs(*args)
+            if drafts is not None:
+                return drafts
         return stock(self, *args, **kwargs)
 
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
     GPUModelRunner._specrl_deferred_draft_kv = True
-    return "installed"
+    return "installed" + ("" if early else " (k = 0 steps held inside vLLM's input gathering: "
+                                            "propose_draft_token_ids is not the method checked on 0.32.0)")
 
 
 def deferred_draft_kv_counters(worker: Any) -> dict[str, int] | None:

@@ -61,6 +61,7 @@ class StashCounters:
     replays: int = 0
     prompt_passes: int = 0       # k = 0 steps whose prompt chunks were passed alone, their decodes held
     forgets: int = 0             # times a full stash made room by dropping requests that left the batch
+    held_early: int = 0          # steps held before vLLM gathered the drafter's inputs (of steps_deferred)
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
