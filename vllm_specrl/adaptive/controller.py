@@ -29,7 +29,8 @@ bursts of a few steps, each right after a few steps of the served k (the first s
 a burst verifies the previous k: not steady, not counted), before the bucket is
 trusted, except a k that one burst already shows cannot pay (successive elimination,
 ``elimination_z``); afterwards bursts at a neighbour of the served k, at gaps that double from
-``explore_first`` to ``explore_every`` steps of that bucket, keep both estimates current. Nothing here
+``explore_first`` to ``explore_every`` steps of that bucket (on to ``explore_max`` while no neighbour
+could pay even at ``elimination_z`` standard errors in its favour), keep both estimates current. Nothing here
 changes what is sampled: only how many drafts are verified.
 
 **Calibration at start-up** (``calibrating=True`` steps: the engine's batch holds only the
