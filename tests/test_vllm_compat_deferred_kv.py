@@ -35,6 +35,7 @@ def tail_run(model, draft, env: dict | None = None, plant: str = "", parallel: b
              max_num_batched_tokens: int | None = None) -> dict:
     """Greedy waves (max_tokens per request, one wave after another) with their drafts recorded,
     then a seeded temperature-1 wave of ``MAX_TOKENS``."""
+    batched = {"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {}
     spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3,
             "draft_sample_method": "probabilistic",
             "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 64, 0]],
@@ -45,7 +46,7 @@ def tail_run(model, draft, env: dict | None = None, plant: str = "", parallel: b
         from vllm_specrl import vllm_compat
         llm = LLM(model={str(model)!r}, dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
                   max_num_seqs={max_num_seqs}, speculative_config={spec!r},
-                  **{ {"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {} !r})
+                  **{batched!r})
         drafts = []
         llm.collective_rpc(lambda w: vllm_compat.install_draft_recorder(w.model_runner, lambda records: drafts.extend(
             [r["request_id"].split("-")[0], r["base_position"], r["draft_token_ids"]] for r in records

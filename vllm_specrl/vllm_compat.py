@@ -1688,9 +1688,9 @@ class DeferredDraftKV:
                 positions = kw["target_positions"][:n]
                 self.stash.add_step(list(req_ids), positions.tolist(), kw["next_token_ids"], positions,
                                     kw["target_hidden_states"], cam.slot_mapping)
-                return self._no_drafts(n, kw)
+                return self._no_drafts(n, kw["next_token_ids"].device)
         elif kw["num_speculative_tokens"] == 0 and self._defer_decodes_beside_prefills(cam, req_ids, kw):
-            return self._no_drafts(n, kw)
+            return self._no_drafts(n, kw["next_token_ids"].device)
         if self.stash.rows:
             self.replay(cam, req_ids, kw)
         return self.stock_propose(**kw)
@@ -1721,7 +1721,7 @@ class DeferredDraftKV:
                             sampled_token_ids[:n, 0].to(torch.int32), positions, hidden, cam.slot_mapping)
         self.stash.counters.held_early += 1
         runner._draft_probs = runner._draft_prob_req_ids = None
-        return self._no_drafts(n, {"next_token_ids": sampled_token_ids})
+        return self._no_drafts(n, sampled_token_ids.device)
 
     def _make_room(self, rows: int, cam: Any, req_ids: list[str], kw: dict[str, Any]) -> None:
         """Room for ``rows`` more: first forget the rows of requests that left the batch (never
@@ -1732,12 +1732,12 @@ class DeferredDraftKV:
         if not self.stash.fits(rows):
             self.replay(cam, req_ids, kw)
 
-    def _no_drafts(self, n: int, kw: dict[str, Any]) -> Any:
+    def _no_drafts(self, n: int, device: Any) -> Any:
         import torch
 
         self.drafter.num_speculative_tokens = 0
         self.drafter._last_draft_probs = None
-        return torch.empty(n, 0, dtype=torch.int64, device=kw["next_token_ids"].device)
+        return torch.empty(n, 0, dtype=torch.int64, device=device)
 
     def _defer_decodes_beside_prefills(self, cam: Any, req_ids: list[str], kw: dict[str, Any]) -> bool:
         """A k = 0 step that mixes prompt chunks with one-token decodes (a request joining a running
