@@ -116,6 +116,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--cycles", type=int, default=2)
     ap.add_argument("--fraction", type=float, default=1.0)
+    ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    ap.add_argument("--sender-cpus", default="auto", choices=["auto", "inherit"],
+                    help="capture_sender_cpus: the capture sender thread on the CPUs the worker's compute threads "
+                         "are not bound to (auto), or beside them (inherit)")
+    ap.add_argument("--adaptive-k", action="store_true",
+                    help="serve with adaptive k (vllm_specrl.adaptive), as make demo does: at 16 sequences it "
+                         "learns k = 0, so the phases measure what capture costs the steps an RL loop's bulk takes")
     ap.add_argument("--out", type=Path, default=Path("results/bench_capture.json"))
     ap.add_argument("--ceiling-only", action="store_true",
                     help="only measure the receiver's ceiling (no engine; synthetic frames of the model's shape)")
@@ -176,10 +183,15 @@ def main() -> None:
                 asm.requests.clear()
 
     threading.Thread(target=drain, daemon=True).start()
-    spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3,
+    spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": args.k,
             "draft_sample_method": "probabilistic"}
     server_args = ["--dtype", args.dtype, "--max-model-len", "1024", "--max-num-seqs", str(args.concurrency),
                    "--speculative-config", json.dumps(spec)]
+    server_args += ["--additional-config", json.dumps({"specrl": {"capture_sender_cpus": args.sender_cpus}})]
+    if args.adaptive_k:
+        from vllm_specrl.adaptive import SCHEDULER_CLS
+
+        server_args += ["--scheduler-cls", SCHEDULER_CLS]
     prompts = [f"Write a short story about a robot number {i}." for i in range(args.requests)]
     phases = []
     with VLLMServer(model, server_args, log_path=args.out.parent / "bench_capture_server.log") as srv:
@@ -196,7 +208,8 @@ def main() -> None:
                 phases.append(res)
                 print(f"[capture] cycle {cycle} capture={'on ' if enabled else 'off'}: "
                       f"{res['tokens_per_s']:.1f} tok/s, {res['frames']} frames", flush=True)
-        state = requests.get(srv.url + "/specrl/status", timeout=60).json().get("capture")
+        status = requests.get(srv.url + "/specrl/status", timeout=60).json()
+        state, adaptive = status.get("capture"), status.get("adaptive_k")
     stop.set()
     on = [p for p in phases if p["capture"]]
     off = [p for p in phases if not p["capture"]]
@@ -210,7 +223,8 @@ def main() -> None:
                            "bytes_per_s": sum(p["bytes"] for p in on) / sum(p["wall_s"] for p in on),
                            "decode_busy_fraction": received["busy_s"] / sum(p["wall_s"] for p in on),
                            "rejected": rx.counters["rejected"]},
-              "engine_capture_state": state, "receiver_ceiling": ceiling}
+              "engine_capture_state": state, "receiver_ceiling": ceiling,
+              "chosen_k_counts": adaptive["chosen_k_counts"] if adaptive else None}
     args.out.write_text(json.dumps(report, indent=2))
     print(f"[capture] on/off throughput ratio {ratio:.3f} (overhead {1 - ratio:.1%}); receiver "
           f"{report['receiver']['frames_per_s']:.0f} frames/s, "

@@ -135,3 +135,43 @@ def test_an_engine_that_dies_or_hangs_is_named_with_its_log(tmp_path: Path) -> N
         with pytest.raises(RuntimeError, match="ENGINE_RESULT"):
             engine.request({"slice": 0, "hang": True})
         assert engine.proc.poll() is not None  # killed, not left running
+
+
+# A loop that keeps its own control flow (as the RL demo's runs do) and takes a turn per command.
+TURNS_CHILD = textwrap.dedent("""
+    import sys
+    from vllm_specrl.bench_engine import ParentTurns
+    name = sys.argv[1]
+    print(f"{name}: setting up", flush=True)
+    turns = ParentTurns()
+    done = []
+    for i in range(3):
+        command = turns.next()
+        assert command == {"step": i}, command
+        print(f"{name}: step {i}", flush=True)
+        done.append(i)
+        turns.report({"name": name, "done": list(done)})
+    finish = turns.next()
+    turns.report({"name": name, "finish": finish["finish"]})
+""")
+
+
+def test_loops_that_own_their_control_flow_take_turns_and_their_output_is_shown(tmp_path: Path, capsys) -> None:
+    """``ParentTurns`` in the child, ``EngineProcess(script, None, ..., log_path=None, args=...)`` in the
+    parent: each child announces itself once, runs a step only when told, reports it, and its
+    progress lines reach this process's stdout in the order the turns ran."""
+    script = tmp_path / "loop.py"
+    script.write_text(TURNS_CHILD)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    with EngineProcess(str(script), None, env, None, 30, args=["a"]) as a, \
+            EngineProcess(str(script), None, env, None, 30, args=["b"]) as b:
+        for i in range(3):
+            first, second = (a, b) if i % 2 == 0 else (b, a)
+            assert first.request({"step": i})["done"] == list(range(i + 1))
+            assert second.request({"step": i})["done"] == list(range(i + 1))
+        assert a.request({"finish": {"replay_of": ["x"]}}) == {"name": "a", "finish": {"replay_of": ["x"]}}
+        assert b.request({"finish": {}})["name"] == "b"
+    assert a.proc.returncode == 0 and b.proc.returncode == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if ": " in line]
+    assert lines == ["a: setting up", "b: setting up", "a: step 0", "b: step 0", "b: step 1", "a: step 1",
+                     "a: step 2", "b: step 2"]

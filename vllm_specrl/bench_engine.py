@@ -3,7 +3,8 @@
 A script re-runs itself with ``--_engine <json config>``; the child prints one
 ``ENGINE_RESULT <json>`` line, which the parent reads back. ``EngineProcess`` keeps such a
 child alive and sends it one JSON command per measurement (``serve_commands`` in the child),
-so a benchmark can measure several engines in turn, slice by slice.
+so a benchmark can measure several engines in turn, slice by slice; ``ParentTurns`` is the
+child's side for a loop that keeps its own control flow (the RL demo's runs, step by step).
 """
 
 from __future__ import annotations
@@ -105,6 +106,30 @@ def serve_commands(run: Any, stdin: Any = None) -> None:
         report_result(run(command))
 
 
+class ParentTurns:
+    """In the child, for a loop that owns its control flow: ``next()`` blocks until the parent's next
+    command (announcing readiness the first time), ``report()`` hands back that command's result.
+
+    The RL demo's runs take turns step by step this way: while one run's step is timed, the others
+    wait on their stdin and use no CPU."""
+
+    def __init__(self, stdin: Any = None):
+        self.stdin = stdin or sys.stdin
+        self.announced = False
+
+    def next(self) -> dict:
+        if not self.announced:
+            print(READY, flush=True)
+            self.announced = True
+        line = self.stdin.readline()
+        if not line:
+            raise RuntimeError("the parent closed this child's stdin before sending its next command")
+        return json.loads(line)
+
+    def report(self, result: Any) -> None:
+        report_result(result)
+
+
 class EngineProcess:
     """In the parent: one engine subprocess (``script --_engine cfg``) kept alive between commands, so
     several engines can be measured in turn, slice by slice.
@@ -114,11 +139,18 @@ class EngineProcess:
     mix that drift into the ratio. Engines alive together, each measured while the others wait
     (blocked on their stdin, no CPU), see the same drift."""
 
-    def __init__(self, script: str, cfg: dict, env: dict[str, str], log_path: str, timeout_s: float):
+    def __init__(self, script: str, cfg: dict | None, env: dict[str, str], log_path: str | None, timeout_s: float,
+                 args: Sequence[str] = ()):
+        """Runs ``script --_engine cfg``, or ``script *args`` when ``cfg`` is None; its stderr and
+        non-protocol stdout go to ``log_path``, or with None to this process's stdout and stderr
+        (a child whose progress the user watches)."""
         self.timeout_s = timeout_s
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, script, "--_engine", json.dumps(cfg)], env=env, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+        self.log = open(log_path, "w") if log_path else None  # noqa: SIM115 - closed in close()
+        argv = ["--_engine", json.dumps(cfg)] if cfg is not None else list(args)
+        self.proc = subprocess.Popen([sys.executable, script, *argv], env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log or None)
+        self.closed = False
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read_stdout, daemon=True).start()
         self._wait_for(READY)
@@ -139,14 +171,17 @@ class EngineProcess:
                 break
             if line.startswith(prefix):
                 return line[len(prefix):]
-            self.log.write(line)
+            (self.log or sys.stdout).write(line)
+            if self.log is None:
+                sys.stdout.flush()
         try:  # let a child that is exiting finish, so its exit status is its own
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self.close()
+        where = f"its log: {self.log.name}" if self.log else "its output is above"
         raise RuntimeError(f"engine exited or timed out waiting for {prefix.strip()} "
-                           f"(rc={self.proc.returncode}); its log: {self.log.name}")
+                           f"(rc={self.proc.returncode}); {where}")
 
     def request(self, command: dict) -> Any:
         """Send one command and wait for its result."""
@@ -155,8 +190,9 @@ class EngineProcess:
         return json.loads(self._wait_for(TAG))
 
     def close(self) -> None:
-        if self.log.closed:
+        if self.closed:
             return
+        self.closed = True
         if self.proc.poll() is None:
             try:
                 self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
@@ -165,7 +201,8 @@ class EngineProcess:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
-        self.log.close()
+        if self.log:
+            self.log.close()
 
     def __enter__(self) -> "EngineProcess":
         return self

@@ -1,13 +1,16 @@
 """The capture sender never blocks the engine's step; with ``send_timeout_s`` its thread waits
-for a slow peer instead of dropping (what the offline warm start uses)."""
+for a slow peer instead of dropping (what the offline warm start uses); its thread runs off the
+cores the worker's compute threads are bound to."""
 
+import os
+import threading
 import time
 
 import pytest
 import torch
 
 from vllm_specrl.capture.receiver import CaptureReceiver
-from vllm_specrl.capture.sender import SEND_HWM, CaptureSender
+from vllm_specrl.capture.sender import SEND_HWM, CaptureSender, resolve_sender_cpus
 from vllm_specrl.server import free_port
 
 FRAMES = 10 * SEND_HWM  # 64 MB: more than the high-water marks and the kernel's socket buffers hold
@@ -86,3 +89,52 @@ def test_trainer_connected_follows_the_connection_not_the_traffic():
         assert sender.state()["frames_sent"] == 0
     finally:
         sender.close()
+
+
+def _allowed_cpus(native_id: int) -> set[int]:
+    """A thread's CPUs as the kernel reports them."""
+    line = next(x for x in open(f"/proc/self/task/{native_id}/status") if x.startswith("Cpus_allowed_list"))
+    cpus = set()
+    for part in line.split()[1].split(","):
+        lo, _, hi = part.partition("-")
+        cpus |= set(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and two CPUs")
+def test_the_sender_thread_leaves_the_cores_the_worker_is_bound_to():
+    """As vLLM's CPU worker does, a thread binds itself to one CPU and starts capture there: the sender's
+    thread runs on the CPUs the parent process may use and the binding left out ("auto"), and frames
+    still arrive; "inherit" keeps it beside the worker; anything else is refused with the choices."""
+    mine = sorted(os.sched_getaffinity(0))
+    out: dict = {}
+
+    def bound_worker() -> None:
+        os.sched_setaffinity(0, {mine[0]})  # this thread only, like the worker's OpenMP binding
+        out["spare"] = resolve_sender_cpus("auto")
+        out["inherit"] = resolve_sender_cpus("inherit")
+        address = f"tcp://127.0.0.1:{free_port()}"
+        receiver = CaptureReceiver(address)
+        sender = CaptureSender(address, cpus=out["spare"])
+        try:
+            deadline = time.time() + 10
+            while sender.state()["frames_sent"] == 0 and time.time() < deadline:
+                sender.offer(*frame(0))
+                time.sleep(0.05)
+            out["received"] = len(receiver.receive(2000))
+            out["sender_thread"] = _allowed_cpus(sender._thread.native_id)
+            out["state"] = sender.state()
+        finally:
+            sender.close()
+            receiver.close()
+
+    worker = threading.Thread(target=bound_worker)
+    worker.start()
+    worker.join(30)
+    parent = os.sched_getaffinity(os.getppid())
+    assert out["spare"] == parent - {mine[0]} and out["spare"], out
+    assert out["sender_thread"] == out["spare"] and out["state"]["sender_cpus"] == sorted(out["spare"]), out
+    assert out["received"] >= 1 and out["inherit"] == set()
+    with pytest.raises(ValueError, match="auto.*inherit"):
+        resolve_sender_cpus([-1])

@@ -9,6 +9,11 @@ at all means dropped frames, counted, never a stalled engine.
 connect/disconnect events), so an idle replica with a live trainer reads connected and a
 replica whose trainer died reads disconnected, whatever the traffic.
 
+The sender thread runs on the CPUs the engine may use but its worker's compute threads are not
+bound to (``spare_cpus``: on vLLM's CPU backend the worker binds every thread it starts, this one
+included, to its OpenMP cores, and vLLM reserves the rest for the API server and the engine loop),
+so encoding and sending frames does not take cycles from the model's forward.
+
 ``send_timeout_s`` > 0 lets the *sender thread* wait that long for a slow peer
 before dropping a frame (the queue keeps absorbing the engine's frames meanwhile,
 so the step still never waits). An offline warm start, which wants every row,
@@ -17,6 +22,7 @@ uses it; online serving keeps 0: a frame that cannot go at once is dropped.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -31,9 +37,30 @@ DEFAULT_QUEUE_FRAMES = 256
 SEND_HWM = 64
 
 
+def spare_cpus() -> set[int]:
+    """CPUs this process's parent (vLLM's engine core) may run on that the calling thread may not: on
+    vLLM's CPU backend, those its worker did not bind to its compute threads. Empty where the worker
+    is not bound (GPU workers) or the platform cannot say."""
+    try:
+        return os.sched_getaffinity(os.getppid()) - os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return set()
+
+
+def resolve_sender_cpus(setting: object) -> set[int]:
+    """``capture_sender_cpus``: "auto" (``spare_cpus``), "inherit" (the worker's own), or CPU ids."""
+    if setting in (None, "auto"):
+        return spare_cpus()
+    if setting == "inherit":
+        return set()
+    if isinstance(setting, list) and setting and all(isinstance(c, int) and c >= 0 for c in setting):
+        return set(setting)
+    raise ValueError(f'capture_sender_cpus must be "auto", "inherit" or a list of CPU ids, not {setting!r}')
+
+
 class CaptureSender:
     def __init__(self, address: str, queue_frames: int = DEFAULT_QUEUE_FRAMES, allow_remote: bool = False,
-                 send_timeout_s: float = 0.0):
+                 send_timeout_s: float = 0.0, cpus: set[int] | None = None):
         self.address = require_local_zmq_address(
             address, allow_remote, "capture",
             'set "capture_allow_remote": true in --additional-config \'{"specrl": {...}}\'')
@@ -42,6 +69,8 @@ class CaptureSender:
         self.counters = {"frames_offered": 0, "frames_sent": 0, "frames_dropped_queue_full": 0,
                          "frames_dropped_no_peer": 0, "bytes_sent": 0}
         self._peers = 0  # live connections to a trainer, from the socket monitor's events
+        self.cpus = sorted(cpus or ())  # where the sender thread runs; empty: where it was started
+        self.cpus_error: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specrl-capture", daemon=True)
         self._thread.start()
@@ -58,7 +87,13 @@ class CaptureSender:
     def _run(self) -> None:
         import zmq
 
-        ctx = zmq.Context.instance()
+        if self.cpus:
+            try:
+                os.sched_setaffinity(0, self.cpus)  # this thread only (Linux); before ZeroMQ starts its I/O thread
+            except OSError as exc:
+                self.cpus_error, self.cpus = str(exc), []
+        # A context of its own: its I/O thread starts here, with this thread's CPUs.
+        ctx = zmq.Context()
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.setsockopt(zmq.LINGER, 0)
@@ -81,6 +116,7 @@ class CaptureSender:
             sock.disable_monitor()
             monitor.close(0)
             sock.close(0)
+            ctx.term()
 
     def _read_connection_events(self, monitor) -> None:
         import zmq
@@ -110,7 +146,8 @@ class CaptureSender:
 
     def state(self) -> dict[str, Any]:
         return {"address": self.address, **self.counters, "queued": self._queue.qsize(),
-                "trainer_connected": self._peers > 0}
+                "trainer_connected": self._peers > 0, "sender_cpus": self.cpus,
+                **({"sender_cpus_error": self.cpus_error} if self.cpus_error else {})}
 
     def close(self) -> None:
         self._stop.set()

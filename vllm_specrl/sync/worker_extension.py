@@ -247,7 +247,7 @@ class SpecRLWorkerExtension:
     def specrl_capture_start(self, address: str | None = None, fraction: float | None = None,
                              queue_frames: int | None = None, allow_remote: bool | None = None) -> dict:
         """Stream committed rows' hidden states to ``address`` (defaults: ``--additional-config``)."""
-        from vllm_specrl.capture.sender import DEFAULT_QUEUE_FRAMES, CaptureSender
+        from vllm_specrl.capture.sender import DEFAULT_QUEUE_FRAMES, CaptureSender, resolve_sender_cpus
         from vllm_specrl.capture.tap import CaptureTap
 
         cfg = vllm_compat.specrl_additional_config(self.vllm_config)
@@ -263,7 +263,8 @@ class SpecRLWorkerExtension:
                                                                          DEFAULT_QUEUE_FRAMES)),
                                    bool(allow_remote if allow_remote is not None
                                         else cfg.get("capture_allow_remote", False)),
-                                   send_timeout_s=float(cfg.get("capture_send_timeout_s", 0.0)))
+                                   send_timeout_s=float(cfg.get("capture_send_timeout_s", 0.0)),
+                                   cpus=resolve_sender_cpus(cfg.get("capture_sender_cpus", "auto")))
         except ValueError as exc:
             return {"ok": False, "error": str(exc)}
         fraction = float(fraction if fraction is not None else cfg.get("capture_fraction", 1.0))
