@@ -24,7 +24,10 @@ every run of the invocation then serves that checkpoint, plain included): the po
 carries the body alone (``keep_mtp``) and ``train-draft --mtp`` keeps the layer aligned from
 the captured states, reading the policy's embedding and final norm from a small directory
 this loop rewrites before each update. Each run runs in a fresh copy of this script
-(``--no-isolate-runs``: all in this process), so none reuses a heap that a run before it grew.
+(``--no-isolate-runs``: all in this process), so none reuses a heap that a run before it grew,
+and the runs take their steps in turn (``--interleave-runs``, when every run is synchronous:
+each step of spec, then of plain, the first rotating), so the machine's drift over minutes
+falls on both alike.
 Before step 0, each engine's adaptive k is calibrated
 (``vllm_specrl.adaptive.calibrate``; the same requests warm a plain engine up), the
 trainer side runs one throwaway step, and each run takes ``--warm-up-steps`` real RL steps
@@ -52,6 +55,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -60,7 +64,7 @@ import torch
 from vllm_specrl import cpu_malloc, metrics
 from vllm_specrl.adaptive import SCHEDULER_CLS
 from vllm_specrl.adaptive.calibrate import WARM_UP_TOKENS
-from vllm_specrl.bench_engine import host_info
+from vllm_specrl.bench_engine import ParentTurns, host_info
 from vllm_specrl.rl.policy import Policy
 from vllm_specrl.rl.processes import start_niced
 from vllm_specrl.rl.rollouts import check_rollouts, generate_at_lengths, sample_groups
@@ -68,10 +72,13 @@ from vllm_specrl.rl.tasks import TASKS, make_tasks, reward
 from vllm_specrl.trainer.core import resolve_mixed_precision
 
 
-def run(mode: str, args: argparse.Namespace, target: Path, work: Path, replay: dict | None = None) -> dict:
+def run(mode: str, args: argparse.Namespace, target: Path, work: Path, replay: dict | None = None,
+        turns: ParentTurns | None = None) -> dict:
     """One RL run of ``mode``; ``replay`` (runs before it, by mode): after its steps, this engine
     generates their timed steps' rollouts again at exactly their lengths, and its own
-    (``replay_lengths``)."""
+    (``replay_lengths``). With ``turns`` (``--interleave-runs``), each step waits for the parent's
+    ``{"step": i}`` and reports back; after the last, ``{"finish": {"replay_of": [...]}}`` names the
+    runs (their reports in ``work``) whose lengths to replay."""
     from vllm_specrl.proposer.checkpoint import init_draft
     from vllm_specrl.server import VLLMServer, free_port
     from vllm_specrl.sync.client import EngineClient
@@ -153,8 +160,17 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path, replay: d
             total = args.warm_up_steps + args.steps
             # Step i samples task set i and leaves policy version i + 1; the first warm_up_steps are
             # recorded apart (steps -N..-1) and left out of the summary.
+            pause = trainer_pause_file(work, mode)
             for i in range(total):
                 step = i - args.warm_up_steps
+                if turns is not None:
+                    command = turns.next()
+                    if command.get("step") != i:
+                        raise RuntimeError(f"[rl:{mode}] expected the command for step index {i}, got {command}")
+                # The draft trainer trains while rollouts run; paused (when it yields) from the policy
+                # phases until the next step's rollouts, and so also while another run takes its turn.
+                pause.unlink(missing_ok=True)
+                started_at = time.time()
                 t_step = time.perf_counter()
                 t0 = time.perf_counter()
                 if asynchronous:
@@ -166,7 +182,6 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path, replay: d
                 t_exposed = time.perf_counter() - t0
                 after = client.status()
                 check_rollouts(samples, i, args.prompts, args.group)
-                pause = trainer_pause_file(work, mode)
                 if trainer is not None and args.draft_trainer_yields and not asynchronous:
                     pause.touch()  # the policy phases get the cores; removed before the next rollouts
                 t0, f0 = time.perf_counter(), page_faults()
@@ -189,7 +204,6 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path, replay: d
                 # Nothing to write for the draft trainer: capture_topk sends it the policy's own
                 # next-token distributions with every captured row.
                 t_sync = time.perf_counter() - t0
-                pause.unlink(missing_ok=True)
                 served = metrics.summary_delta(before["spec_decode"], after["spec_decode"])
                 versions = sorted({(s["policy_version_start"], s["policy_version_end"]) for s in samples})
                 rec = {"step": step, "mean_reward": sum(s["reward"] for s in samples) / len(samples),
@@ -203,6 +217,7 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path, replay: d
                        "adaptive_k_state": after.get("adaptive_k"),
                        "exposed_generation_s": t_exposed, "logprob_s": t_logp,
                        "training_s": t_train, "sync_s": t_sync, "step_s": time.perf_counter() - t_step,
+                       "started_at": started_at, "ended_at": time.time(),  # wall clock: runs' turns
                        # this process's page faults in the policy phases (vllm_specrl.cpu_malloc)
                        "logprob_page_faults": f_logp, "training_page_faults": f_train,
                        "rollouts": len(samples), "tokens": sum(len(s["completion_ids"]) for s in samples),
@@ -227,6 +242,10 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path, replay: d
                       f"(first draft {rec['accept_pos0'] if rec['accept_pos0'] is not None else float('nan'):.3f}), "
                       f"versions {versions}, "
                       f"|dlogp| max {rec['logprob_abs_diff_max']:.3f}", flush=True)
+                if turns is not None:
+                    turns.report({"step": step, "step_s": rec["step_s"]})
+            if turns is not None:
+                replay = {m: read_run(work, m) for m in turns.next()["finish"]["replay_of"]}
             if replay:
                 length_replays = replay_lengths(srv, policy, args, {**replay, mode: {"steps": steps}}, mode)
         finally:
@@ -323,15 +342,13 @@ def warm_up_trainer(target: Path, args: argparse.Namespace) -> float:
     return seconds
 
 
-def run_in_own_process(mode: str, target: Path, work: Path, replay: list[str]) -> dict:
-    """One run in a fresh copy of this script (same arguments, ``--runs mode``), its report's run read back.
+def read_run(work: Path, mode: str) -> dict:
+    """The report of run ``mode`` that its own process wrote in ``work``."""
+    return json.loads((work / f"run_{mode}.json").read_text())["runs"][mode]
 
-    In one process the first run grows the heap that the ones after it reuse: with every run in
-    the same process, spec's log-prob passes (first) still faulted 109-175 thousand fresh pages a
-    step (0.7-1.5 s) where plain's (second) faulted none, after the trainer warm-up. Each run now
-    starts as the first does: its own process, its own trainer warm-up, its own heap. ``replay``:
-    the runs before it (their reports in ``work``) whose lengths it generates again."""
-    out = work / f"run_{mode}.json"
+
+def own_process_args(mode: str, target: Path, work: Path) -> list[str]:
+    """This invocation's arguments for a process of its own that runs ``mode`` alone."""
     # The same arguments with this run alone (later options win in argparse); --proposer would
     # override --runs, and the target it chose is passed as such (an mtp invocation serves real-mimo
     # in every run, plain included).
@@ -343,10 +360,55 @@ def run_in_own_process(mode: str, target: Path, work: Path, replay: list[str]) -
         skip = a == "--proposer"
         if not skip:
             argv.append(a)
-    subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--runs", mode, "--target", str(target),
-                    "--no-isolate-runs", "--work-dir", str(work), "--out", str(out),
+    return [*argv, "--runs", mode, "--target", str(target), "--no-isolate-runs", "--work-dir", str(work),
+            "--out", str(work / f"run_{mode}.json")]
+
+
+def run_in_own_process(mode: str, target: Path, work: Path, replay: list[str]) -> dict:
+    """One run in a fresh copy of this script (same arguments, ``--runs mode``), its report's run read back.
+
+    In one process the first run grows the heap that the ones after it reuse: with every run in
+    the same process, spec's log-prob passes (first) still faulted 109-175 thousand fresh pages a
+    step (0.7-1.5 s) where plain's (second) faulted none, after the trainer warm-up. Each run now
+    starts as the first does: its own process, its own trainer warm-up, its own heap. ``replay``:
+    the runs before it (their reports in ``work``) whose lengths it generates again."""
+    subprocess.run([sys.executable, os.path.abspath(__file__), *own_process_args(mode, target, work),
                     *(["--replay-lengths-of", ",".join(replay)] if replay else [])], check=True)
-    return json.loads(out.read_text())["runs"][mode]
+    return read_run(work, mode)
+
+
+def run_interleaved(modes: list[str], args: argparse.Namespace, target: Path, work: Path,
+                    to_replay: Callable[[str], list[str]], finished: Callable[[str, dict], None]) -> None:
+    """``--interleave-runs``: every run in its own process, started one after another (each
+    one's engine start, calibration and trainer start alone on the cores), then step by step in
+    turn, the first run rotating each step; then each finishes (proposer runs first, so a plain
+    run can replay their lengths) and ``finished(mode, run)`` gets its report.
+
+    Why: run one after another, two runs' engines read several percent apart on this shared VM
+    (the same engine's step time drifts 10-15% within a minute), more than speculation's margin
+    at 16 sequences; a step of each in turn sees the same drift. While one run steps, the
+    others wait on their stdin, their engines idle and their draft trainers paused."""
+    from contextlib import ExitStack
+
+    from vllm_specrl.bench_engine import EngineProcess
+
+    with ExitStack() as stack:
+        procs = {}
+        for mode in modes:
+            print(f"[rl] starting the {mode} run (trainer warm-up, engine, calibration); "
+                  "it then waits for its turns", flush=True)
+            procs[mode] = stack.enter_context(EngineProcess(
+                os.path.abspath(__file__), None, dict(os.environ), None, RUN_TURN_TIMEOUT_S,
+                args=[*own_process_args(mode, target, work), "--_take-turns"]))
+        for i in range(args.warm_up_steps + args.steps):
+            for j in range(len(modes)):
+                procs[modes[(i + j) % len(modes)]].request({"step": i})
+        for mode in sorted(modes, key=lambda m: not m.startswith(PROPOSERS)):
+            procs[mode].request({"finish": {"replay_of": to_replay(mode)}})
+            finished(mode, read_run(work, mode))
+
+
+RUN_TURN_TIMEOUT_S = 1800.0  # a run's start-up (engine, calibration, trainer), one step, or its finish
 
 
 def write_policy_head(policy: Policy, policy_dir: Path, out: Path) -> None:
@@ -600,6 +662,12 @@ def main() -> None:
                          "before it again, at exactly their answers' lengths (ignore_eos), and its own: spec's "
                          "rollout time against plain's engine on identical work, without the chance in how long "
                          "two runs' answers ran (about 30 s per step at the defaults)")
+    ap.add_argument("--interleave-runs", action=argparse.BooleanOptionalAction, default=True,
+                    help="with --isolate-runs and every run synchronous: keep the runs' processes alive together "
+                         "and take their steps in turn, the first run rotating each step, so that the machine's "
+                         "drift over minutes falls on every run alike (--no-interleave-runs: one run after another)")
+    ap.add_argument("--_take-turns", dest="take_turns", action="store_true",
+                    help=argparse.SUPPRESS)  # set by --interleave-runs: steps on the parent's command
     ap.add_argument("--replay-lengths-of", default="", help=argparse.SUPPRESS)  # set by --isolate-runs
     ap.add_argument("--work-dir", type=Path, default=None,
                     help="where the runs keep policies, drafts and logs (default: <out stem>_work beside --out)")
@@ -668,18 +736,31 @@ def main() -> None:
             return []
         return [m for m in report["runs"] if m.startswith(PROPOSERS)]
 
-    if args.isolate_runs and len(modes) > 1:
+    interleave = args.isolate_runs and len(modes) > 1 and args.interleave_runs and not any(
+        m.endswith("-async") for m in modes)
+    report["interleaved_runs"] = interleave
+    if interleave:
+        def finished(mode: str, run_: dict) -> None:
+            report["runs"][mode] = run_
+            args.out.write_text(json.dumps(report, indent=2))
+
+        run_interleaved(modes, args, target, work, to_replay, finished)
+        report["runs"] = {m: report["runs"][m] for m in modes}  # in --runs order, as run one after another
+    elif args.isolate_runs and len(modes) > 1:
+        if args.interleave_runs:
+            print("[rl] an async run takes its next rollouts while it trains: the runs go one after another",
+                  flush=True)
         for mode in modes:
             report["runs"][mode] = run_in_own_process(mode, target, work, to_replay(mode))
             args.out.write_text(json.dumps(report, indent=2))
     else:
         warm_up_s = warm_up_trainer(target, args) if args.warm_up_trainer else None
         # a run of an isolated invocation: the runs before it are in the work dir
-        earlier = {m: json.loads((work / f"run_{m}.json").read_text())["runs"][m]
-                   for m in args.replay_lengths_of.split(",") if m}
+        earlier = {m: read_run(work, m) for m in args.replay_lengths_of.split(",") if m}
+        turns = ParentTurns() if args.take_turns else None
         for mode in modes:
             replay = {**earlier, **{m: report["runs"][m] for m in to_replay(mode)}}
-            report["runs"][mode] = {**run(mode, args, target, work, replay), "pid": os.getpid(),
+            report["runs"][mode] = {**run(mode, args, target, work, replay, turns), "pid": os.getpid(),
                                     "trainer_warm_up_s": warm_up_s}
             args.out.write_text(json.dumps(report, indent=2))
     report["summary"] = summarize(report["runs"])
@@ -689,6 +770,8 @@ def main() -> None:
     args.out.write_text(json.dumps(report, indent=2))
     print_table(report)
     print(f"wrote {args.out} and {png}")
+    if args.take_turns:
+        ParentTurns().report({"out": str(args.out)})  # the parent reads the report once it is written
 
 
 if __name__ == "__main__":

@@ -55,3 +55,19 @@ def test_the_online_trainer_publishes_the_mtp_layer_beside_the_policy_updates(re
     steps = data["runs"]["mtp"]["steps"]
     assert all(s["acceptance_length"] for s in steps), steps  # the MTP layer drafted every step
     assert "mtp_vs_plain" in data["summary"]["comparisons"] and "mtp_vs_plain" in stdout
+
+
+def test_the_runs_took_their_steps_in_turn_the_first_rotating(report):
+    """Two synchronous runs are interleaved by default (``--interleave-runs``): both processes alive,
+    one run's step timed while the other waits, mtp first on even steps and plain first on odd ones
+    (by wall clock: each step starts after the step before it in that order ended)."""
+    data, _, _ = report
+    assert data["interleaved_runs"] is True
+    by_mode = {m: {s["step"]: s for s in data["runs"][m]["steps"]} for m in ("mtp", "plain")}
+    order = []
+    for step in range(STEPS):
+        first, second = ("mtp", "plain") if step % 2 == 0 else ("plain", "mtp")
+        order += [by_mode[first][step], by_mode[second][step]]
+    for before, after in zip(order, order[1:]):
+        assert before["ended_at"] <= after["started_at"], (before["step"], after["step"])
+    assert len({r["pid"] for r in data["runs"].values()} | {data["pid"]}) == 3
