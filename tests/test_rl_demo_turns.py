@@ -1,0 +1,63 @@
+"""``rl_demo.run_interleaved``: the order in which the parent starts the runs' processes, times their
+steps and finishes them (a stand-in for each run's process; the real processes are driven end to
+end by tests/test_rl_demo_mtp.py)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+from vllm_specrl import bench_engine
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _rl_demo_module():
+    spec = importlib.util.spec_from_file_location("rl_demo", REPO / "scripts" / "rl_demo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_runs_start_one_by_one_step_in_rotating_turns_and_proposers_finish_first(tmp_path, monkeypatch):
+    demo = _rl_demo_module()
+    events = []
+
+    class FakeRun:
+        def __init__(self, script, cfg, env, log_path, timeout_s, args=()):
+            assert cfg is None and log_path is None and args[-1] == "--_take-turns"
+            self.mode = args[args.index("--runs") + 1]
+            assert args[args.index("--out") + 1] == str(tmp_path / f"run_{self.mode}.json")
+            events.append(("start", self.mode))
+
+        def request(self, command):
+            events.append((self.mode, command))
+            if "finish" in command:
+                run = {"steps": [], "replayed": command["finish"]["replay_of"]}
+                (tmp_path / f"run_{self.mode}.json").write_text(json.dumps({"runs": {self.mode: run}}))
+                return {"out": "written"}
+            return {"step": command["step"] - 1}
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            events.append(("closed", self.mode))
+
+    monkeypatch.setattr(bench_engine, "EngineProcess", FakeRun)
+    monkeypatch.setattr("sys.argv", ["rl_demo.py", "--steps", "3"])
+    finished = {}
+    args = argparse.Namespace(warm_up_steps=1, steps=3)
+    demo.run_interleaved(["plain", "spec"], args, Path("/target"), tmp_path,
+                         lambda m: [r for r in finished if r.startswith("spec")] if m == "plain" else [],
+                         lambda m, run: finished.__setitem__(m, run))
+    steps = [(m, c["step"]) for m, c in events if isinstance(c, dict) and "step" in c]
+    assert events[:2] == [("start", "plain"), ("start", "spec")]
+    assert steps == [("plain", 0), ("spec", 0), ("spec", 1), ("plain", 1), ("plain", 2), ("spec", 2),
+                     ("spec", 3), ("plain", 3)]
+    finishes = [(m, c["finish"]["replay_of"]) for m, c in events if isinstance(c, dict) and "finish" in c]
+    assert finishes == [("spec", []), ("plain", ["spec"])]  # plain replays spec's lengths
+    assert list(finished) == ["spec", "plain"] and finished["plain"]["replayed"] == ["spec"]
+    assert {e for e in events if e[0] == "closed"} == {("closed", "plain"), ("closed", "spec")}
