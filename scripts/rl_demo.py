@@ -184,15 +184,14 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path, replay: d
                 check_rollouts(samples, i, args.prompts, args.group)
                 if trainer is not None and args.draft_trainer_yields and not asynchronous:
                     pause.touch()  # the policy phases get the cores; removed before the next rollouts
-                t0, f0 = time.perf_counter(), page_faults()
-                logps = policy.token_logprobs(samples)
-                t_logp, f_logp = time.perf_counter() - t0, page_faults() - f0
-                abs_diffs = [(lp.detach() - torch.tensor(s["vllm_logprobs"])).abs() for lp, s in zip(logps, samples)]
+                # Logprob recomputation and the update in one pass, micro-batch by micro-batch (one
+                # micro-batch's autograd graph alive at a time); its forward and update times apart.
+                f0 = page_faults()
+                logps, loss, t_logp, t_train = policy.grpo_pass(samples, args.group, args.clip)
+                f_policy = page_faults() - f0
+                abs_diffs = [(lp - torch.tensor(s["vllm_logprobs"])).abs() for lp, s in zip(logps, samples)]
                 diffs = torch.cat(abs_diffs)
                 on_policy = [s["policy_version_start"] == s["policy_version_end"] == policy.version for s in samples]
-                t0, f0 = time.perf_counter(), page_faults()
-                loss = policy.grpo_step(samples, logps, args.group, args.clip)
-                t_train, f_train = time.perf_counter() - t0, page_faults() - f0
                 t0 = time.perf_counter()
                 if mtp and args.online_draft:
                     write_policy_head(policy, policy_dir, policy_head)  # before the commit the trainer sees
@@ -219,7 +218,7 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path, replay: d
                        "training_s": t_train, "sync_s": t_sync, "step_s": time.perf_counter() - t_step,
                        "started_at": started_at, "ended_at": time.time(),  # wall clock: runs' turns
                        # this process's page faults in the policy phases (vllm_specrl.cpu_malloc)
-                       "logprob_page_faults": f_logp, "training_page_faults": f_train,
+                       "policy_page_faults": f_policy,
                        "rollouts": len(samples), "tokens": sum(len(s["completion_ids"]) for s in samples),
                        "acceptance_length": served["acceptance_length"],
                        # the first draft token's acceptance: unlike the length, independent of the k's served
@@ -335,7 +334,7 @@ def warm_up_trainer(target: Path, args: argparse.Namespace) -> float:
     completion = (prompt * (args.max_tokens // len(prompt) + 1))[:args.max_tokens]  # every sample at the cap
     samples = [{"prompt_ids": prompt, "completion_ids": completion, "vllm_logprobs": [0.0] * len(completion),
                 "reward": float(i % 2)} for i in range(n)]
-    policy.grpo_step(samples, policy.token_logprobs(samples), args.group, args.clip)
+    policy.grpo_pass(samples, args.group, args.clip)
     del policy
     seconds = time.perf_counter() - t0
     print(f"[rl] trainer warm-up {seconds:.1f}s (a throwaway step on {n} synthetic samples)", flush=True)

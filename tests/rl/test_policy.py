@@ -41,3 +41,26 @@ def test_padded_batch_logprobs_equal_one_sequence_at_a_time(tiny_model, micro_ba
             logp = torch.log_softmax(policy.model(input_ids=seq).logits[0].float(), -1)
             want = torch.stack([logp[len(s["prompt_ids"]) - 1 + j, t] for j, t in enumerate(s["completion_ids"])])
             assert torch.allclose(got.detach(), want, atol=1e-4)
+
+
+def test_one_pass_micro_batch_by_micro_batch_updates_the_policy_as_the_whole_batch_does(tiny_model):
+    """``grpo_pass`` (each micro-batch back-propagated at once) against ``token_logprobs`` + ``grpo_step``
+    (the whole step's graph) from the same weights: the same logprobs, loss and updated parameters."""
+    ids = Policy(tiny_model, lr=1e-3, seed=0).tok("def add(a, b):\n    return a + b\n",
+                                                    add_special_tokens=False)["input_ids"]
+    samples = [{"prompt_ids": ids[:p], "completion_ids": ids[p:p + n], "reward": float(r),
+                "vllm_logprobs": [-1.0 - 0.1 * j for j in range(n)]}
+               for p, n, r in ((3, 6, 1), (5, 2, 0), (2, 2, 0), (4, 5, 1), (2, 7, 0), (3, 3, 1))]
+    whole, streamed = Policy(tiny_model, lr=1e-3, seed=0), Policy(tiny_model, lr=1e-3, seed=0)
+    logps = whole.token_logprobs(samples)
+    loss = whole.grpo_step(samples, logps, group=3, clip=0.2)
+    got, got_loss, forward_s, update_s = streamed.grpo_pass(samples, group=3, clip=0.2, micro_batch=4)
+    assert got_loss == pytest.approx(loss, rel=1e-5) and forward_s > 0 and update_s > 0
+    for a, b in zip(logps, got):
+        assert not b.requires_grad and torch.allclose(a.detach(), b, atol=1e-5)
+    before = Policy(tiny_model, lr=1e-3, seed=0).model.state_dict()
+    moved = 0.0
+    for (name, a), b in zip(whole.model.named_parameters(), streamed.model.parameters()):
+        assert torch.allclose(a, b, atol=1e-6), name
+        moved = max(moved, float((a - before[name]).abs().max()))
+    assert moved > 1e-4  # the step did move the weights
