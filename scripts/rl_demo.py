@@ -58,6 +58,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -163,10 +164,8 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path, replay: d
             pause = trainer_pause_file(work, mode)
             for i in range(total):
                 step = i - args.warm_up_steps
-                if turns is not None:
-                    command = turns.next()
-                    if command.get("step") != i:
-                        raise RuntimeError(f"[rl:{mode}] expected the command for step index {i}, got {command}")
+                if turns is not None and next_turn(turns, mode, "step") != i:
+                    raise RuntimeError(f"[rl:{mode}] the parent's step index is not {i}")
                 # The draft trainer trains while rollouts run; paused (when it yields) from the policy
                 # phases until the next step's rollouts, and so also while another run takes its turn.
                 pause.unlink(missing_ok=True)
@@ -244,7 +243,7 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path, replay: d
                 if turns is not None:
                     turns.report({"step": step, "step_s": rec["step_s"]})
             if turns is not None:
-                replay = {m: read_run(work, m) for m in turns.next()["finish"]["replay_of"]}
+                replay = {m: read_run(work, m) for m in next_turn(turns, mode, "finish")["replay_of"]}
             if replay:
                 length_replays = replay_lengths(srv, policy, args, {**replay, mode: {"steps": steps}}, mode)
         finally:
@@ -260,6 +259,18 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path, replay: d
     return {"mode": mode, "steps": steps, "warm_up_steps": warm_up, "calibration": calibration,
             "draft_publish_gate": publish_gate_verdicts(work / f"online_draft_{mode}.jsonl"),
             **({"length_replays": length_replays} if replay else {})}
+
+
+def next_turn(turns: ParentTurns, mode: str, expected: str) -> Any:
+    """The parent's next command, which must be ``expected`` ("step" or "finish"); a quit (the parent
+    stopping every run, say because another failed) ends this run cleanly (its trainer and engine
+    shut down on the way out)."""
+    command = turns.next()
+    if command.get("quit"):
+        raise SystemExit(f"[rl:{mode}] stopped by the parent before its next {expected}")
+    if expected not in command:
+        raise RuntimeError(f"[rl:{mode}] expected a {expected} command from the parent, got {command}")
+    return command[expected]
 
 
 def step_seed(args: argparse.Namespace, step: int) -> int:

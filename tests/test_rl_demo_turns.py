@@ -61,3 +61,25 @@ def test_runs_start_one_by_one_step_in_rotating_turns_and_proposers_finish_first
     assert finishes == [("spec", []), ("plain", ["spec"])]  # plain replays spec's lengths
     assert list(finished) == ["spec", "plain"] and finished["plain"]["replayed"] == ["spec"]
     assert {e for e in events if e[0] == "closed"} == {("closed", "plain"), ("closed", "spec")}
+
+
+def test_a_run_reads_its_turns_and_a_quit_ends_it_cleanly():
+    """In a run's process: the step index or finish body the parent sent; a quit (the parent stopping the
+    runs after another failed) exits through the run's cleanup; any other command is an error."""
+    import pytest
+
+    demo = _rl_demo_module()
+
+    class Turns:
+        def __init__(self, *commands):
+            self.commands = list(commands)
+
+        def next(self):
+            return self.commands.pop(0)
+
+    assert demo.next_turn(Turns({"step": 3}), "spec", "step") == 3
+    assert demo.next_turn(Turns({"finish": {"replay_of": ["spec"]}}), "plain", "finish") == {"replay_of": ["spec"]}
+    with pytest.raises(SystemExit, match="stopped by the parent"):
+        demo.next_turn(Turns({"quit": True}), "spec", "step")
+    with pytest.raises(RuntimeError, match="expected a finish command"):
+        demo.next_turn(Turns({"step": 4}), "spec", "finish")
