@@ -9,6 +9,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 from vllm_specrl import bench_engine
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,8 +68,6 @@ def test_runs_start_one_by_one_step_in_rotating_turns_and_proposers_finish_first
 def test_a_run_reads_its_turns_and_a_quit_ends_it_cleanly():
     """In a run's process: the step index or finish body the parent sent; a quit (the parent stopping the
     runs after another failed) exits through the run's cleanup; any other command is an error."""
-    import pytest
-
     demo = _rl_demo_module()
 
     class Turns:
