@@ -29,6 +29,13 @@ def clipped_policy_gradient_loss(logps: list[torch.Tensor], behaviour_logps: lis
     return -torch.stack(per_seq).mean()
 
 
+def length_sorted_chunks(samples: list[dict], micro_batch: int) -> list[list[int]]:
+    """Sample indices in micro-batches of similar total length (prompt + completion), shortest first."""
+    lengths = [len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples]
+    order = sorted(range(len(samples)), key=lengths.__getitem__)
+    return [order[start : start + micro_batch] for start in range(0, len(order), micro_batch)]
+
+
 class Policy:
     """An HF causal LM in float32 with AdamW; ``version`` counts the updates pushed to the engine."""
 
@@ -56,11 +63,8 @@ class Policy:
         to its own longest: RL completions vary from a dozen tokens to the cap, and one batch
         padded to the longest spends most of its compute on padding.
         """
-        lengths = [len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples]
-        order = sorted(range(len(samples)), key=lengths.__getitem__)
         out: list[torch.Tensor | None] = [None] * len(samples)
-        for start in range(0, len(order), micro_batch):
-            chunk = order[start : start + micro_batch]
+        for chunk in length_sorted_chunks(samples, micro_batch):
             for i, logp in zip(chunk, self._padded_logprobs([samples[i] for i in chunk])):
                 out[i] = logp
         return out
@@ -90,13 +94,10 @@ class Policy:
         gradient as ``grpo_step`` on ``token_logprobs`` (the loss is a mean over sequences). Returns
         the logprobs (detached), the loss, and the seconds spent in forward passes and in the update."""
         advantages = grpo_advantages([s["reward"] for s in samples], group)
-        lengths = [len(s["prompt_ids"]) + len(s["completion_ids"]) for s in samples]
-        order = sorted(range(len(samples)), key=lengths.__getitem__)
         out: list[torch.Tensor | None] = [None] * len(samples)
         loss_total, forward_s, update_s = 0.0, 0.0, 0.0
         self.opt.zero_grad(set_to_none=True)
-        for start in range(0, len(order), micro_batch):
-            chunk = order[start : start + micro_batch]
+        for chunk in length_sorted_chunks(samples, micro_batch):
             t0 = time.perf_counter()
             logps = self._padded_logprobs([samples[i] for i in chunk])
             t1 = time.perf_counter()
@@ -108,8 +109,7 @@ class Policy:
                 out[i] = logp.detach()
             forward_s, update_s = forward_s + t1 - t0, update_s + time.perf_counter() - t1
         t0 = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.opt.step()
+        self._apply_gradients()
         return out, loss_total, forward_s, update_s + time.perf_counter() - t0
 
     def grpo_step(self, samples: list[dict], logps: list[torch.Tensor], group: int, clip: float) -> float:
@@ -118,6 +118,10 @@ class Policy:
                                             grpo_advantages([s["reward"] for s in samples], group), clip)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
+        self._apply_gradients()
+        return float(loss.detach())
+
+    def _apply_gradients(self) -> None:
+        """The update every GRPO step ends with: gradients clipped to norm 1, one AdamW step."""
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.opt.step()
-        return float(loss.detach())
