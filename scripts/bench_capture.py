@@ -76,14 +76,17 @@ def receiver_ceiling(hidden: int, aux_layers: int, rows: int, seconds: float) ->
 
 
 def tap_cost(hidden: int, vocab: int, batch: int, rows: int, topk: int, reps: int = 30) -> dict:
-    """What building one engine step's capture frames costs the worker (``capture.tap.step_frames``: hidden
-    states copied, sampled-token logprobs and the top-k scored), on a synthetic step of ``batch`` requests
-    that each verified ``rows - 1`` drafts and committed all ``rows``. One torch thread and glibc's
-    raised malloc thresholds, as in the engine's worker. Median of ``reps`` steps."""
+    """What building one engine step's capture frames costs the worker (``capture.tap``: hidden states
+    copied, sampled-token logprobs and the top-k scored, frames assembled), on a synthetic step of
+    ``batch`` requests that each verified ``rows - 1`` drafts and committed all ``rows``: all of it in
+    the step (``ms_per_step``), or only the copies in the step (``ms_per_step_deferred``) and the rest
+    in the sender thread (``sender_ms_per_step``), as a CPU engine whose sender runs on a core of its
+    own does. One torch thread and glibc's raised malloc thresholds, as in the engine's worker. Median
+    of ``reps`` steps."""
     import torch
 
     from vllm_specrl import cpu_malloc
-    from vllm_specrl.capture.tap import step_frames
+    from vllm_specrl.capture.tap import collect_step
 
     cpu_malloc.tune_glibc_malloc()
     threads = torch.get_num_threads()
@@ -95,14 +98,22 @@ def tap_cost(hidden: int, vocab: int, batch: int, rows: int, topk: int, reps: in
             "final_hidden": torch.randn(n, hidden, generator=gen).to(torch.bfloat16),
             "requests": [{"request_id": f"r{i}", "start": i * rows, "end": (i + 1) * rows, "num_spec": rows - 1,
                           "sampled": [5] * rows, "logit_row": i * rows} for i in range(batch)]}
-    times = []
-    for _ in range(reps + 3):
-        t0 = time.perf_counter()
-        step_frames(view, topk=topk)
-        times.append(time.perf_counter() - t0)
+
+    def median_ms(fn) -> float:
+        times = []
+        for _ in range(reps + 3):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return 1e3 * statistics.median(times[3:])
+
+    in_step = median_ms(lambda: collect_step(view, topk=topk).frames())
+    deferred = median_ms(lambda: collect_step(view, topk=topk, defer_scoring=True))
+    pending = collect_step(view, topk=topk, defer_scoring=True)
+    sender = median_ms(pending.frames)
     torch.set_num_threads(threads)
     return {"batch": batch, "committed_rows_per_request": rows, "topk": topk, "vocab": vocab,
-            "ms_per_step": 1e3 * statistics.median(times[3:])}
+            "ms_per_step": in_step, "ms_per_step_deferred": deferred, "sender_ms_per_step": sender}
 
 
 def main() -> None:
@@ -120,6 +131,8 @@ def main() -> None:
     ap.add_argument("--sender-cpus", default="auto", choices=["auto", "inherit"],
                     help="capture_sender_cpus: the capture sender thread on the CPUs the worker's compute threads "
                          "are not bound to (auto), or beside them (inherit)")
+    ap.add_argument("--topk", type=int, default=64,
+                    help="capture_topk: the target's top-k logprobs per committed row, scored in the step (make demo: 64)")
     ap.add_argument("--adaptive-k", action="store_true",
                     help="serve with adaptive k (vllm_specrl.adaptive), as make demo does: at 16 sequences it "
                          "learns k = 0, so the phases measure what capture costs the steps an RL loop's bulk takes")
@@ -141,10 +154,11 @@ def main() -> None:
     config = json.loads((model / "config.json").read_text())
     if args.tap_only:
         cells = [tap_cost(config["hidden_size"], config["vocab_size"], b, r, k)
-                 for b, r in ((1, 3), (4, 3), (16, 2), (16, 3)) for k in (0, 64)]
+                 for b, r in ((1, 3), (4, 3), (8, 2), (16, 1), (16, 2), (16, 3)) for k in (0, 64)]
         for c in cells:
             print(f"[capture] tap: {c['batch']} requests x {c['committed_rows_per_request']} rows, top-{c['topk']}: "
-                  f"{c['ms_per_step']:.2f} ms per step", flush=True)
+                  f"{c['ms_per_step']:.2f} ms in the step; scored by the sender: {c['ms_per_step_deferred']:.2f} "
+                  f"ms in the step, {c['sender_ms_per_step']:.2f} ms in the sender thread", flush=True)
         args.out.write_text(json.dumps({"benchmark": "capture_tap_cost", "model": str(model), "host": host_info(),
                                         "tap": cells}, indent=2))
         print(f"wrote {args.out}")
@@ -187,7 +201,8 @@ def main() -> None:
             "draft_sample_method": "probabilistic"}
     server_args = ["--dtype", args.dtype, "--max-model-len", "1024", "--max-num-seqs", str(args.concurrency),
                    "--speculative-config", json.dumps(spec)]
-    server_args += ["--additional-config", json.dumps({"specrl": {"capture_sender_cpus": args.sender_cpus}})]
+    server_args += ["--additional-config", json.dumps({"specrl": {"capture_sender_cpus": args.sender_cpus,
+                                                                "capture_topk": args.topk}})]
     if args.adaptive_k:
         from vllm_specrl.adaptive import SCHEDULER_CLS
 

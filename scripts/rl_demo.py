@@ -141,7 +141,8 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path, replay: d
             trainer = start_draft_trainer(
                 args, work, mode, capture, srv.url,
                 ["--mtp", "--draft", str(policy_dir), "--target", str(policy_head)] if mtp
-                else ["--draft", str(draft), "--target", str(policy_dir)])
+                else ["--draft", str(draft), "--target", str(policy_dir)],
+                cpus=trainer_cpus(args.draft_trainer_cpus, client.status()))
         pool = ThreadPoolExecutor(1)
 
         def rollouts(step: int):
@@ -449,8 +450,9 @@ def mean_k(before: dict | None, after: dict | None) -> float | None:
 
 
 def start_draft_trainer(args: argparse.Namespace, work: Path, mode: str, capture: str, engine_url: str,
-                        model_args: list[str]) -> subprocess.Popen:
-    """``vllm-specrl train-draft`` on the engine's capture stream, started before step 0."""
+                        model_args: list[str], cpus: set[int] | None = None) -> subprocess.Popen:
+    """``vllm-specrl train-draft`` on the engine's capture stream, started before step 0, on ``cpus``
+    when given (``trainer_cpus``)."""
     out = work / f"draft_trainer_{mode}.out"
     trainer = start_niced(
         [sys.executable, "-m", "vllm_specrl.cli", "train-draft", "--capture", capture, "--engine", engine_url,
@@ -465,13 +467,21 @@ def start_draft_trainer(args: argparse.Namespace, work: Path, mode: str, capture
         stdout=open(out, "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
         # The draft trainer shares these 2 cores with the engine and this loop (on a GPU
         # cluster it has its own device): it takes cycles they leave, and a bounded number.
-        niceness=args.draft_nice, idle=args.draft_sched_idle,
+        niceness=args.draft_nice, idle=args.draft_sched_idle, cpus=cpus,
         env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
     # In an RL job the draft trainer starts once, before the first step; here its start-up
     # (imports, loading the draft and the policy's head) would otherwise land in step 0's
     # rollouts and be counted as their cost.
     wait_for_trainer_start(trainer, out)
     return trainer
+
+
+def trainer_cpus(setting: str, engine_status: dict) -> set[int] | None:
+    """Where the online draft trainer runs: "auto", the CPUs the engine's capture sender runs on (those
+    its CPU worker's compute threads are not bound to; none on a GPU worker, then anywhere), or "any"."""
+    if setting == "any":
+        return None
+    return set((engine_status.get("capture") or {}).get("sender_cpus") or ()) or None
 
 
 def trainer_pause_file(work: Path, mode: str) -> Path:
@@ -631,7 +641,8 @@ def print_table(report: dict) -> None:
         print(f"{name}: step time {c['step_time']:.2f}{extra}")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The demo's options (``scripts/bench_online_cost.py`` reads the draft trainer's defaults here)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fixtures", type=Path, default=None)
     ap.add_argument("--target", type=Path, default=None, help="policy checkpoint (default: the real fixture)")
@@ -709,6 +720,9 @@ def main() -> None:
                     help="pause the online draft trainer's training (not its capture) during the policy's logprob, "
                          "update and sync phases: on a shared CPU it took 5-10%% of the cores the policy used "
                          "even at nice 19 (on a GPU cluster it has its own device)")
+    ap.add_argument("--draft-trainer-cpus", choices=["auto", "any"], default="auto",
+                    help="where the online draft trainer runs: auto, the CPUs vLLM's CPU worker leaves to its engine "
+                         "core (where the capture sender runs), so it never takes the forward's core; any: anywhere")
     ap.add_argument("--draft-nice", type=int, default=19,
                     help="niceness of the online draft trainer process: it shares this machine's cores with the "
                          "engine and the policy update, so by default it only takes the cycles they leave")
@@ -724,7 +738,11 @@ def main() -> None:
                          "start) instead of eager mode")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("results/rl_demo.json"))
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     cpu_malloc.keep_every_block_on_heap()  # the policy's log-prob pass and update (vllm_specrl.cpu_malloc)
     args.dtype = args.dtype or ("bfloat16" if resolve_mixed_precision("auto") == "bf16" else "float32")
     if args.proposer:

@@ -138,3 +138,51 @@ def test_the_sender_thread_leaves_the_cores_the_worker_is_bound_to():
     assert out["received"] >= 1 and out["inherit"] == set()
     with pytest.raises(ValueError, match="auto.*inherit"):
         resolve_sender_cpus([-1])
+
+
+class Step:
+    """A step's frames, built when the sender thread asks (``offer_step``); records which thread that was."""
+
+    def __init__(self, first: int, count: int, fail: bool = False, gate: threading.Event | None = None):
+        self.first, self.count, self.fail, self.gate = first, count, fail, gate
+        self.built_in: int | None = None
+
+    def __len__(self) -> int:
+        return self.count
+
+    def frames(self):
+        if self.gate is not None:
+            self.gate.wait(10)
+        self.built_in = threading.get_ident()
+        if self.fail:
+            raise RuntimeError("planted")
+        return [frame(self.first + i) for i in range(self.count)]
+
+
+def test_a_steps_frames_are_built_in_the_sender_thread_counted_as_frames_and_a_bad_step_loses_only_itself():
+    address = f"tcp://127.0.0.1:{free_port()}"
+    receiver = CaptureReceiver(address)
+    sender = CaptureSender(address, queue_frames=7)
+    gate = threading.Event()
+    try:
+        held = Step(0, 4, gate=gate)  # the sender thread is busy building this one until the gate opens
+        assert sender.offer_step(held)
+        time.sleep(0.3)
+        assert sender.state()["queued"] == 4
+        assert sender.offer(*frame(4))                     # 5 of 7
+        assert not sender.offer_step(Step(5, 3))           # 8 > 7: refused whole, counted as 3 frames
+        bad, good = Step(7, 1, fail=True), Step(8, 1)
+        assert sender.offer_step(bad) and sender.offer_step(good)
+        gate.set()
+        ids, deadline = set(), time.time() + 10
+        while len(ids) < 6 and time.time() < deadline:
+            ids |= {h["request_id"] for h, _ in receiver.receive(200)}
+        state = sender.state()
+        assert ids == {"r0", "r1", "r2", "r3", "r4", "r8"}, ids
+        assert state["frames_offered"] == 10 and state["frames_dropped_queue_full"] == 3, state
+        assert state["frames_dropped_build_error"] == 1 and "planted" in state["last_build_error"], state
+        assert state["queued"] == 0 and state["frames_sent"] == 6, state
+        assert held.built_in == good.built_in == sender._thread.ident != threading.get_ident()
+    finally:
+        sender.close()
+        receiver.close()

@@ -1,11 +1,12 @@
-"""``step_frames``: committed rows only, with the sampled tokens' logprobs from the step's own logits."""
+"""``step_frames``: committed rows only, with the sampled tokens' logprobs from the step's own logits,
+scored in the step or (``defer_scoring``) from rows copied in the step and scored in the sender thread."""
 
 import math
 
 import torch
 
 from vllm_specrl.capture.receiver import SequenceAssembler
-from vllm_specrl.capture.tap import exact_topk, step_frames
+from vllm_specrl.capture.tap import CaptureTap, collect_step, exact_topk, step_frames
 
 H, V = 4, 32
 
@@ -103,3 +104,56 @@ def test_batched_scoring_matches_per_request_scoring_at_a_real_vocabulary_width(
     torch.testing.assert_close(tb["logprobs"][2], logp[4, 9])
     assert ta["final_hidden"].tolist() == view(None)["final_hidden"][:2].to(torch.bfloat16).tolist()
     assert tb["aux_hidden"][:, H:2 * H].tolist() == [[1.0] * H] * 3
+
+
+def _same_frames(got, want) -> None:
+    assert [h for h, _ in got] == [h for h, _ in want]
+    for (_, a), (_, b) in zip(got, want):
+        assert a.keys() == b.keys()
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], equal_nan=True, rtol=0, atol=0)
+
+
+def test_deferred_scoring_copies_the_rows_now_and_scores_them_as_the_step_would():
+    """With ``defer_scoring`` the step only copies the logit rows it needs; the runner may overwrite its
+    buffers before ``frames()`` runs (in the sender thread), and the frames are those of scoring in-step,
+    from logits and from the sampler's log-softmax alike."""
+    logits = torch.randn(5, 8192, generator=torch.Generator().manual_seed(2)) * 3
+    for raw in (None, logits.log_softmax(-1)):
+        v = view(logits.clone())
+        v["raw_logprobs"] = None if raw is None else raw.clone()
+        want = step_frames(v, topk=64)
+        capture = collect_step(v, topk=64, defer_scoring=True)
+        assert capture.scored is None and capture.to_score[0].shape == (3, 8192)  # a's 2 rows, b's last
+        v["logits"].fill_(0.0)  # the runner's next step
+        if raw is not None:
+            v["raw_logprobs"].fill_(0.0)
+        v["final_hidden"].fill_(-1.0)
+        _same_frames(capture.frames(), want)
+
+
+def test_the_tap_leaves_scoring_to_a_sender_on_cpus_of_its_own():
+    """A sender off the worker's cores gets the step's rows unscored; one beside them (``inherit``) gets
+    them scored in the step. The frames are the same either way, with the step's version and number."""
+    logits = torch.randn(5, V)
+
+    class Sender:
+        def __init__(self, cpus):
+            self.cpus, self.offered = cpus, []
+
+        def offer_step(self, pending):
+            self.offered.append(pending)
+            return True
+
+    want = step_frames(view(logits), topk=2)
+    wide_enough = list(range(torch.get_num_threads()))  # as many CPUs as a new thread's torch threads
+    for cpus, deferred in ((wide_enough, True), ([], False)):
+        sender = Sender(cpus)
+        tap = CaptureTap(sender, 1.0, lambda: 7, dtype=torch.bfloat16, topk=2)
+        tap(view(logits))
+        (pending,) = sender.offered
+        assert (pending.scored is None) == deferred and tap.steps_scored_by_sender == int(deferred)
+        frames = pending.frames()
+        assert all(h["policy_version"] == 7 and h["step"] == 1 for h, _ in frames)
+        _same_frames([({k: x for k, x in h.items() if k not in ("policy_version", "step")}, t) for h, t in frames],
+                     want)

@@ -59,3 +59,19 @@ def test_a_preexec_fn_is_refused():
 
     with pytest.raises(ValueError, match="preexec_fn"):
         start_niced(["true"], 19, preexec_fn=lambda: None)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and two CPUs")
+def test_a_trainer_given_cpus_runs_only_there_threads_included():
+    """``rl_demo.py`` starts the online draft trainer on the CPUs a CPU engine's worker leaves to its engine
+    core, so it never takes the forward's core: the child and a thread it starts later run only there."""
+    from vllm_specrl.rl.processes import start_niced
+
+    cpu = max(os.sched_getaffinity(0))
+    child = [sys.executable, "-c", "import json, os, threading, time; time.sleep(0.3); seen = []; "
+             "t = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0)))); t.start(); t.join(); "
+             "print(json.dumps([sorted(os.sched_getaffinity(0)), seen[0]]))"]
+    proc = start_niced(child, 19, idle=True, cpus={cpu}, stdout=subprocess.PIPE, text=True)
+    main_cpus, thread_cpus = json.loads(proc.communicate(timeout=60)[0])
+    assert main_cpus == thread_cpus == [cpu]

@@ -1,7 +1,8 @@
 """The worker's side of capture: a bounded queue and a ZeroMQ PUSH thread that never blocks the step.
 
-``offer`` is called inside the engine step with already-copied tensors; it
-only enqueues (``put_nowait``). A background thread encodes and sends frames
+``offer`` is called inside the engine step with already-copied tensors, ``offer_step`` with a step's
+copied rows whose frames are built later (``capture.tap.StepCapture``); both only enqueue, and the
+queue's bound counts frames. A background thread builds, encodes and sends frames
 without blocking (``zmq.NOBLOCK``). A full queue, a slow trainer or no trainer
 at all means dropped frames, counted, never a stalled engine.
 
@@ -26,7 +27,7 @@ import os
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -58,16 +59,28 @@ def resolve_sender_cpus(setting: object) -> set[int]:
     raise ValueError(f'capture_sender_cpus must be "auto", "inherit" or a list of CPU ids, not {setting!r}')
 
 
+class PendingFrames(Protocol):
+    """A step's frames, built in the sender thread: ``len()`` of them, ``frames()`` to build them."""
+
+    def __len__(self) -> int: ...
+
+    def frames(self) -> list[tuple[dict[str, Any], dict[str, torch.Tensor]]]: ...
+
+
 class CaptureSender:
     def __init__(self, address: str, queue_frames: int = DEFAULT_QUEUE_FRAMES, allow_remote: bool = False,
                  send_timeout_s: float = 0.0, cpus: set[int] | None = None):
         self.address = require_local_zmq_address(
             address, allow_remote, "capture",
             'set "capture_allow_remote": true in --additional-config \'{"specrl": {...}}\'')
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_frames)
+        self._queue: queue.Queue = queue.Queue()  # (frame count, a frame or PendingFrames)
+        self.queue_frames = queue_frames
+        self._queued = 0  # frames in the queue, under _queued_lock
+        self._queued_lock = threading.Lock()
         self.send_timeout_s = send_timeout_s
         self.counters = {"frames_offered": 0, "frames_sent": 0, "frames_dropped_queue_full": 0,
-                         "frames_dropped_no_peer": 0, "bytes_sent": 0}
+                         "frames_dropped_no_peer": 0, "frames_dropped_build_error": 0, "bytes_sent": 0}
+        self.last_build_error: str | None = None
         self._peers = 0  # live connections to a trainer, from the socket monitor's events
         self.cpus = sorted(cpus or ())  # where the sender thread runs; empty: where it was started
         self.cpus_error: str | None = None
@@ -76,13 +89,32 @@ class CaptureSender:
         self._thread.start()
 
     def offer(self, header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
-        self.counters["frames_offered"] += 1
+        return self._enqueue(1, (header, tensors))
+
+    def offer_step(self, pending: PendingFrames) -> bool:
+        """A step's frames, all or none: built in the sender thread. Refused (and counted as dropped)
+        when they would overfill the queue, unless it is empty."""
+        return self._enqueue(len(pending), pending)
+
+    def _enqueue(self, count: int, item: Any) -> bool:
+        self.counters["frames_offered"] += count
+        with self._queued_lock:
+            if self._queued and self._queued + count > self.queue_frames:
+                self.counters["frames_dropped_queue_full"] += count
+                return False
+            self._queued += count
+        self._queue.put_nowait((count, item))
+        return True
+
+    def _frames_of(self, count: int, item: Any) -> list:
+        if isinstance(item, tuple):
+            return [item]
         try:
-            self._queue.put_nowait((header, tensors))
-            return True
-        except queue.Full:
-            self.counters["frames_dropped_queue_full"] += 1
-            return False
+            return item.frames()
+        except Exception as exc:  # noqa: BLE001 - a bad step loses its frames, never the sender
+            self.counters["frames_dropped_build_error"] += count
+            self.last_build_error = repr(exc)
+            return []
 
     def _run(self) -> None:
         import zmq
@@ -103,15 +135,20 @@ class CaptureSender:
             while not self._stop.is_set():
                 self._read_connection_events(monitor)
                 try:
-                    header, tensors = self._queue.get(timeout=0.2)
+                    count, item = self._queue.get(timeout=0.2)
                 except queue.Empty:
                     continue
-                parts = encode_frame(header, tensors)
-                if not self._send(sock, parts):
-                    self.counters["frames_dropped_no_peer"] += 1
-                    continue
-                self.counters["frames_sent"] += 1
-                self.counters["bytes_sent"] += sum(len(p) for p in parts)
+                try:
+                    for header, tensors in self._frames_of(count, item):
+                        parts = encode_frame(header, tensors)
+                        if not self._send(sock, parts):
+                            self.counters["frames_dropped_no_peer"] += 1
+                            continue
+                        self.counters["frames_sent"] += 1
+                        self.counters["bytes_sent"] += sum(len(p) for p in parts)
+                finally:
+                    with self._queued_lock:
+                        self._queued -= count
         finally:
             sock.disable_monitor()
             monitor.close(0)
@@ -145,9 +182,10 @@ class CaptureSender:
                 sock.poll(50, zmq.POLLOUT)
 
     def state(self) -> dict[str, Any]:
-        return {"address": self.address, **self.counters, "queued": self._queue.qsize(),
+        return {"address": self.address, **self.counters, "queued": self._queued,
                 "trainer_connected": self._peers > 0, "sender_cpus": self.cpus,
-                **({"sender_cpus_error": self.cpus_error} if self.cpus_error else {})}
+                **({"sender_cpus_error": self.cpus_error} if self.cpus_error else {}),
+                **({"last_build_error": self.last_build_error} if self.last_build_error else {})}
 
     def close(self) -> None:
         self._stop.set()

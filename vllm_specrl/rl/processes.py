@@ -16,12 +16,14 @@ import subprocess
 from typing import Any
 
 
-def start_niced(cmd: list[str], niceness: int, idle: bool = False, **popen_kwargs: Any) -> subprocess.Popen:
+def start_niced(cmd: list[str], niceness: int, idle: bool = False, cpus: set[int] | None = None,
+                **popen_kwargs: Any) -> subprocess.Popen:
     """``Popen(cmd)`` at ``niceness`` (threads the child starts later inherit it), without a fork.
 
     ``idle``: also ``SCHED_IDLE``, the policy for work that should only run on cycles nothing else
     wants (Linux gives it a weight of 3 against nice 19's 15 and a nice-0 task's 1024, and a
-    waking normal task always preempts it)."""
+    waking normal task always preempts it). ``cpus``: the CPUs it may run on (the threads it starts
+    later inherit them), e.g. those a CPU engine's worker leaves to its engine core."""
     if "preexec_fn" in popen_kwargs:
         raise ValueError("start_niced spawns without preexec_fn; a fork would copy-on-write protect the caller")
     proc = subprocess.Popen(cmd, **popen_kwargs)
@@ -29,6 +31,8 @@ def start_niced(cmd: list[str], niceness: int, idle: bool = False, **popen_kwarg
         os.setpriority(os.PRIO_PROCESS, proc.pid, niceness)
         if idle:
             os.sched_setscheduler(proc.pid, os.SCHED_IDLE, os.sched_param(0))
+        if cpus:
+            os.sched_setaffinity(proc.pid, cpus)
     except ProcessLookupError:  # it exited already; nothing left to lower
         pass
     return proc

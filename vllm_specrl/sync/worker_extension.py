@@ -296,6 +296,7 @@ class SpecRLWorkerExtension:
         runner = self.model_runner
         return {**tap.sender.state(), "fraction": tap.fraction, "steps": tap.steps,
                 "steps_scored_by_sampler": tap.steps_scored_by_sampler,
+                "steps_scored_by_sender": tap.steps_scored_by_sender,
                 "tap_errors": getattr(runner, "_specrl_capture_errors", 0),
                 "last_tap_error": getattr(runner, "_specrl_capture_last_error", None)}
 
