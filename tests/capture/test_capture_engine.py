@@ -10,6 +10,7 @@ with transformers' hidden states for prompt + output tokens.
 """
 
 import json
+import os
 
 import pytest
 import torch
@@ -44,7 +45,11 @@ for i, rid in enumerate(request_ids):
     for k, v in asm.pop(key).items():
         seqs[f"{i}.{k}"] = v.contiguous() if torch.is_tensor(v) else torch.tensor(v)
 save_file(seqs, OUT)
-print("RESULT " + json.dumps({"tokens": tokens, "state": state, "rx": rx.counters, "runs": runs, **extra}))
+def torch_threads(worker):  # what a thread the worker starts inherits
+    import torch
+    return torch.get_num_threads()
+print("RESULT " + json.dumps({"tokens": tokens, "state": state, "rx": rx.counters, "runs": runs,
+                             "worker_torch_threads": llm.collective_rpc(torch_threads)[0], **extra}))
 """
 
 
@@ -84,7 +89,11 @@ def work(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def captured(tiny_model, work):
-    return run_capture(tiny_model, work, "", f"""
+    # The sender on every CPU this process has, named: as on a CPU engine whose worker is bound to some of
+    # them, its thread scores the logit rows the step copied (the preempted run below scores in the step).
+    cpus = sorted(os.sched_getaffinity(0))
+    return run_capture(tiny_model, work, f'additional_config={{"specrl": {{"capture_sender_cpus": {cpus}}}}},',
+                       f"""
 params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=0, logprobs=0)
 outs = llm.generate({PROMPTS!r}, params, use_tqdm=False)
 request_ids = [o.request_id for o in outs]
@@ -175,6 +184,9 @@ def test_captured_logprobs_equal_vllms(capture_run):
     sampler's for requests that ask for logprobs)."""
     meta, seqs = capture_run
     assert meta["state"]["steps_scored_by_sampler"] == meta["state"]["steps"] > 0, meta["state"]
+    # Where the sender has CPUs of its own it scored every step (the plain run), else the step did.
+    deferred = meta["state"]["sender_cpus"] and len(meta["state"]["sender_cpus"]) >= meta["worker_torch_threads"]
+    assert meta["state"]["steps_scored_by_sender"] == (meta["state"]["steps"] if deferred else 0), meta["state"]
     for i, (tokens, want) in enumerate(zip(meta["tokens"], meta["vllm_logprobs"])):
         got = seqs[f"{i}.logprobs"]
         first = len(tokens) - len(want) - 1  # the row whose next token is the first output token
