@@ -23,11 +23,13 @@ WARM_UP = 1  # one untimed step per run first, as make demo takes
 
 
 @pytest.fixture(scope="module")
-def report(tiny_model, tmp_path_factory):
+def report(tiny_model, warm_draft, tmp_path_factory):
+    # The warm draft, not a fresh one: a fresh draft accepts nothing here, so adaptive k rightly serves k = 0
+    # and whether a timed step drafts at all was up to its exploration (a suite run saw none of 3 draft).
     out = tmp_path_factory.mktemp("rl_demo") / "rl_demo.json"
     return run_rl_demo(tiny_model, "spec-async,history,plain", out, STEPS, PROMPTS, GROUP,
-                       "--draft-vocab-size", str(WARM_DRAFT_VOCAB), "--draft-lr", "3e-4", "--draft-tv-weight", "0.5",
-                       warm_up_steps=WARM_UP)
+                       "--draft", str(warm_draft), "--draft-vocab-size", str(WARM_DRAFT_VOCAB),
+                       "--draft-lr", "3e-4", "--draft-tv-weight", "0.5", warm_up_steps=WARM_UP)
 
 
 def test_the_online_trainer_trains_with_the_demos_draft_options(report):
