@@ -49,7 +49,6 @@ def main() -> None:
 
     sys.path.insert(0, str(Path(__file__).parent))
     import rl_demo
-    from transformers import AutoTokenizer
 
     from vllm_specrl.adaptive import SCHEDULER_CLS
     from vllm_specrl.fixtures import fixture_target
@@ -57,6 +56,7 @@ def main() -> None:
     from vllm_specrl.server import VLLMServer, free_port
     from vllm_specrl.sync.client import EngineClient
     from vllm_specrl.trainer.core import resolve_mixed_precision
+    from vllm_specrl.trainer.offline import prompt_texts
 
     demo = rl_demo.build_parser().parse_args([])  # the demo's draft-trainer settings
     if args.draft_publish_every is not None:
@@ -65,9 +65,7 @@ def main() -> None:
     dtype = args.dtype or ("bfloat16" if resolve_mixed_precision("auto") == "bf16" else "float32")
     work = args.out.parent / (args.out.stem + "_work")
     work.mkdir(parents=True, exist_ok=True)
-    tok = AutoTokenizer.from_pretrained(target)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-               for p, _ in make_tasks(0, args.concurrency, 0, demo.task)]
+    prompts = prompt_texts(target, [p for p, _ in make_tasks(0, args.concurrency, 0, demo.task)], chat=True)
     capture = f"tcp://127.0.0.1:{free_port()}"
     spec = {"method": "eagle3", "model": str(args.draft), "num_speculative_tokens": demo.k,
             "draft_sample_method": "probabilistic"}
