@@ -7,7 +7,10 @@
 Drafts come from the request's prompt group: siblings in flight (a GRPO group),
 earlier rollouts of the same prompt kept across requests (earlier epochs), and the
 request's own prompt and output (``history_index``). Drafting is a look-up, no model
-forward. For requests sampled at T > 0 each draft token is sampled from the
+forward, but every drafted token is a row the target verifies: with ``cost_aware`` (default) a
+token is drafted only if its estimated chance of acceptance beats what a row costs at this
+batch size, from a fit of the engine's own step times (``step_cost``); otherwise the fixed
+``min_confidence``. For requests sampled at T > 0 each draft token is sampled from the
 continuations' shares, and those shares go to vLLM's rejection sampler as the draft
 distribution (``take_last_draft_probs``, handed over by ``vllm_compat``'s binding):
 it accepts with ``min(1, p / q)`` and resamples the rest from ``max(p - q, 0)``, so
@@ -28,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from vllm_specrl.proposer.history_index import Draft, HistoryConfig, HistoryIndex
+from vllm_specrl.proposer.step_cost import StepCostModel
 
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a request at a temperature below it is greedy
 
@@ -59,6 +63,10 @@ class HistoryProposer:
         seed = getattr(vllm_config.model_config, "seed", None)
         self.rng = np.random.default_rng(0 if seed is None else int(seed))
         self.last_draft_probs: Any = None
+        self.step_cost = StepCostModel()
+        self._last_call: float | None = None
+        self._last_drafts: dict[str, int] = {}   # request id -> tokens drafted for it at the last step
+        self._last_seen: set[str] = set()
 
     # --- vLLM's proposer interface --------------------------------------------------
 
@@ -81,11 +89,14 @@ class HistoryProposer:
         req_ids = list(batch.req_ids[:num_rows])
         prompt_lens = batch.num_prompt_tokens[:num_rows]
         self._sync_live(req_ids, prompt_lens, num_tokens_no_spec, token_ids_cpu)
+        self._observe_step(req_ids, sampled_token_ids)
         k = self.k if self.k_limit is None else min(self.k, self.k_limit)
         drafts: list[Draft] = [Draft([]) for _ in range(num_rows)]
         self.last_draft_probs = None
+        self._last_drafts = {}
         if k <= 0:
             return [[] for _ in range(num_rows)]
+        threshold = self.step_cost.threshold(num_rows) if self.index.cfg.cost_aware else None
         sample = self.index.cfg.sample_drafts
         temperatures = getattr(batch, "temperature_cpu", None)
         rows_by_group: dict[str, list[int]] = {}
@@ -98,9 +109,11 @@ class HistoryProposer:
             rngs = [self.rng if sample and temperatures is not None and temperatures[row] >= GREEDY_EPS else None
                     for row in rows]
             out = self.index.draft_group(key, token_ids_cpu[rows[0], :int(prompt_lens[rows[0]])],
-                                         [token_ids_cpu[row, :n] for row, n in zip(rows, lengths)], limits, rngs)
+                                         [token_ids_cpu[row, :n] for row, n in zip(rows, lengths)], limits, rngs,
+                                         min_confidence=threshold)
             for row, draft in zip(rows, out):
                 drafts[row] = draft
+        self._last_drafts = {rid: len(d.tokens) for rid, d in zip(req_ids, drafts) if d.tokens}
         if any(d.dists for d in drafts):
             self.last_draft_probs = self._dense_probs(drafts, k)
         return [d.tokens for d in drafts]
@@ -125,6 +138,21 @@ class HistoryProposer:
         rejection sampler by ``vllm_compat.install_custom_proposer_binding``."""
         probs, self.last_draft_probs = self.last_draft_probs, None
         return probs
+
+    def _observe_step(self, req_ids: list[str], sampled_token_ids: list[list[int]]) -> None:
+        """The step that just ran, for the cost fit: its wall time since the last call and its rows
+        (a row per sequence plus the drafts it verified). A step in which a request joined or a
+        prompt chunk ran (no sampled token) is not a decode step's cost: left out."""
+        import time
+
+        now = time.perf_counter()
+        last, self._last_call = self._last_call, now
+        if last is None or not all(sampled_token_ids) or any(r not in self._last_seen for r in req_ids):
+            self._last_seen = set(req_ids)
+            return
+        self._last_seen = set(req_ids)
+        verified = sum(self._last_drafts.get(r, 0) for r in req_ids)
+        self.step_cost.observe(len(req_ids) + verified, verified > 0, now - last)
 
     # --- live requests ----------------------------------------------------------------
 
@@ -156,4 +184,4 @@ class HistoryProposer:
 
     def specrl_status(self) -> dict:
         return {"proposer": "history", "k": self.k, "live_requests": len(self.live), "steps": self.steps,
-                **self.index.status()}
+                **self.index.status(), "step_cost": self.step_cost.status()}

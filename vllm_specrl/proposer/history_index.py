@@ -60,8 +60,9 @@ class HistoryConfig:
     min_match: int = 2             # shortest suffix match that may draft
     max_match: int = 16            # longest suffix compared
     min_confidence: float = 0.25   # draft while the estimated chance that every token so far is accepted
-                                   # is at least this (a verified token costs ~1/4 of a step at 16+
-                                   # sequences on a 2-core CPU; lower it where verifying is cheap)
+                                   # is at least this: without cost_aware, and until its fit is ready
+    cost_aware: bool = True        # the threshold per batch size from the engine's measured step cost
+                                   # (a row's cost against a plain step's per sequence: step_cost)
     age_decay: float = 0.5         # weight of a completion per policy version it is behind
     max_age: int = 3               # completions more versions behind than this are dropped
     prompt_tail: int = 16          # prompt tokens kept in front of each completion
@@ -236,25 +237,28 @@ class HistoryIndex:
         return tokens, weights
 
     def draft_group(self, key: str, prompt: np.ndarray, sequences: list[np.ndarray],
-                    max_tokens: list[int], rngs: list[np.random.Generator | None] | None = None) -> list[Draft]:
+                    max_tokens: list[int], rngs: list[np.random.Generator | None] | None = None,
+                    min_confidence: float | None = None) -> list[Draft]:
         """Drafts for the live sequences of one prompt (each its full token ids, prompt first; each
         drafts from its own text, its siblings' and the kept rollouts); ``max_tokens[i]`` 0: none;
-        ``rngs[i]``: sample sequence i's draft (None: the heaviest tokens). The one drafting path of
-        both the proposer and the replay."""
+        ``rngs[i]``: sample sequence i's draft (None: the heaviest tokens); ``min_confidence``: this
+        step's threshold (None: the configured one). The one drafting path of both the proposer and
+        the replay."""
         if key not in self.groups:  # evicted under the memory cap while in flight
             self.group(prompt)
         tail_start = max(len(prompt) - self.cfg.prompt_tail, 0)
         corpus = self.corpus(key, [np.asarray(seq[tail_start:], dtype=np.int32) for seq in sequences])
         rngs = rngs or [None] * len(sequences)
-        return [self.draft(corpus, seq[-self.cfg.max_match:], m, rng) if m > 0 else NO_DRAFT
+        return [self.draft(corpus, seq[-self.cfg.max_match:], m, rng, min_confidence) if m > 0 else NO_DRAFT
                 for seq, m, rng in zip(sequences, max_tokens, rngs)]
 
     def draft(self, corpus: tuple[np.ndarray, np.ndarray], context: np.ndarray, max_tokens: int,
-              rng: np.random.Generator | None = None) -> Draft:
+              rng: np.random.Generator | None = None, min_confidence: float | None = None) -> Draft:
         """The draft for a sequence ending in ``context`` (its last tokens), at most ``max_tokens``
         long; with ``rng``, each token sampled from the continuations' shares (``Draft.dists``)."""
         tokens, weights = corpus
         cfg = self.cfg
+        threshold = cfg.min_confidence if min_confidence is None else min_confidence
         n = len(tokens)
         if max_tokens <= 0 or len(context) < cfg.min_match or n < 2:
             return NO_DRAFT
@@ -301,7 +305,7 @@ class HistoryIndex:
                 pick = int(min(np.searchsorted(np.cumsum(q), rng.random() * q.sum(), side="right"), len(q) - 1))
                 share = total / (total + 1.0)
             confidence *= m / (m + 1.0) * share
-            if confidence < cfg.min_confidence:
+            if confidence < threshold:
                 break
             out.append(int(uniq[pick]))
             if rng is not None:

@@ -1,0 +1,102 @@
+"""What a verified token costs, measured from the engine's own steps: when a history draft pays.
+
+A draft-free proposer (the history look-up) costs nothing to draft, but every drafted token is
+a row the target must verify. Whether a token is worth verifying depends on the hardware and
+the batch: a step's time is about ``F + R * rows`` (rows: one per sequence plus its drafts) and
+a plain step at ``b`` sequences yields ``b`` tokens in ``F + R * b``, so a drafted token that is
+accepted with probability ``pi`` raises tokens per second only if
+
+    pi > R * b / (F + R * b)          (the threshold for ``b`` sequences)
+
+On a GPU a verify pass is memory-bound and ``R`` is near zero: drafting pays at any acceptance.
+On a compute-bound CPU (2 cores, float32, 135M parameters measured ~9 ms per row against a
+~40 ms fixed part) the threshold is ~0.2 at one sequence, ~0.5 at four and ~0.8 at sixteen: a
+fixed threshold drafts tokens that cannot pay at four sequences and more (history at 0.25
+read 0.80-0.91 of plain there) and leaves acceptance unused at one.
+
+``StepCostModel`` fits ``seconds = F + R * rows + S * drafted`` (``drafted``: any row verified a
+draft, vLLM's speculative path then runs its rejection sampler) by least squares over the
+last ``window`` clean steps (no request joined, no prompt chunk: a prefill's rows cost
+differently), refitting every ``refit_every`` steps with outliers beyond ``outlier_mads``
+median absolute deviations dropped (a step that waited for the host). Rows vary as a rollout's
+sequences finish and as drafts come and go, which is what makes ``R`` identifiable; until the
+fit has ``min_steps`` steps over at least three row counts it reports no threshold and the
+caller keeps its fixed one.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+MIN_THRESHOLD = 0.02   # a draft whose chance is below this is noise, free rows or not
+MAX_THRESHOLD = 0.99   # nothing drafts: a token accepted for sure only just pays its row
+
+
+@dataclass(frozen=True)
+class StepCostFit:
+    fixed_s: float       # F: a step's cost besides its rows
+    per_row_s: float     # R: one more row verified
+    spec_path_s: float   # S: vLLM's speculative path, paid by a step that verifies any draft
+    steps: int           # clean steps the fit used (outliers dropped)
+
+    def threshold(self, batch: int) -> float:
+        """The acceptance chance a drafted token needs at ``batch`` sequences to raise tokens/s."""
+        rows_cost = max(self.per_row_s, 0.0) * max(batch, 1)
+        plain_step = self.fixed_s + rows_cost
+        if plain_step <= 0.0:
+            return MAX_THRESHOLD
+        return float(min(max(rows_cost / plain_step, MIN_THRESHOLD), MAX_THRESHOLD))
+
+
+class StepCostModel:
+    """Least-squares step cost over recent clean steps; ``fit`` is None until it can be trusted."""
+
+    def __init__(self, window: int = 512, min_steps: int = 32, refit_every: int = 16,
+                 outlier_mads: float = 4.0):
+        self.samples: deque[tuple[int, bool, float]] = deque(maxlen=window)
+        self.min_steps, self.refit_every, self.outlier_mads = min_steps, refit_every, outlier_mads
+        self.fit: StepCostFit | None = None
+        self._since_fit = 0
+
+    def observe(self, rows: int, drafted: bool, seconds: float) -> None:
+        """One clean step: ``rows`` verified in all, whether any was a draft, its wall time."""
+        if rows <= 0 or not np.isfinite(seconds) or seconds <= 0.0:
+            return
+        self.samples.append((int(rows), bool(drafted), float(seconds)))
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every and len(self.samples) >= self.min_steps:
+            self._since_fit = 0
+            self.fit = self._fit()
+
+    def threshold(self, batch: int) -> float | None:
+        return None if self.fit is None else self.fit.threshold(batch)
+
+    def _fit(self) -> StepCostFit | None:
+        data = np.asarray(self.samples, dtype=np.float64)
+        rows, drafted, seconds = data[:, 0], data[:, 1], data[:, 2]
+        if len(np.unique(rows)) < 3:
+            return None
+        use_spec_path = 0.0 < drafted.mean() < 1.0
+        design = np.column_stack([np.ones_like(rows), rows] + ([drafted] if use_spec_path else []))
+        keep = np.ones(len(rows), dtype=bool)
+        for _ in range(2):  # fit, drop the outliers of that fit, fit again
+            coef = np.linalg.lstsq(design[keep], seconds[keep], rcond=None)[0]
+            residual = seconds - design @ coef
+            mad = np.median(np.abs(residual[keep] - np.median(residual[keep])))
+            keep = np.abs(residual) <= self.outlier_mads * 1.4826 * mad if mad > 0 else keep
+            if keep.sum() < self.min_steps or len(np.unique(rows[keep])) < 3:
+                return None
+        coef = np.linalg.lstsq(design[keep], seconds[keep], rcond=None)[0]
+        return StepCostFit(fixed_s=float(coef[0]), per_row_s=float(coef[1]),
+                           spec_path_s=float(coef[2]) if use_spec_path else 0.0, steps=int(keep.sum()))
+
+    def status(self) -> dict:
+        fit = self.fit
+        return {"clean_steps": len(self.samples), "fitted": fit is not None,
+                **({"fixed_ms": 1e3 * fit.fixed_s, "per_row_ms": 1e3 * fit.per_row_s,
+                    "spec_path_ms": 1e3 * fit.spec_path_s, "fit_steps": fit.steps,
+                    "threshold_by_batch": {b: round(fit.threshold(b), 3) for b in (1, 2, 4, 8, 16, 32)}}
+                   if fit is not None else {})}
