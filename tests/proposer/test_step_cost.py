@@ -20,20 +20,20 @@ def synthetic_steps(n: int, seed: int = 0):
         seconds = (FIXED_S + PER_ROW_S * (batch + drafted) + SPEC_PATH_S * (drafted > 0)) * rng.normal(1.0, 0.08)
         if i % 25 == 7:
             seconds += 0.3
-        yield batch + drafted, drafted > 0, seconds
+        yield batch, batch + drafted, drafted > 0, seconds
 
 
 def test_the_fit_recovers_a_known_step_cost_through_noise_and_stalls():
     model = StepCostModel()
-    for rows, drafted, seconds in synthetic_steps(600):
-        model.observe(rows, drafted, seconds)
+    for step in synthetic_steps(600):
+        model.observe(*step)
     fit = model.fit
     assert fit is not None
     assert fit.per_row_s == pytest.approx(PER_ROW_S, rel=0.08)
     assert fit.fixed_s == pytest.approx(FIXED_S, rel=0.12)
     assert fit.spec_path_s == pytest.approx(SPEC_PATH_S, abs=0.004)
     status = model.status()
-    assert status["fitted"] and status["threshold_by_batch"][1] < status["threshold_by_batch"][16]
+    assert status["fitted"] and status["by_batch"][1]["threshold"] < status["by_batch"][16]["threshold"]
 
 
 def test_the_threshold_is_where_a_drafted_token_stops_paying():
@@ -60,8 +60,24 @@ def test_free_rows_draft_anything_and_costly_rows_nothing():
 def test_no_threshold_until_the_fit_has_enough_varied_steps():
     model = StepCostModel(min_steps=32)
     for _ in range(200):
-        model.observe(16, False, 0.18)   # one row count only: R cannot be told from F
+        model.observe(16, 16, False, 0.18)   # one row count only: R cannot be told from F
     assert model.fit is None and model.threshold(16) is None
-    for i, (rows, drafted, seconds) in enumerate(synthetic_steps(31)):
-        model.observe(rows, drafted, seconds)
+    for step in synthetic_steps(31):
+        model.observe(*step)
     assert model.threshold(4) is not None
+
+
+def test_each_batch_size_is_judged_by_the_cost_of_its_own_rows():
+    """A CPU step: a row costs 3 ms at one or two sequences (memory-bound) and 9 ms at eight and more
+    (compute-bound). The threshold at one sequence comes from the steps at one or two (0.07), the one
+    at sixteen from those at eight to thirty-two (0.78); one line over all of them gets both wrong."""
+    rng = np.random.default_rng(1)
+    model = StepCostModel()
+    for i in range(500):
+        batch = [1, 2, 4, 8, 12, 16][i % 6]
+        rows = batch + int(rng.integers(0, 2 * batch + 1))
+        per_row = 0.003 if batch <= 2 else 0.009 if batch >= 8 else 0.006
+        model.observe(batch, rows, rows > batch, (FIXED_S + per_row * rows) * rng.normal(1.0, 0.03))
+    assert model.threshold(1) == pytest.approx(0.003 / (FIXED_S + 0.003), abs=0.02)
+    assert model.threshold(16) == pytest.approx(0.144 / (FIXED_S + 0.144), abs=0.03)
+    assert abs(model.fit.threshold(1) - model.threshold(1)) > 0.04   # the one line

@@ -152,7 +152,7 @@ class HistoryProposer:
             return
         self._last_seen = set(req_ids)
         verified = sum(self._last_drafts.get(r, 0) for r in req_ids)
-        self.step_cost.observe(len(req_ids) + verified, verified > 0, now - last)
+        self.step_cost.observe(len(req_ids), len(req_ids) + verified, verified > 0, now - last)
 
     # --- live requests ----------------------------------------------------------------
 

@@ -22,6 +22,12 @@ median absolute deviations dropped (a step that waited for the host). Rows vary 
 sequences finish and as drafts come and go, which is what makes ``R`` identifiable; until the
 fit has ``min_steps`` steps over at least three row counts it reports no threshold and the
 caller keeps its fixed one.
+
+The line is fitted twice: over all steps, and per batch size over the steps of about that
+batch (half to twice it), which is the one used where it can be fitted. A CPU step is
+memory-bound at one sequence and compute-bound at many: SmolLM2 on the 2-core VM measured
+3.3 ms a row at one sequence against ~9 ms at sixteen, so one line over all batch sizes puts
+one sequence's threshold at 0.16 where its own steps say 0.07.
 """
 
 from __future__ import annotations
@@ -33,6 +39,11 @@ import numpy as np
 
 MIN_THRESHOLD = 0.02   # a draft whose chance is below this is noise, free rows or not
 MAX_THRESHOLD = 0.99   # nothing drafts: a token accepted for sure only just pays its row
+
+
+def batch_range(batch: int) -> tuple[int, int]:
+    """The batch sizes whose steps tell what a row costs at ``batch``: half to twice it."""
+    return max(1, batch // 2), 2 * batch
 
 
 @dataclass(frozen=True)
@@ -56,27 +67,41 @@ class StepCostModel:
 
     def __init__(self, window: int = 512, min_steps: int = 32, refit_every: int = 16,
                  outlier_mads: float = 4.0):
-        self.samples: deque[tuple[int, bool, float]] = deque(maxlen=window)
+        self.samples: deque[tuple[int, int, bool, float]] = deque(maxlen=window)
         self.min_steps, self.refit_every, self.outlier_mads = min_steps, refit_every, outlier_mads
         self.fit: StepCostFit | None = None
+        self.local: dict[int, StepCostFit | None] = {}   # per batch size asked for, reset at each refit
         self._since_fit = 0
 
-    def observe(self, rows: int, drafted: bool, seconds: float) -> None:
-        """One clean step: ``rows`` verified in all, whether any was a draft, its wall time."""
-        if rows <= 0 or not np.isfinite(seconds) or seconds <= 0.0:
+    def observe(self, batch: int, rows: int, drafted: bool, seconds: float) -> None:
+        """One clean step of ``batch`` sequences: ``rows`` verified in all, whether any was a draft,
+        its wall time."""
+        if batch <= 0 or rows < batch or not np.isfinite(seconds) or seconds <= 0.0:
             return
-        self.samples.append((int(rows), bool(drafted), float(seconds)))
+        self.samples.append((int(batch), int(rows), bool(drafted), float(seconds)))
         self._since_fit += 1
         if self._since_fit >= self.refit_every and len(self.samples) >= self.min_steps:
             self._since_fit = 0
-            self.fit = self._fit()
+            self.fit = self._fit(np.asarray(self.samples, dtype=np.float64))
+            self.local = {}
+
+    def fit_for(self, batch: int) -> StepCostFit | None:
+        """The fit over the steps of about ``batch`` sequences where there are enough, else over all."""
+        if self.fit is None:
+            return None
+        if batch not in self.local:
+            data = np.asarray(self.samples, dtype=np.float64)
+            lo, hi = batch_range(batch)
+            near = data[(data[:, 0] >= lo) & (data[:, 0] <= hi)]
+            self.local[batch] = self._fit(near) if len(near) >= self.min_steps else None
+        return self.local[batch] or self.fit
 
     def threshold(self, batch: int) -> float | None:
-        return None if self.fit is None else self.fit.threshold(batch)
+        fit = self.fit_for(batch)
+        return None if fit is None else fit.threshold(batch)
 
-    def _fit(self) -> StepCostFit | None:
-        data = np.asarray(self.samples, dtype=np.float64)
-        rows, drafted, seconds = data[:, 0], data[:, 1], data[:, 2]
+    def _fit(self, data: np.ndarray) -> StepCostFit | None:
+        rows, drafted, seconds = data[:, 1], data[:, 2], data[:, 3]
         if len(np.unique(rows)) < 3:
             return None
         use_spec_path = 0.0 < drafted.mean() < 1.0
@@ -95,8 +120,13 @@ class StepCostModel:
 
     def status(self) -> dict:
         fit = self.fit
-        return {"clean_steps": len(self.samples), "fitted": fit is not None,
-                **({"fixed_ms": 1e3 * fit.fixed_s, "per_row_ms": 1e3 * fit.per_row_s,
-                    "spec_path_ms": 1e3 * fit.spec_path_s, "fit_steps": fit.steps,
-                    "threshold_by_batch": {b: round(fit.threshold(b), 3) for b in (1, 2, 4, 8, 16, 32)}}
-                   if fit is not None else {})}
+        if fit is None:
+            return {"clean_steps": len(self.samples), "fitted": False}
+        by_batch = {}
+        for b in (1, 2, 4, 8, 16, 32):
+            local = self.fit_for(b)
+            by_batch[b] = {"threshold": round(local.threshold(b), 3), "per_row_ms": round(1e3 * local.per_row_s, 3),
+                           "fixed_ms": round(1e3 * local.fixed_s, 3), "local": local is not fit}
+        return {"clean_steps": len(self.samples), "fitted": True, "fixed_ms": 1e3 * fit.fixed_s,
+                "per_row_ms": 1e3 * fit.per_row_s, "spec_path_ms": 1e3 * fit.spec_path_s, "fit_steps": fit.steps,
+                "by_batch": by_batch}
