@@ -81,3 +81,20 @@ def test_each_batch_size_is_judged_by_the_cost_of_its_own_rows():
     assert model.threshold(1) == pytest.approx(0.003 / (FIXED_S + 0.003), abs=0.02)
     assert model.threshold(16) == pytest.approx(0.144 / (FIXED_S + 0.144), abs=0.03)
     assert abs(model.fit.threshold(1) - model.threshold(1)) > 0.04   # the one line
+
+
+def test_a_local_line_that_makes_no_sense_gives_way_to_the_line_over_all_steps():
+    """A few tail steps at one and two sequences, timed while the host stalled more the fewer rows
+    they had: their own line says a row costs less than nothing. The threshold there is the one of
+    the line over all steps, not the floor."""
+    rng = np.random.default_rng(2)
+    model = StepCostModel()
+    for i in range(400):
+        batch = [4, 8, 16][i % 3]
+        rows = batch + int(rng.integers(0, batch + 1))
+        model.observe(batch, rows, rows > batch, (FIXED_S + PER_ROW_S * rows) * rng.normal(1.0, 0.03))
+    for i in range(40):
+        rows = 1 + i % 4
+        model.observe(1 + i % 2, rows, rows > 2, 0.100 - 0.010 * rows)
+    assert model.threshold(1) == pytest.approx(model.fit.threshold(1), abs=1e-9)
+    assert model.threshold(1) == pytest.approx(PER_ROW_S / (FIXED_S + PER_ROW_S), abs=0.03)

@@ -59,6 +59,7 @@ class HistoryProposer:
         self.input_batch: Any = None
         self.k_limit: int | None = None
         self.steps = 0
+        self.propose_seconds = 0.0   # this proposer's own time (look-ups, draft distributions)
         self.vocab_size = int(vllm_config.model_config.get_vocab_size())
         seed = getattr(vllm_config.model_config, "seed", None)
         self.rng = np.random.default_rng(0 if seed is None else int(seed))
@@ -80,6 +81,16 @@ class HistoryProposer:
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
                 token_ids_cpu: np.ndarray, slot_mappings: Any = None) -> list[list[int]]:
         """Drafts for every row of the batch (an empty list: no draft for that row)."""
+        import time
+
+        start = time.perf_counter()
+        try:
+            return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        finally:
+            self.propose_seconds += time.perf_counter() - start
+
+    def _propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
+                 token_ids_cpu: np.ndarray) -> list[list[int]]:
         batch = self.input_batch
         if batch is None:
             raise RuntimeError("HistoryProposer needs the vllm-specrl plugin's runner binding "
@@ -184,4 +195,5 @@ class HistoryProposer:
 
     def specrl_status(self) -> dict:
         return {"proposer": "history", "k": self.k, "live_requests": len(self.live), "steps": self.steps,
+                "propose_ms_per_step": 1e3 * self.propose_seconds / max(self.steps, 1),
                 **self.index.status(), "step_cost": self.step_cost.status()}

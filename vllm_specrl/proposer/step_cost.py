@@ -24,7 +24,8 @@ fit has ``min_steps`` steps over at least three row counts it reports no thresho
 caller keeps its fixed one.
 
 The line is fitted twice: over all steps, and per batch size over the steps of about that
-batch (half to twice it), which is the one used where it can be fitted. A CPU step is
+batch (half to twice it), which is the one used where it can be fitted and makes sense (a
+positive cost per row and fixed part). A CPU step is
 memory-bound at one sequence and compute-bound at many: SmolLM2 on the 2-core VM measured
 3.3 ms a row at one sequence against ~9 ms at sixteen, so one line over all batch sizes puts
 one sequence's threshold at 0.16 where its own steps say 0.07.
@@ -93,7 +94,10 @@ class StepCostModel:
             data = np.asarray(self.samples, dtype=np.float64)
             lo, hi = batch_range(batch)
             near = data[(data[:, 0] >= lo) & (data[:, 0] <= hi)]
-            self.local[batch] = self._fit(near) if len(near) >= self.min_steps else None
+            local = self._fit(near) if len(near) >= self.min_steps else None
+            # A local line with a row costing nothing or less, or no fixed part, is the noise of a few
+            # tail steps (seen: -6 ms a row over one- and two-sequence steps): the line over all steps.
+            self.local[batch] = local if local is not None and local.per_row_s > 0 and local.fixed_s > 0 else None
         return self.local[batch] or self.fit
 
     def threshold(self, batch: int) -> float | None:
