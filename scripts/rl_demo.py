@@ -113,7 +113,10 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path, replay: d
         capture_config = {"capture_topk": 64}
     if spec is not None:
         server_args += ["--speculative-config", json.dumps(spec)]
-        if args.adaptive_k:
+        # The history proposer chooses each request's draft length from its own fit of the step's cost
+        # (cost_aware); adaptive k measures a k's cost on steps where every request verifies k drafts,
+        # which history's per-request lengths rarely make, so it would cap history at k's it never measured.
+        if args.adaptive_k and not history:
             server_args += ["--scheduler-cls", SCHEDULER_CLS]
     if capture_config is not None and args.online_draft:
         capture = f"tcp://127.0.0.1:{free_port()}"
@@ -666,7 +669,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=256,
                     help="explain answers run 8-256 tokens (mean ~100; 12% reach 256): each step ends in a tail")
     ap.add_argument("--adaptive-k", action=argparse.BooleanOptionalAction, default=True,
-                    help="speculative runs choose k per step (vllm_specrl.adaptive); --no-adaptive-k: fixed k")
+                    help="EAGLE-3 and MTP runs choose k per step (vllm_specrl.adaptive); --no-adaptive-k: fixed k "
+                         "(a history run drafts per request by its own cost fit either way)")
     ap.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
                     help="before step 0, measure every k's step cost at each batch size (vllm-specrl calibrate; "
                          "adaptive k), as an RL job would once at start-up; plain runs get the same requests as a "

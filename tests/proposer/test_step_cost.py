@@ -7,7 +7,7 @@ import pytest
 
 from vllm_specrl.proposer.step_cost import MAX_THRESHOLD, MIN_THRESHOLD, StepCostFit, StepCostModel
 
-FIXED_S, PER_ROW_S, SPEC_PATH_S = 0.040, 0.009, 0.004   # a 2-core float32 CPU's SmolLM2 step, roughly
+FIXED_S, PER_ROW_S, SPEC_PATH_S = 0.040, 0.009, 0.004   # rows dearer than the AVX2 VM's 3-5 ms: thresholds spread
 
 
 def synthetic_steps(n: int, seed: int = 0):
@@ -68,7 +68,7 @@ def test_no_threshold_until_the_fit_has_enough_varied_steps():
 
 
 def test_each_batch_size_is_judged_by_the_cost_of_its_own_rows():
-    """A CPU step: a row costs 3 ms at one or two sequences (memory-bound) and 9 ms at eight and more
+    """A step whose row costs 3 ms at one or two sequences (memory-bound) and 9 ms at eight and more
     (compute-bound). The threshold at one sequence comes from the steps at one or two (0.07), the one
     at sixteen from those at eight to thirty-two (0.78); one line over all of them gets both wrong."""
     rng = np.random.default_rng(1)

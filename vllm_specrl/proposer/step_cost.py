@@ -9,10 +9,10 @@ accepted with probability ``pi`` raises tokens per second only if
     pi > R * b / (F + R * b)          (the threshold for ``b`` sequences)
 
 On a GPU a verify pass is memory-bound and ``R`` is near zero: drafting pays at any acceptance.
-On a compute-bound CPU (2 cores, float32, 135M parameters measured ~9 ms per row against a
-~40 ms fixed part) the threshold is ~0.2 at one sequence, ~0.5 at four and ~0.8 at sixteen: a
-fixed threshold drafts tokens that cannot pay at four sequences and more (history at 0.25
-read 0.80-0.91 of plain there) and leaves acceptance unused at one.
+On a 2-core CPU serving SmolLM2 in float32 the fit read 3-5 ms a row against a 44-50 ms fixed
+part: a threshold of ~0.1 at one sequence, 0.1-0.3 at four and 0.55-0.7 at sixteen, where a
+fixed 0.25 drafts tokens that cannot pay at sixteen sequences and leaves acceptance unused at
+one.
 
 ``StepCostModel`` fits ``seconds = F + R * rows + S * drafted`` (``drafted``: any row verified a
 draft, vLLM's speculative path then runs its rejection sampler) by least squares over the
@@ -25,10 +25,9 @@ caller keeps its fixed one.
 
 The line is fitted twice: over all steps, and per batch size over the steps of about that
 batch (half to twice it), which is the one used where it can be fitted and makes sense (a
-positive cost per row and fixed part). A CPU step is
-memory-bound at one sequence and compute-bound at many: SmolLM2 on the 2-core VM measured
-3.3 ms a row at one sequence against ~9 ms at sixteen, so one line over all batch sizes puts
-one sequence's threshold at 0.16 where its own steps say 0.07.
+positive cost per row and fixed part). A row's cost depends on the batch wherever a step
+turns from memory-bound to compute-bound as rows are added (a GPU at large batches, a CPU
+in bf16 at a few rows); on the AVX2 VM above it stayed at 3-5 ms from one to sixteen.
 """
 
 from __future__ import annotations
