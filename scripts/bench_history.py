@@ -190,11 +190,12 @@ def main() -> None:
     cfgs = {}
     for method in args.methods.split(","):
         knobs = dict(history_knobs or {}, **HISTORY_KNOBS.get(method, {}))
-        cfgs[method] = {"model": model, "dtype": args.dtype, "seed": args.seed, "prompts": prompts, "group": args.group,
-               "epochs": args.epochs, "max_tokens": args.max_tokens, "temperature": args.temperature,
-               "max_num_seqs": args.max_num_seqs or args.prompts * args.group, "save_rollouts": method == "plain",
-               "speculative_config": speculative_config(method, args.k, draft),
-               "additional_config": {"specrl": {"history": knobs}} if knobs else None}
+        cfgs[method] = {
+            "model": model, "dtype": args.dtype, "seed": args.seed, "prompts": prompts, "group": args.group,
+            "epochs": args.epochs, "max_tokens": args.max_tokens, "temperature": args.temperature,
+            "max_num_seqs": args.max_num_seqs or args.prompts * args.group, "save_rollouts": method == "plain",
+            "speculative_config": speculative_config(method, args.k, draft),
+            "additional_config": {"specrl": {"history": knobs}} if knobs else None}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.interleave:
