@@ -23,10 +23,11 @@ class Clock:
 
 
 def proposer(**history):
+    # max_sequences: the finished test requests must not push out the six rollouts; max_match: matches of 2
     cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=3),
                           model_config=SimpleNamespace(max_model_len=256, get_vocab_size=lambda: 512, seed=0),
                           additional_config={"specrl": {"history": {"max_sequences": 1024, "max_match": 2, **history}}})
-    prop = HistoryProposer(cfg)  # (max_sequences: the finished test requests must not push out the six; max_match: matches of 2 tokens)
+    prop = HistoryProposer(cfg)
     key, _ = prop.index.group(PROMPT)
     for i in range(6):   # six earlier rollouts agree on "3 4 5 6": estimates 0.57, 0.37, 0.25 chained
         prop.index.add_completion(key, np.arange(1, 7, dtype=np.int32), 0, f"old{i}")
