@@ -25,6 +25,7 @@ update (the sync path's commit) ages the history (``on_policy_version``).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,7 +68,6 @@ class HistoryProposer:
         self.step_cost = StepCostModel()
         self._last_call: float | None = None
         self._last_drafts: dict[str, int] = {}   # request id -> tokens drafted for it at the last step
-        self._last_seen: set[str] = set()
 
     # --- vLLM's proposer interface --------------------------------------------------
 
@@ -81,16 +81,14 @@ class HistoryProposer:
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
                 token_ids_cpu: np.ndarray, slot_mappings: Any = None) -> list[list[int]]:
         """Drafts for every row of the batch (an empty list: no draft for that row)."""
-        import time
-
         start = time.perf_counter()
         try:
-            return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+            return self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, start)
         finally:
             self.propose_seconds += time.perf_counter() - start
 
     def _propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
-                 token_ids_cpu: np.ndarray) -> list[list[int]]:
+                 token_ids_cpu: np.ndarray, now: float) -> list[list[int]]:
         batch = self.input_batch
         if batch is None:
             raise RuntimeError("HistoryProposer needs the vllm-specrl plugin's runner binding "
@@ -99,8 +97,8 @@ class HistoryProposer:
         num_rows = len(sampled_token_ids)
         req_ids = list(batch.req_ids[:num_rows])
         prompt_lens = batch.num_prompt_tokens[:num_rows]
-        self._sync_live(req_ids, prompt_lens, num_tokens_no_spec, token_ids_cpu)
-        self._observe_step(req_ids, sampled_token_ids)
+        joined = self._sync_live(req_ids, prompt_lens, num_tokens_no_spec, token_ids_cpu)
+        self._observe_step(now, req_ids, sampled_token_ids, joined)
         k = self.k if self.k_limit is None else min(self.k, self.k_limit)
         drafts: list[Draft] = [Draft([]) for _ in range(num_rows)]
         self.last_draft_probs = None
@@ -150,26 +148,24 @@ class HistoryProposer:
         probs, self.last_draft_probs = self.last_draft_probs, None
         return probs
 
-    def _observe_step(self, req_ids: list[str], sampled_token_ids: list[list[int]]) -> None:
+    def _observe_step(self, now: float, req_ids: list[str], sampled_token_ids: list[list[int]],
+                      joined: bool) -> None:
         """The step that just ran, for the cost fit: its wall time since the last call and its rows
         (a row per sequence plus the drafts it verified). A step in which a request joined or a
         prompt chunk ran (no sampled token) is not a decode step's cost: left out."""
-        import time
-
-        now = time.perf_counter()
         last, self._last_call = self._last_call, now
-        if last is None or not all(sampled_token_ids) or any(r not in self._last_seen for r in req_ids):
-            self._last_seen = set(req_ids)
+        if last is None or joined or not all(sampled_token_ids):
             return
-        self._last_seen = set(req_ids)
         verified = sum(self._last_drafts.get(r, 0) for r in req_ids)
         self.step_cost.observe(len(req_ids), len(req_ids) + verified, verified > 0, now - last)
 
     # --- live requests ----------------------------------------------------------------
 
     def _sync_live(self, req_ids: list[str], prompt_lens: np.ndarray, num_tokens: np.ndarray,
-                   token_ids_cpu: np.ndarray) -> None:
-        """Register new requests; keep the completions of those that left the batch."""
+                   token_ids_cpu: np.ndarray) -> bool:
+        """Register new requests; keep the completions of those that left the batch. True if a
+        request joined (it was not in the last call's batch: every one that left is retired here)."""
+        joined = False
         current = set(req_ids)
         for rid in [r for r in self.live if r not in current]:
             self._retire(rid)
@@ -180,7 +176,9 @@ class HistoryProposer:
                 key, _ = self.index.group(token_ids_cpu[row, :plen])
                 self.index.forget_request(key, rid)
                 self.live[rid] = entry = _Live(key, plen, self.index.policy_version)
+                joined = True
             entry.completion = np.array(token_ids_cpu[row, entry.prompt_len:int(num_tokens[row])], dtype=np.int32)
+        return joined
 
     def _retire(self, rid: str) -> None:
         entry = self.live.pop(rid)
