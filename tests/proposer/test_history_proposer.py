@@ -86,3 +86,19 @@ def test_without_cost_aware_the_fixed_threshold_drafts_at_every_batch(monkeypatc
     run_rollouts(prop, clock)
     assert {len(d) for d in step(prop, [f"c{i}" for i in range(16)])} == {3}
     assert {len(d) for d in step(prop, ["a"])} == {3}
+
+
+def test_the_proposers_own_time_per_step_is_reported(monkeypatch):
+    """A clock that moves 2 ms at every read: each call reads it when it starts and when it ends (the
+    start also ends the last step for the cost fit), so the proposer reports 2 ms of its own a step."""
+    clock = Clock()
+
+    def ticking():
+        clock.now += 0.002
+        return clock.now
+
+    monkeypatch.setattr("time.perf_counter", ticking)
+    prop = proposer()
+    for _ in range(5):
+        step(prop, ["a", "b"])
+    assert prop.specrl_status()["propose_ms_per_step"] == pytest.approx(2.0)
