@@ -14,21 +14,47 @@ from conftest import REPO
 
 def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 600,
                expect_failure: bool = False) -> str:
-    """Run ``code`` in a subprocess (in-process engine mode); return its output.
+    """Run ``code`` as a fresh ``python -c`` (in-process engine mode); return its output. It runs in
+    a forked child of the session's zygote, which imported vLLM once for all of them.
 
     Fails the test when the subprocess fails (or, with ``expect_failure``, succeeds).
     """
     full_env = dict(os.environ)
     full_env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})
     full_env.update(env or {})
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
-    out = proc.stdout + proc.stderr
-    if expect_failure:
-        assert proc.returncode != 0, f"subprocess was expected to fail:\n{out[-3000:]}"
+    code = textwrap.dedent(code)
+    zygote = _zygote()
+    if zygote is not None and zygote.serves(full_env):
+        returncode, out = zygote.run(code, full_env, timeout)
     else:
-        assert proc.returncode == 0, f"subprocess failed (rc={proc.returncode}):\n{out[-6000:]}"
+        proc = subprocess.run([sys.executable, "-c", code], env=full_env,
+                              capture_output=True, text=True, timeout=timeout)
+        returncode, out = proc.returncode, proc.stdout + proc.stderr
+    if expect_failure:
+        assert returncode != 0, f"subprocess was expected to fail:\n{out[-3000:]}"
+    else:
+        assert returncode == 0, f"subprocess failed (rc={returncode}):\n{out[-6000:]}"
     return out
+
+
+_ZYGOTE: list = []
+
+
+def _zygote():
+    """The session's pre-imported interpreter (tests/zygote.py); ``SPECRL_TEST_ZYGOTE=0``: a fresh
+    interpreter per snippet, as before."""
+    if os.environ.get("SPECRL_TEST_ZYGOTE", "1") == "0":
+        return None
+    if not _ZYGOTE:
+        import atexit
+        import tempfile
+
+        from zygote import Zygote
+
+        zygote = Zygote(Path(tempfile.mkdtemp(prefix="specrl-zygote-")))
+        atexit.register(zygote.close)
+        _ZYGOTE.append(zygote)
+    return _ZYGOTE[0]
 
 
 def result_json(output: str, tag: str = "RESULT") -> dict:

@@ -1,0 +1,80 @@
+"""The test zygote (tests/zygote.py) runs a snippet as a fresh ``python -c`` would: its own
+environment and nothing else, its output, its exit status, a time limit that kills what it started,
+and no plugin or engine state carried over from the zygote. No engine starts here."""
+
+import os
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import _zygote, result_json, run_python
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    z = _zygote()
+    if z is None:
+        pytest.skip("SPECRL_TEST_ZYGOTE=0: snippets run in fresh interpreters")
+    run_python("pass")  # started (if no test before started it) with the whole environment
+    return z
+
+
+def test_a_snippet_sees_exactly_its_environment_and_prints_both_streams(zygote, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "HOME"}  # the zygote itself has HOME
+    returncode, out = zygote.run(textwrap.dedent("""
+        import json, os, sys
+        print("to stderr", file=sys.stderr)
+        print("RESULT " + json.dumps({"mine": os.environ.get("SPECRL_ZYGOTE_PROBE"), "home": os.environ.get("HOME"),
+                                      "cwd": os.getcwd(), "name": __name__, "argv": sys.argv}))
+    """), {**env, "SPECRL_ZYGOTE_PROBE": "b"}, timeout=60)
+    assert returncode == 0 and "to stderr" in out
+    assert result_json(out) == {"mine": "b", "home": None, "cwd": str(tmp_path), "name": "__main__", "argv": ["-c"]}
+
+
+def test_vllm_is_preloaded_but_no_plugin_is_loaded_until_the_snippet_asks(zygote):
+    out = run_python("""
+        import json, sys
+        import vllm.plugins
+        print("RESULT " + json.dumps({"vllm_preloaded": "vllm.v1.engine.core" in sys.modules,
+                                      "plugins_loaded": vllm.plugins.plugins_loaded,
+                                      "specrl_imported": any(m.startswith("vllm_specrl") for m in sys.modules)}))
+    """)
+    assert result_json(out) == {"vllm_preloaded": True, "plugins_loaded": False, "specrl_imported": False}
+
+
+@pytest.mark.parametrize("body, code", [("raise ValueError('boom')", 1), ("import sys; sys.exit(3)", 3),
+                                        ("import os; os._exit(4)", 4)])
+def test_a_failing_snippet_fails_with_its_status_and_traceback(zygote, body, code):
+    returncode, out = zygote.run(body, dict(os.environ), timeout=60)
+    assert returncode == code
+    if code == 1:
+        assert "ValueError: boom" in out
+    run_python(body, expect_failure=True)
+
+
+def test_a_snippet_past_its_time_is_killed_with_what_it_started(zygote, tmp_path):
+    marker = tmp_path / "grandchild.pid"
+    started = time.time()
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_python(textwrap.dedent(f"""
+            import subprocess, sys, time
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+            open({str(marker)!r}, "w").write(str(child.pid))
+            print("started", flush=True)
+            time.sleep(600)
+        """), timeout=10)
+    assert time.time() - started < 60
+    pid = int(marker.read_text())
+    for _ in range(50):
+        status = Path(f"/proc/{pid}/status")
+        if not status.exists() or "State:\tZ" in status.read_text():  # gone, or dead and not yet reaped
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the snippet's own child outlived the time limit")
+    # The zygote still serves the next snippet.
+    assert result_json(run_python('print("RESULT 1")')) == 1
