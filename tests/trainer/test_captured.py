@@ -32,7 +32,7 @@ def captured(tiny_model, tmp_path_factory):
 import json
 from safetensors.torch import save_file
 from vllm_specrl.trainer.captured import captured_rollouts
-seqs, lens, index, feats, counts = captured_rollouts(
+seqs, lens, index, feats, counts, _ = captured_rollouts(
     {str(tiny_model)!r}, {PROMPTS!r}, {SAMPLES}, 24, 1.0, 0, "float32", {aux!r}, max_model_len=512)
 save_file({{f"{{i}}.{{k}}": (v if hasattr(v, "contiguous") else __import__("torch").tensor(v)).contiguous()
            for i, f in enumerate(feats) for k, v in f.items()}}, {str(out / "features.safetensors")!r})

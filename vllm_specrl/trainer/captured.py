@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -91,17 +91,42 @@ def features_from_capture(sequence: dict[str, Any], completion_last: int, head: 
             "first_draft": int(sequence["first_draft"])}
 
 
+class CapturedRollouts(NamedTuple):
+    """Rollouts with their captured features. ``sequences``, ``prompt_lengths``, ``prompt_index`` and
+    ``features`` hold the rollouts captured whole (features[i] belongs to sequences[i]); ``everything``
+    holds (sequences, prompt lengths, prompt index) of every rollout the engine generated, captured or
+    not, so a caller can compute the features of the lost ones another way."""
+
+    sequences: list[list[int]]
+    prompt_lengths: list[int]
+    prompt_index: list[int]
+    features: list[dict]
+    counts: dict
+    everything: tuple[list[list[int]], list[int], list[int]]
+
+
+def describe_capture(counts: dict) -> str:
+    """One line a build prints: how many rollouts were captured whole, and where the rest went."""
+    sender = counts.get("sender", {})
+    return (f"captured {counts['kept']} of {counts['rollouts']} rollouts whole ({counts['incomplete']} incomplete, "
+            f"{counts['rollouts'] - counts['captured_requests']} never seen by the receiver; sender frames: "
+            f"{sender.get('frames_offered', 0)} offered, {sender.get('frames_sent', 0)} sent, "
+            f"{sender.get('frames_dropped_queue_full', 0)} dropped (queue full), "
+            f"{sender.get('frames_dropped_no_peer', 0)} dropped (no receiver), "
+            f"{sender.get('frames_dropped_build_error', 0)} failed to build, "
+            f"tap errors {sender.get('tap_errors', 0)})")
+
+
 def captured_rollouts(target_dir: Path, texts: list[str], samples: int, max_tokens: int,
                       temperature: float, seed: int, dtype: str, aux_layer_ids: tuple[int, ...] = (),
-                      max_model_len: int = 2048, drafter: str = "eagle3"
-                      ) -> tuple[list[list[int]], list[int], list[int], list[dict], dict]:
+                      max_model_len: int = 2048, drafter: str = "eagle3") -> CapturedRollouts:
     """T=``temperature`` rollouts of ``texts`` (``samples`` each) with their features captured.
 
-    Returns (sequences, prompt lengths, prompt index, features, counts): features[i] belongs
-    to sequences[i]; rollouts whose capture was incomplete are dropped from all four lists
-    and counted in ``counts``. ``drafter="mtp"``: the target ships its own MTP layer, which is
-    the vehicle (held at k = 0 the same way), and the features are the assembled captured
-    sequences as ``trainer.mtp.MTPTrainer`` takes them (the MTP input state of every row).
+    Rollouts whose capture was incomplete are left out of the features and counted in
+    ``counts`` (``describe_capture`` says it in a line). ``drafter="mtp"``: the target ships its
+    own MTP layer, which is the vehicle (held at k = 0 the same way), and the features are the
+    assembled captured sequences as ``trainer.mtp.MTPTrainer`` takes them (the MTP input state of
+    every row).
     """
     from vllm import LLM
 
@@ -144,11 +169,14 @@ def captured_rollouts(target_dir: Path, texts: list[str], samples: int, max_toke
             del llm
     # The engine suffixes request ids; match each captured request to its rollout by its tokens.
     by_tokens: dict[tuple[int, ...], list[tuple[int, int, list[int]]]] = {}
+    everything: tuple[list[list[int]], list[int], list[int]] = ([], [], [])
     for i, o in enumerate(outs):
         prompt = list(o.prompt_token_ids)
         for c in o.outputs:
             full = prompt + list(c.token_ids)
             by_tokens.setdefault(tuple(full[:-1]), []).append((i, len(prompt), full))
+            for column, value in zip(everything, (full, len(prompt), i)):
+                column.append(value)
     sequences, prompt_lengths, prompt_index, features = [], [], [], []
     counts = {"rollouts": sum(len(o.outputs) for o in outs), "captured_requests": len(drain.assembler.requests),
               "incomplete": 0, "sender": {k: v for k, v in sender.items() if isinstance(v, int)}}
@@ -168,4 +196,4 @@ def captured_rollouts(target_dir: Path, texts: list[str], samples: int, max_toke
         prompt_index.append(i)
         features.append(seq if drafter == "mtp" else features_from_capture(seq, full[-1], head))
     counts["kept"] = len(sequences)
-    return sequences, prompt_lengths, prompt_index, features, counts
+    return CapturedRollouts(sequences, prompt_lengths, prompt_index, features, counts, everything)

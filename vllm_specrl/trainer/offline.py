@@ -42,6 +42,9 @@ DEFAULT_CHAT_PROMPTS = [
 
 
 ROLLOUTS = "warm_start_rollouts.json"
+# Below this share of rollouts captured whole, the warm start computes every rollout's features with
+# an HF forward instead of training on what the capture kept (a few dropped frames are left out).
+MIN_CAPTURED_FRACTION = 0.9
 
 
 @dataclass
@@ -149,7 +152,7 @@ def warm_start(target_dir: Path | str, draft_dir: Path | str, prompts: list[str]
     """
     from transformers import AutoModelForCausalLM
 
-    from vllm_specrl.trainer.captured import captured_rollouts
+    from vllm_specrl.trainer.captured import captured_rollouts, describe_capture
 
     cfg = cfg or OfflineConfig()
     if cfg.features not in ("capture", "hf"):
@@ -169,9 +172,21 @@ def warm_start(target_dir: Path | str, draft_dir: Path | str, prompts: list[str]
     else:
         prompts = prompts or default_prompts(cfg.num_prompts, cfg.seed, cfg.task)
         if cfg.features == "capture":
-            sequences, prompt_lengths, prompt_index, features, capture_counts = captured_rollouts(
+            captured = captured_rollouts(
                 target_dir, prompt_texts(target_dir, prompts, cfg.chat), cfg.samples_per_prompt,
                 cfg.max_tokens, cfg.temperature, cfg.seed, cfg.dtype, aux_ids)
+            sequences, prompt_lengths, prompt_index, features, capture_counts = captured[:5]
+            print(f"[warm start] {describe_capture(capture_counts)}", flush=True)
+            if not captured.everything[0]:
+                raise ValueError("the engine generated no rollouts: no prompts were given (check --prompts)")
+            if len(sequences) < MIN_CAPTURED_FRACTION * capture_counts["rollouts"]:
+                # Too few captured whole to train on the same data as asked: the rollouts themselves
+                # are all there, so their features come from an HF forward instead (the --features hf path).
+                print(f"[warm start] fewer than {MIN_CAPTURED_FRACTION:.0%} of the rollouts were captured whole: "
+                      f"computing the features of all {len(captured.everything[0])} rollouts with an HF "
+                      "forward of the target instead (--features hf does this from the start)", flush=True)
+                sequences, prompt_lengths, prompt_index = captured.everything
+                features, capture_counts["fallback"] = None, "hf"
         else:
             sequences, prompt_lengths, prompt_index = generate_rollouts(target_dir, prompts, cfg)
         train_prompts, eval_prompts = split_by_prompt(prompt_index, cfg.eval_fraction, cfg.seed)
@@ -195,6 +210,9 @@ def warm_start(target_dir: Path | str, draft_dir: Path | str, prompts: list[str]
 
     rng = random.Random(cfg.seed)
     train_items = [f for f, i in zip(features, prompt_index) if i in train_prompts]
+    if not train_items:
+        raise ValueError(f"no rollout to train on ({len(sequences)} rollouts over {len(set(prompt_index))} prompts, "
+                         f"{len(eval_prompts)} of them held out): give more prompts (--num-prompts or --prompts)")
     eval_items = [f for f, i in zip(features, prompt_index) if i in eval_prompts] or train_items[:1]
     converted = cfg.parallel_drafting and not draft.parallel
     if converted:
