@@ -33,7 +33,7 @@ build_draft = if [ ! -f $(1)/trainer_meta.json ] || [ "$$(cat $(1)/make_args 2>/
 	echo "[draft] building $(1) (missing, or built with other arguments or recipe)"; \
 	rm -rf $(1) && $(TRAIN_DRAFT) --draft $(1) $(2) && echo "$(strip $(2)) recipe=$(DRAFT_RECIPE)" > $(1)/make_args; fi
 
-.PHONY: setup fixtures draft demo demo-rollouts test bench clean-fixtures
+.PHONY: setup fixtures draft demo demo-rollouts test test-all test-slow bench clean-fixtures
 
 setup:
 	@bash scripts/setup_venv.sh
@@ -59,8 +59,16 @@ demo-rollouts: setup
 	@$(VENV)/bin/vllm-specrl fixtures --out $(FIXTURES) --only real
 	@$(PY) scripts/demo_rollouts.py --fixtures $(FIXTURES)
 
+# `make test`: every capability end to end, within CI's budget (tests marked `slow` left out).
+# `make test-all`: everything, the slower tier included; `make test-slow`: only the slower tier.
 test: fixtures
+	@$(PY) -m pytest tests -v -m "not slow" --durations=30
+
+test-all: fixtures
 	@$(PY) -m pytest tests -v --durations=30
+
+test-slow: fixtures
+	@$(PY) -m pytest tests -v -m slow --durations=30
 
 bench: fixtures
 	@$(PY) scripts/bench_rollout.py --fixtures $(FIXTURES)

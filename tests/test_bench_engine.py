@@ -1,4 +1,8 @@
-"""host_info says which CPU produced a benchmark; EngineProcess drives engine subprocesses in turn."""
+"""host_info says which CPU produced a benchmark; EngineProcess drives engine subprocesses in turn.
+
+Engines: small scripted engine processes (no vLLM engine): the harness's own process handling is
+what is tested.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """``scripts/bench_gpu_step_cost.py`` on the CPU at toy shapes: its decoder layer is a real GQA layer (the
 folded-query attention equals torch's own GQA attention with a causal mask over the cache), and its
-derived columns follow from the times it measured."""
+derived columns follow from the times it measured.
+
+Engines: one run of the benchmark script at toy shapes on the CPU.
+"""
 
 from __future__ import annotations
 

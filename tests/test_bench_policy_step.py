@@ -1,5 +1,8 @@
 """``scripts/bench_policy_step.py`` end to end on the tiny fixture: every mode runs in its own
-process with the allocator it names, and the summary is the mean of the steps it recorded."""
+process with the allocator it names, and the summary is the mean of the steps it recorded.
+
+Engines: the benchmark script end to end, one process per allocator mode (slow tier).
+"""
 
 from __future__ import annotations
 

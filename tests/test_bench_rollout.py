@@ -1,4 +1,8 @@
-"""The benchmark harness sweeps every method end to end and reports ratios against plain vLLM."""
+"""The benchmark harness sweeps every method end to end and reports ratios against plain vLLM.
+
+Engines: the benchmark harness end to end, one engine per method and temperature (slow tier); its
+pure functions are tested without engines.
+"""
 
 import json
 import subprocess

@@ -1,3 +1,8 @@
+"""The installed console script answers as a user sees it.
+
+Engines: one run of the installed console script: what a user types.
+"""
+
 import subprocess
 import sys
 

@@ -1,7 +1,10 @@
 """glibc malloc tuning: large blocks come from the heap and its pages stay mapped once freed.
 
 Each case runs in a fresh interpreter (the thresholds are process state), reading glibc's own
-accounting (``mallinfo2``): ``hblkhd`` is memory served by fresh mmaps, ``arena`` the heap."""
+accounting (``mallinfo2``): ``hblkhd`` is memory served by fresh mmaps, ``arena`` the heap.
+
+Engines: a fresh interpreter per case: malloc thresholds are process state.
+"""
 
 import json
 import subprocess

@@ -3,6 +3,8 @@
 vLLM's CPU platform always spawns them (each re-imports vLLM); forked, the plugin must still run
 in each of them as its own process, with the worker's own registrations, and the engine must
 answer exactly as a spawned one does. Two servers side by side, one each way.
+
+Engines: two `vllm serve` side by side, one forked and one spawned: the comparison under test.
 """
 
 from __future__ import annotations

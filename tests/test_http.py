@@ -4,6 +4,9 @@ One real server (default multi-process mode, so API server, engine core and
 worker are three processes) with the history proposer (``custom_class``: drafts from a
 request's own text, its siblings and earlier rollouts of its prompt) and adaptive k,
 shared by the module.
+
+Engines: one `vllm serve` in default multi-process mode for the module: the OpenAI routes and the
+API key are served there.
 """
 
 from __future__ import annotations

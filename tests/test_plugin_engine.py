@@ -1,4 +1,8 @@
-"""The plugin inside a real engine: declining on an unsupported vLLM leaves vLLM working."""
+"""The plugin inside a real engine: declining on an unsupported vLLM leaves vLLM working.
+
+Engines: two in-process engines, one with the plugin declining on a faked vLLM version and one
+active: plugin loading happens once per process.
+"""
 
 from helpers import result_json, run_python
 

@@ -1,5 +1,8 @@
 """The step-time model against independent references: simulations of the RL loop and of
-speculative decoding itself, and the paper's published anchor."""
+speculative decoding itself, and the paper's published anchor.
+
+Engines: two runs of the projection CLI: what a user types.
+"""
 
 import random
 import subprocess

@@ -5,6 +5,8 @@ Checks what the demo promises rather than its numbers: every rollout exactly
 once per step with the policy versions it was sampled under, async rollouts at
 most one version behind, on-policy logprobs recomputed by the trainer equal
 vLLM's (float32), k chosen per step, and the JSON/PNG/table.
+
+Engines: `scripts/rl_demo.py` end to end, three runs each with a server and a trainer (slow tier).
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ Two writers share the engine: the loop's policy updates carry the body alone (``
 lands (a refused body-only update, or one that waited forever on the trainer's, fails the run),
 the trainer's publish was committed, rollouts stay on-policy with logprobs equal to the trainer's
 recomputation (float32), and the plain run on the same MiMo checkpoint takes body-only updates too.
+
+Engines: `scripts/rl_demo.py --runs mtp,plain` end to end, two runs each with a server and a trainer
+(slow tier).
 """
 
 from __future__ import annotations

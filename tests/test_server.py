@@ -1,4 +1,8 @@
-"""``vllm_specrl.server``: ports that stay free until their user binds them; servers started side by side."""
+"""``vllm_specrl.server``: ports that stay free until their user binds them; servers started side by side.
+
+Engines: fake servers (a short Python script standing in for `vllm serve`): the launcher's own
+handling is tested.
+"""
 
 import socket
 import sys

@@ -1,5 +1,8 @@
 """``scripts/trace_cpu.py``: a step's samples split into generation and policy at the step's own
-``gen`` seconds, and a live recording counts a process's CPU time as the process itself does."""
+``gen`` seconds, and a live recording counts a process's CPU time as the process itself does.
+
+Engines: the trace recorder and a busy process to record: CPU time is counted across processes.
+"""
 
 from __future__ import annotations
 

@@ -10,6 +10,9 @@ seeded temperature 1). A planted fault (held rows dropped instead of replayed: h
 the draft's KV cache) must change drafts, or the comparison proves nothing. Both drafter kinds:
 a sequential EAGLE-3 draft, and a parallel (P-EAGLE) one, whose every pass, the replay's too,
 also writes its mask slots after each request's rows.
+
+Engines: one in-process engine per case, with and without the deferral: the patch is installed when
+an engine starts.
 """
 
 import textwrap

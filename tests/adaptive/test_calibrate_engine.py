@@ -1,6 +1,9 @@
 """``vllm-specrl calibrate`` against a served engine (tiny fixture, EAGLE-3, adaptive k, in-process):
 the sweep's requests reach the engine core's scheduler under ids it recognises, every k is
-measured in each batch bucket up to ``max_batch``, and the acceptance estimate stays the workload's."""
+measured in each batch bucket up to ``max_batch``, and the acceptance estimate stays the workload's.
+
+Engines: one `vllm serve` for the module (the calibrate CLI talks to a served engine over HTTP).
+"""
 
 from __future__ import annotations
 

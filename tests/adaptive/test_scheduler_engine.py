@@ -1,6 +1,10 @@
 """Adaptive k inside a real engine (tiny fixture, float32, in-process): lossless greedy, and the
 k it settles on when drafts are never accepted (a random draft) or nearly always (ngram on a
-repeating prompt). The temperature-1 test with adaptive k is in tests/test_lossless_sampling.py."""
+repeating prompt). The temperature-1 test with adaptive k is in tests/test_lossless_sampling.py.
+
+Engines: one in-process engine per case (plain, adaptive k with a random draft, with ngram): each
+case's scheduler settles from an empty state, which a shared engine would not start from.
+"""
 
 
 from safetensors.torch import load_file, save_file

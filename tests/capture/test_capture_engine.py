@@ -7,6 +7,9 @@ An in-process engine (float32, EAGLE-3 with a random draft, so most drafts are
 rejected and only committed rows may be sent) streams frames to a PULL socket
 in the same process; the assembled sequences are compared in the test process
 with transformers' hidden states for prompt + output tokens.
+
+Engines: three in-process engines, one per scenario (T=1 rollouts; preemption and an abort on
+a tiny KV cache; a GRPO group across a policy commit), each with its own receiver and KV-cache size.
 """
 
 import json

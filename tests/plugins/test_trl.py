@@ -6,6 +6,9 @@ trainer runs its steps, every sync lands as one policy version, the rollouts
 were speculated, and afterwards the served weights are the trained ones (the
 logprobs vLLM reports for its greedy tokens equal the trained HF model's and
 differ from the original model's).
+
+Engines: one `vllm serve` for the module: TRL's GRPOTrainer talks to a server, as it does in a real
+job.
 """
 
 from __future__ import annotations

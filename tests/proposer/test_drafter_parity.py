@@ -7,6 +7,9 @@ test rebuilds the drafter's context (committed tokens, then the draft's own
 earlier proposals as the chain's inputs) and runs the torch unroll on HF
 features of the target. A planted mismatch (aux layers in another order) must
 fail the same comparison.
+
+Engines: three in-process engines (fixed k, varying k, parallel drafting) with the draft recorder
+on: each records a drafter configuration that only an engine start sets.
 """
 
 

@@ -1,5 +1,10 @@
 """The EAGLE-3 draft served by vLLM's native eagle3 method: lossless greedy, logprobs,
-other target architectures, the stock export, and start-up errors for misfit drafts."""
+other target architectures, the stock export, and start-up errors for misfit drafts.
+
+Engines: one in-process engine per configuration compared (plain, random draft, warm draft, parallel
+draft, adaptive k, stock export, qwen2 target, a misfit draft that must fail at start-up):
+speculative settings are fixed when an engine starts.
+"""
 
 import json
 

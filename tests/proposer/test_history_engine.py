@@ -6,6 +6,9 @@
   for token-id drafts, a draft token is accepted exactly when the emitted token equals it), and
   accept more per generated token than vLLM's ngram on the same workload;
 * a policy commit through the worker ages the history, and /status reports it.
+
+Engines: in-process engines for plain and history greedy runs and one for the repeating GRPO
+workload: the proposer's index starts empty in each.
 """
 
 import json

@@ -6,6 +6,10 @@ same model showing it has power). Drafter parity: the distributions vLLM's MTP d
 verifies against, read out of the running engine, equal ``mtp_torch.draft_chain``'s on an
 HF forward of the body; a planted mismatch (the second-to-last body layer's state fed as the
 MTP's hidden input) fails the same comparison.
+
+Engines: in-process engines for plain and MTP at k = 1 and 3 (greedy), plain and MTP at T=1 plus a
+hotter control, and one with the draft recorder: speculative settings are fixed when an engine
+starts.
 """
 
 import json

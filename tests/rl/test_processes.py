@@ -1,6 +1,9 @@
 """Starting the draft trainer must not fork the policy process: a fork write-protects all of its
 pages, and the policy's next pass then faults on every page it writes. Each case runs in a fresh
-interpreter holding 256 MiB it rewrites after the start, counting its own page faults."""
+interpreter holding 256 MiB it rewrites after the start, counting its own page faults.
+
+Engines: a fresh interpreter per case: page-fault counts are process state.
+"""
 
 from __future__ import annotations
 

@@ -9,6 +9,9 @@ without ``vllm_compat.collective_rpc_all_engines`` the second core's refusals wo
 As for tensor parallelism on this one-NUMA-node machine, each core's threads are bound by hand
 (``VLLM_CPU_OMP_THREADS_BIND="0|1"``). One server for the module (tiny target, float32, EAGLE-3
 k=3, capture on).
+
+Engines: one `vllm serve --data-parallel-size 2` for the module (two engine cores), the layout under
+test.
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """``FleetClient`` over two independent ``vllm serve`` replicas (tiny fixture): updates land on both or
 on neither, a replica that fails to apply is quarantined (not left silently behind), and one online
-trainer fed by both replicas' capture publishes its drafts to both."""
+trainer fed by both replicas' capture publishes its drafts to both.
+
+Engines: three `vllm serve` replicas started side by side for the module and one trainer process:
+the fleet and its quarantine need independent replicas.
+"""
 
 from __future__ import annotations
 

@@ -7,6 +7,9 @@ new checkpoint's. The test compares one in-process engine updated in place again
 engine started on the new checkpoint: outputs and vLLM's own draft counters must be equal.
 Updates that omit or mis-shape an MTP tensor are refused naming it, and change nothing; a draft
 update carries the MTP layers alone (what the online trainer publishes).
+
+Engines: in-process engines for an updated, a kept and a fresh MiMo checkpoint (exactness against a
+fresh engine needs its own), and one `vllm serve` for the EngineClient path.
 """
 
 import json

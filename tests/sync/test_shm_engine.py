@@ -1,4 +1,8 @@
-"""vLLM's native four-phase weight-transfer API on CPU through the ``specrl_shm`` backend."""
+"""vLLM's native four-phase weight-transfer API on CPU through the ``specrl_shm`` backend.
+
+Engines: one in-process engine that takes the native update and one fresh engine on the new weights
+per case: exactness is judged against a fresh engine.
+"""
 
 import shutil
 

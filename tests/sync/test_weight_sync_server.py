@@ -4,6 +4,9 @@ One real server (3 processes, float32, an EAGLE-3 draft with a random head)
 shared by the module; tests run in file order and each leaves the server
 serving a known version. Exactness is checked against fresh engines started
 from checkpoints of the same weights.
+
+Engines: one `vllm serve` shared by the module in file order, fresh in-process engines for the
+reference outputs of each update, and a publisher process killed mid-update.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ and a vehicle draft at k = 0; the features it returns are compared with
 ``trainer.features.sequence_features`` (transformers) on the same token ids: aux and final
 hidden states (captured in bf16), the full-vocabulary logsumexp the loss normalises with
 (derived from the engine's logprobs), and the first drafted position.
+
+Engines: one in-process capture engine for the module's rollouts and one warm start through it.
 """
 
 import json

@@ -5,6 +5,9 @@ on via --additional-config) and one trainer process. RL-style traffic runs in
 rounds; acceptance must rise as the draft learns, greedy outputs must stay
 those of the start (lossless while draft weights change), and killing the
 trainer must neither stall nor fail generation, and a restart resumes.
+
+Engines: one `vllm serve` with capture plus a restart server, and trainer processes: the online loop
+crosses processes.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ own counters (``vllm:spec_decode_*``) on held-out prompts:
   at every draft position of a k = 3 engine (for the stale layer and the trained one);
 - the target is untouched by a draft update (greedy tokens equal before and after);
 - a draft update that carries a body tensor, or a mis-shaped MTP tensor, is refused by name.
+
+Engines: one in-process engine serving a moved MiMo body with capture and the online MTP trainer.
 """
 
 import json
