@@ -11,9 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_each_mode_runs_with_its_allocator_and_the_summary_follows_from_the_steps(tiny_model, tmp_path):
     out = tmp_path / "policy_step.json"
     subprocess.run([sys.executable, str(REPO / "scripts" / "bench_policy_step.py"), "--target", str(tiny_model),

@@ -14,6 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_bench_rollout_sweep_on_tiny(tiny_model, warm_draft, tmp_path):
     out = tmp_path / "bench.json"
     subprocess.run([sys.executable, str(REPO / "scripts" / "bench_rollout.py"),

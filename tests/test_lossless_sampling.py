@@ -32,7 +32,10 @@ def plain_t1(tiny_model):
     return sample_continuations(tiny_model, PROMPT, N, L, 1.0, seed=1)
 
 
+@pytest.mark.slow
 def test_plain_vs_plain_other_seed_agree(tiny_model, plain_t1):
+    """The test's own false-alarm check (two plain engines agree): it judges the method, not the
+    product, so it runs in the slower tier; the power check below stays in ``make test``."""
     other = sample_continuations(tiny_model, PROMPT, N, L, 1.0, seed=2)
     p = per_position_pvalues(plain_t1, other)
     assert min(p) > ALPHA, describe(p)

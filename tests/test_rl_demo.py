@@ -19,7 +19,7 @@ import pytest
 from conftest import WARM_DRAFT_VOCAB
 from helpers import run_rl_demo
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 STEPS, PROMPTS, GROUP = 3, 2, 4
 WARM_UP = 1  # one untimed step per run first, as make demo takes
 

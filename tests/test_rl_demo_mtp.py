@@ -19,7 +19,7 @@ import pytest
 
 from helpers import run_rl_demo
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 STEPS, PROMPTS, GROUP = 3, 2, 4
 
 
