@@ -64,13 +64,19 @@ def _install_registrations() -> list[str]:
                       vllm_compat.install_skip_empty_draft_fetch))
         steps.append(("custom_proposer_binding", "runner batch for custom_class proposers (history)",
                       vllm_compat.install_custom_proposer_binding))
-    done = []
+    done, gated = [], []
     for key, what, install in steps:
         try:
-            done.append(f"{key}: {install()}")
+            result = install()
         except Exception as exc:  # noqa: BLE001 - the plugin must never break vLLM
             log_early(logging.WARNING, "vllm-specrl: %s not installed: %r", what, exc)
-            done.append(f"{key}: failed ({exc!r})")
+            result = f"failed ({exc!r})"
+        done.append(f"{key}: {result}")
+        if vllm_compat.CPU_MEASURED_NOTE in result:
+            gated.append(f"{what} ({result.rsplit('(', 1)[-1].rstrip(')')})")
+    if gated:
+        log_early(logging.INFO, "vllm-specrl: left vLLM's own path for step shortcuts %s: %s",
+                  vllm_compat.CPU_MEASURED_NOTE, "; ".join(gated))
     return done
 
 

@@ -752,6 +752,32 @@ def uninstall_cpu_fast_sampling() -> None:
     rejection_sampler._specrl_fast_sampling = False
 
 
+# --- patches whose reason is a CPU measurement ---------------------------------------
+#
+# The step shortcuts below save time that was measured on vLLM's CPU platform only (no
+# CUDA vLLM has run this project), where steps are synchronous. On any other platform
+# (asynchronous scheduling, device tensors) they are not installed unless their switch
+# says 1; their switch says 0 to keep vLLM's path on the CPU too.
+
+CPU_MEASURED_NOTE = "measured on the CPU platform only"
+
+
+def cpu_measured_gate(switch: str) -> str | None:
+    """Why a patch justified by a CPU measurement is not installed here, or None to install it.
+    ``switch`` unset: the CPU platform only; ``1``: any platform (explicitly); ``0``: off."""
+    value = os.environ.get(switch)
+    if value == "0":
+        return f"off ({switch}=0)"
+    if value == "1":
+        return None
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return None
+    return (f"not installed on {current_platform.device_name or 'this platform'}: {CPU_MEASURED_NOTE} "
+            f"({switch}=1 switches it on)")
+
+
 # --- zero-draft steps: the plain sampler ------------------------------------------
 #
 # A speculative engine always builds spec-decode metadata, so a step in which no
@@ -770,8 +796,9 @@ ZERO_DRAFT_ENV = "VLLM_SPECRL_ZERO_DRAFT_PLAIN_SAMPLER"
 
 def install_zero_draft_plain_sampler() -> str:
     """Route steps without drafts to the plain sampler (see above); counts them on the runner."""
-    if os.environ.get(ZERO_DRAFT_ENV, "1") == "0":
-        return f"off ({ZERO_DRAFT_ENV}=0)"
+    gated = cpu_measured_gate(ZERO_DRAFT_ENV)
+    if gated:
+        return gated
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     if getattr(GPUModelRunner, "_specrl_zero_draft_plain", False):
@@ -812,8 +839,9 @@ SKIP_EMPTY_DRAFT_FETCH_ENV = "VLLM_SPECRL_SKIP_EMPTY_DRAFT_FETCH"
 def install_skip_empty_draft_fetch() -> str:
     """Skip ``take_draft_token_ids`` after steps that asked for no drafts (see above); counts skips
     on the engine core (``_specrl_skipped_draft_fetches``)."""
-    if os.environ.get(SKIP_EMPTY_DRAFT_FETCH_ENV, "1") == "0":
-        return f"off ({SKIP_EMPTY_DRAFT_FETCH_ENV}=0)"
+    gated = cpu_measured_gate(SKIP_EMPTY_DRAFT_FETCH_ENV)
+    if gated:
+        return gated
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore
 
@@ -1833,8 +1861,9 @@ def install_deferred_draft_kv() -> str:
     """Attach ``DeferredDraftKV`` to each eligible drafter on its runner's first proposal."""
     import functools
 
-    if os.environ.get(DEFER_DRAFT_KV_ENV, "1") == "0":
-        return f"off ({DEFER_DRAFT_KV_ENV}=0)"
+    gated = cpu_measured_gate(DEFER_DRAFT_KV_ENV)
+    if gated:
+        return gated
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
