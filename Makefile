@@ -37,7 +37,7 @@ build_draft = if [ ! -f $(1)/trainer_meta.json ] || [ "$$(cat $(1)/make_args 2>/
 	echo "[draft] building $(1) (missing, or built with other arguments or recipe)"; \
 	rm -rf $(1) && $(TRAIN_DRAFT) --draft $(1) $(2) && echo "$(strip $(2)) recipe=$(DRAFT_RECIPE)" > $(1)/make_args; fi
 
-.PHONY: setup fixtures draft demo demo-full demo-rollouts test test-all test-slow bench clean-fixtures
+.PHONY: setup fixtures draft demo demo-plan demo-full demo-rollouts test test-all test-slow bench clean-fixtures
 
 setup:
 	@bash scripts/setup_venv.sh
@@ -49,7 +49,13 @@ draft: setup
 	@$(VENV)/bin/vllm-specrl fixtures --out $(FIXTURES) --only real
 	@$(call build_draft,$(DRAFT),$(DRAFT_ARGS))
 
-demo: setup
+# Before anything starts: what `make demo` will do here and about how long each phase took on the
+# nearest CPU kind measured (scripts/demo_plan.py; standard library only, so before the venv exists).
+demo-plan:
+	@python3 scripts/demo_plan.py --venv $(VENV) --fixtures $(FIXTURES) --draft $(DEMO_DRAFT) \
+		--draft-stamp "$(strip $(DEMO_DRAFT_ARGS)) recipe=$(DRAFT_RECIPE)" || true
+
+demo: demo-plan setup
 	@$(VENV)/bin/vllm-specrl fixtures --out $(FIXTURES) --only real
 ifeq ($(PROPOSER),mtp)
 	@$(VENV)/bin/vllm-specrl fixtures --out $(FIXTURES) --only real-mimo
