@@ -1,53 +1,82 @@
-"""Step shortcuts justified by CPU measurements are installed on the CPU platform only: on another
-platform (stubbed here) they leave vLLM's classes untouched unless their switch says 1, and their
-switch says 0 to keep vLLM's path on the CPU too. No engine starts here."""
+"""The registered patches on vLLM's own classes, in this process: step shortcuts justified by CPU
+measurements leave vLLM untouched off the CPU (platform stubbed) unless their switch says 1; a patch
+needed everywhere installs off the CPU too, composes with the others on the same method in its order,
+and uninstalling puts vLLM's own method back. No engine starts here."""
 
 from __future__ import annotations
 
 import pytest
 from vllm.platforms import current_platform
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_specrl import vllm_compat
-from vllm_specrl.vllm_compat import (DEFER_DRAFT_KV_ENV, SKIP_EMPTY_DRAFT_FETCH_ENV, ZERO_DRAFT_ENV,
-                                     cpu_measured_gate)
+from vllm_specrl.compat.registry import CPU_ONLY_NOTE, REGISTRY
 
-GATED = [(ZERO_DRAFT_ENV, vllm_compat.install_zero_draft_plain_sampler),
-         (SKIP_EMPTY_DRAFT_FETCH_ENV, vllm_compat.install_skip_empty_draft_fetch),
-         (DEFER_DRAFT_KV_ENV, vllm_compat.install_deferred_draft_kv)]
+CPU_SCOPED = [(vllm_compat.ZERO_DRAFT_ENV, vllm_compat.install_zero_draft_plain_sampler,
+               vllm_compat.ZERO_DRAFT_PATCH),
+              (vllm_compat.SKIP_EMPTY_DRAFT_FETCH_ENV, vllm_compat.install_skip_empty_draft_fetch,
+               vllm_compat.SKIP_FETCH_POST_STEP_PATCH),
+              (vllm_compat.DEFER_DRAFT_KV_ENV, vllm_compat.install_deferred_draft_kv, vllm_compat.DEFERRED_KV_PATCH)]
+
+
+def _vllm_attributes() -> dict:
+    return {"_sample": GPUModelRunner.__dict__["_sample"],
+            "propose_draft_token_ids": GPUModelRunner.__dict__["propose_draft_token_ids"],
+            "post_step": EngineCore.__dict__["post_step"], "schedule": Scheduler.__dict__["schedule"]}
 
 
 @pytest.fixture
-def on_a_gpu(monkeypatch):
+def pristine():
+    """Nothing registered is installed in this process before or after a test."""
+    assert not any(REGISTRY.is_installed(row["name"]) for row in REGISTRY.report())
+    before = _vllm_attributes()
+    yield before
+    for row in REGISTRY.report():
+        if REGISTRY.is_installed(row["name"]):
+            REGISTRY.uninstall(row["name"])
+    assert _vllm_attributes() == before
+
+
+@pytest.fixture
+def on_a_gpu(monkeypatch, pristine):
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
-    monkeypatch.setattr(current_platform, "device_name", "cuda")
-    for switch, _ in GATED:
+    for switch, _, _ in CPU_SCOPED:
         monkeypatch.delenv(switch, raising=False)
+    return pristine
 
 
-def _patched_attributes() -> dict:
-    return {"_sample": GPUModelRunner.__dict__["_sample"],
-            "propose_draft_token_ids": GPUModelRunner.__dict__["propose_draft_token_ids"],
-            "post_step": EngineCore.__dict__["post_step"]}
-
-
-@pytest.mark.parametrize("switch, install", GATED, ids=[s for s, _ in GATED])
-def test_off_the_cpu_a_shortcut_is_not_installed_and_says_how_to_switch_it_on(on_a_gpu, switch, install):
-    before = _patched_attributes()
+@pytest.mark.parametrize("switch, install, patch", CPU_SCOPED, ids=[s for s, _, _ in CPU_SCOPED])
+def test_off_the_cpu_a_shortcut_is_not_installed_and_says_how_to_switch_it_on(on_a_gpu, switch, install, patch):
     result = install()
-    assert "not installed on cuda" in result and f"{switch}=1" in result and vllm_compat.CPU_MEASURED_NOTE in result
-    assert _patched_attributes() == before
+    assert CPU_ONLY_NOTE in result and f"{switch}=1" in result
+    assert _vllm_attributes() == on_a_gpu
+    assert REGISTRY.state(patch.name)["state"] == "skipped"
 
 
-def test_the_gate_follows_platform_and_switch(monkeypatch):
-    monkeypatch.delenv(ZERO_DRAFT_ENV, raising=False)
-    assert cpu_measured_gate(ZERO_DRAFT_ENV) is None  # the CPU platform: on by default
-    monkeypatch.setenv(ZERO_DRAFT_ENV, "0")
-    assert cpu_measured_gate(ZERO_DRAFT_ENV) == f"off ({ZERO_DRAFT_ENV}=0)"
-    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
-    assert cpu_measured_gate(ZERO_DRAFT_ENV) == f"off ({ZERO_DRAFT_ENV}=0)"
-    monkeypatch.setenv(ZERO_DRAFT_ENV, "1")
-    assert cpu_measured_gate(ZERO_DRAFT_ENV) is None  # switched on explicitly off the CPU
-    monkeypatch.delenv(ZERO_DRAFT_ENV)
-    assert cpu_measured_gate(ZERO_DRAFT_ENV) is not None
+@pytest.mark.parametrize("switch, install, patch", CPU_SCOPED, ids=[s for s, _, _ in CPU_SCOPED])
+def test_switched_on_it_installs_off_the_cpu_and_comes_off_again(on_a_gpu, monkeypatch, switch, install, patch):
+    monkeypatch.setenv(switch, "1")
+    assert install().startswith("installed")
+    assert _vllm_attributes() != on_a_gpu
+    assert install() == "installed"  # a second call (a forked child's plugin) changes nothing
+
+
+def test_on_the_cpu_a_switch_at_0_keeps_vllms_path(pristine, monkeypatch):
+    monkeypatch.setenv(vllm_compat.ZERO_DRAFT_ENV, "0")
+    assert vllm_compat.install_zero_draft_plain_sampler() == f"skipped: off ({vllm_compat.ZERO_DRAFT_ENV}=0)"
+    assert _vllm_attributes() == pristine
+
+
+def test_the_binding_runs_everywhere_and_wraps_outside_the_deferral_whatever_the_install_order(on_a_gpu, monkeypatch):
+    monkeypatch.setenv(vllm_compat.DEFER_DRAFT_KV_ENV, "1")
+    original = on_a_gpu["propose_draft_token_ids"]
+    assert vllm_compat.install_custom_proposer_binding() == "installed"  # scope "everywhere": no switch needed
+    assert vllm_compat.install_deferred_draft_kv().startswith("installed")
+    outer = GPUModelRunner.__dict__["propose_draft_token_ids"]
+    inner = outer.__wrapped__
+    assert "bind_step" in outer.__code__.co_consts and "_specrl_deferred_kv" in inner.__code__.co_names
+    assert inner.__wrapped__ is original
+    REGISTRY.uninstall(vllm_compat.CUSTOM_BINDING_PATCH.name)
+    assert GPUModelRunner.__dict__["propose_draft_token_ids"].__wrapped__ is original

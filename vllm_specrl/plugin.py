@@ -18,6 +18,7 @@ from typing import Any
 from vllm_specrl import cpu_malloc, vllm_compat
 from vllm_specrl._log import log_early
 from vllm_specrl._version import __version__
+from vllm_specrl.compat.registry import CPU_ONLY_NOTE, REGISTRY
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {"status": "not-loaded"}
@@ -72,11 +73,11 @@ def _install_registrations() -> list[str]:
             log_early(logging.WARNING, "vllm-specrl: %s not installed: %r", what, exc)
             result = f"failed ({exc!r})"
         done.append(f"{key}: {result}")
-        if vllm_compat.CPU_MEASURED_NOTE in result:
+        if CPU_ONLY_NOTE in result:
             gated.append(f"{what} ({result.rsplit('(', 1)[-1].rstrip(')')})")
     if gated:
         log_early(logging.INFO, "vllm-specrl: left vLLM's own path for step shortcuts %s: %s",
-                  vllm_compat.CPU_MEASURED_NOTE, "; ".join(gated))
+                  CPU_ONLY_NOTE, "; ".join(gated))
     return done
 
 
@@ -117,6 +118,6 @@ def register() -> None:
                 __version__, vllm_compat.SUPPORTED_RANGE, version)
             return
         _state.update(status="active", role=role, pid=pid, vllm=version, forked=pid != _IMPORTED_IN_PID,
-                      vllm_specrl=__version__, registrations=_install_registrations())
+                      vllm_specrl=__version__, registrations=_install_registrations(), patches=REGISTRY.report())
         log_early(logging.INFO, "vllm-specrl %s plugin active in %s process (pid %d, vLLM %s)",
                     __version__, role, pid, version)

@@ -143,6 +143,8 @@ import re
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
+from vllm_specrl.compat.registry import REGISTRY, Patch
+
 T = TypeVar("T")
 
 SUPPORTED_RANGE = ">=0.32,<0.34"
@@ -752,31 +754,12 @@ def uninstall_cpu_fast_sampling() -> None:
     rejection_sampler._specrl_fast_sampling = False
 
 
-# --- patches whose reason is a CPU measurement ---------------------------------------
+# --- patches through the registry ---------------------------------------------------
 #
-# The step shortcuts below save time that was measured on vLLM's CPU platform only (no
-# CUDA vLLM has run this project), where steps are synchronous. On any other platform
-# (asynchronous scheduling, device tensors) they are not installed unless their switch
-# says 1; their switch says 0 to keep vLLM's path on the CPU too.
-
-CPU_MEASURED_NOTE = "measured on the CPU platform only"
-
-
-def cpu_measured_gate(switch: str) -> str | None:
-    """Why a patch justified by a CPU measurement is not installed here, or None to install it.
-    ``switch`` unset: the CPU platform only; ``1``: any platform (explicitly); ``0``: off."""
-    value = os.environ.get(switch)
-    if value == "0":
-        return f"off ({switch}=0)"
-    if value == "1":
-        return None
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        return None
-    return (f"not installed on {current_platform.device_name or 'this platform'}: {CPU_MEASURED_NOTE} "
-            f"({switch}=1 switches it on)")
-
+# The patches below are declared as ``compat.registry.Patch`` objects and installed through its
+# ``REGISTRY``: gated to where they were measured (scope "cpu": the CPU platform only unless their
+# switch says 1), originals kept and restorable, composed in a defined order where several wrap
+# one method, listed in /specrl/status. The rest of this module's patches move there next.
 
 # --- zero-draft steps: the plain sampler ------------------------------------------
 #
@@ -794,28 +777,28 @@ def cpu_measured_gate(switch: str) -> str | None:
 ZERO_DRAFT_ENV = "VLLM_SPECRL_ZERO_DRAFT_PLAIN_SAMPLER"
 
 
+ZERO_DRAFT_PATCH = Patch(
+    name="zero_draft_plain_sampler", target="vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample",
+    why="a step without drafts takes the plain sampler, whose output equals the rejection sampler's there "
+        "(CPU step cost: benchmarks, bench_step_cost --held-at 0)",
+    scope="cpu", switch=ZERO_DRAFT_ENV, checked_on=("vLLM 0.32.0, CPU",),
+    signature=("self", "logits", "spec_decode_metadata"))
+
+
 def install_zero_draft_plain_sampler() -> str:
     """Route steps without drafts to the plain sampler (see above); counts them on the runner."""
-    gated = cpu_measured_gate(ZERO_DRAFT_ENV)
-    if gated:
-        return gated
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    if getattr(GPUModelRunner, "_specrl_zero_draft_plain", False):
+    if REGISTRY.is_installed(ZERO_DRAFT_PATCH.name):
         return "installed"
-    stock = GPUModelRunner._sample
-    if _signature_names(stock) != ["self", "logits", "spec_decode_metadata"]:
-        return "not installed (GPUModelRunner._sample is not the method checked on 0.32.0)"
 
-    def _sample(self, logits, spec_decode_metadata):
-        if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
-            self._specrl_zero_draft_steps = getattr(self, "_specrl_zero_draft_steps", 0) + 1
-            spec_decode_metadata = None
-        return stock(self, logits, spec_decode_metadata)
+    def wrap(stock):
+        def _sample(self, logits, spec_decode_metadata):
+            if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
+                self._specrl_zero_draft_steps = getattr(self, "_specrl_zero_draft_steps", 0) + 1
+                spec_decode_metadata = None
+            return stock(self, logits, spec_decode_metadata)
+        return _sample
 
-    GPUModelRunner._sample = _sample
-    GPUModelRunner._specrl_zero_draft_plain = True
-    return "installed"
+    return REGISTRY.install(ZERO_DRAFT_PATCH, wrap)
 
 
 # --- no draft fetch after a step that asked for none ----------------------------------
@@ -836,39 +819,51 @@ def install_zero_draft_plain_sampler() -> str:
 SKIP_EMPTY_DRAFT_FETCH_ENV = "VLLM_SPECRL_SKIP_EMPTY_DRAFT_FETCH"
 
 
+SKIP_FETCH_WHY = ("no take_draft_token_ids RPC after a step scheduled with k = 0, whose drafts are empty "
+                  "(CPU step cost: one engine-core -> worker RPC a step)")
+SKIP_FETCH_POST_STEP_PATCH = Patch(
+    name="skip_empty_draft_fetch", target="vllm.v1.engine.core:EngineCore.post_step", why=SKIP_FETCH_WHY,
+    scope="cpu", switch=SKIP_EMPTY_DRAFT_FETCH_ENV, checked_on=("vLLM 0.32.0, CPU",),
+    signature=("self", "model_executed"))
+SKIP_FETCH_SCHEDULE_PATCH = Patch(
+    name="skip_empty_draft_fetch.schedule", target="vllm.v1.core.sched.scheduler:Scheduler.schedule",
+    why="records the k each step was scheduled with, for skip_empty_draft_fetch", scope="cpu",
+    switch=SKIP_EMPTY_DRAFT_FETCH_ENV, checked_on=("vLLM 0.32.0, CPU",))
+
+
 def install_skip_empty_draft_fetch() -> str:
     """Skip ``take_draft_token_ids`` after steps that asked for no drafts (see above); counts skips
     on the engine core (``_specrl_skipped_draft_fetches``)."""
-    gated = cpu_measured_gate(SKIP_EMPTY_DRAFT_FETCH_ENV)
-    if gated:
-        return gated
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.engine.core import EngineCore
-
-    if getattr(EngineCore, "_specrl_skip_empty_draft_fetch", False):
+    if REGISTRY.is_installed(SKIP_FETCH_POST_STEP_PATCH.name):
         return "installed"
-    if _signature_names(EngineCore.post_step) != ["self", "model_executed"]:
-        return "not installed (EngineCore.post_step is not the method checked on 0.32.0)"
-    stock_schedule, stock_post_step = Scheduler.schedule, EngineCore.post_step
 
-    def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        out = stock_schedule(self, *args, **kwargs)
-        self._specrl_drafts_asked = out.num_spec_tokens_to_schedule
-        return out
+    def wrap_post_step(stock_post_step):
+        def post_step(self, model_executed: bool) -> None:
+            spec = self.vllm_config.speculative_config
+            # With a batch queue (pipeline parallel) the step that finished is not always the last scheduled.
+            if (model_executed and not self.async_scheduling and self.batch_queue is None and spec is not None
+                    and spec.method != "custom_class" and getattr(self.scheduler, "_specrl_drafts_asked", None) == 0):
+                self._specrl_skipped_draft_fetches = getattr(self, "_specrl_skipped_draft_fetches", 0) + 1
+                return
+            stock_post_step(self, model_executed)
+        return post_step
 
-    def post_step(self, model_executed: bool) -> None:
-        spec = self.vllm_config.speculative_config
-        # With a batch queue (pipeline parallel) the step that finished is not always the last scheduled.
-        if (model_executed and not self.async_scheduling and self.batch_queue is None and spec is not None
-                and spec.method != "custom_class" and getattr(self.scheduler, "_specrl_drafts_asked", None) == 0):
-            self._specrl_skipped_draft_fetches = getattr(self, "_specrl_skipped_draft_fetches", 0) + 1
-            return
-        stock_post_step(self, model_executed)
+    def wrap_schedule(stock_schedule):
+        def schedule(self, *args: Any, **kwargs: Any) -> Any:
+            out = stock_schedule(self, *args, **kwargs)
+            self._specrl_drafts_asked = out.num_spec_tokens_to_schedule
+            return out
+        return schedule
 
-    Scheduler.schedule = schedule
-    EngineCore.post_step = post_step
-    EngineCore._specrl_skip_empty_draft_fetch = True
-    return "installed"
+    # post_step skips only where schedule recorded k = 0: alone it changes nothing.
+    result = REGISTRY.install(SKIP_FETCH_POST_STEP_PATCH, wrap_post_step)
+    if result != "installed":
+        return result
+    scheduled = REGISTRY.install(SKIP_FETCH_SCHEDULE_PATCH, wrap_schedule)
+    if scheduled != "installed":
+        REGISTRY.uninstall(SKIP_FETCH_POST_STEP_PATCH.name)
+        return scheduled
+    return result
 
 
 # --- adaptive k (engine core) ----------------------------------------------------
@@ -1591,35 +1586,44 @@ def specrl_additional_config(vllm_config: Any) -> dict[str, Any]:
 # sampled drafts).
 
 
+CUSTOM_BINDING_ENV = "VLLM_SPECRL_CUSTOM_PROPOSER_BINDING"
+# Patches on GPUModelRunner.propose_draft_token_ids, innermost (closest to vLLM's) first.
+DEFERRED_KV_ORDER, CUSTOM_BINDING_ORDER = 1, 2
+CUSTOM_BINDING_PATCH = Patch(
+    name="custom_proposer_binding",
+    target="vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids",
+    why="vLLM 0.32 hands a custom_class proposer neither the batch's request ids and prompt lengths nor the "
+        "step's k, and passes no draft probabilities to the rejection sampler: without them the history "
+        "proposer cannot draft per request nor have its sampled drafts verified losslessly (every platform)",
+    scope="everywhere", switch=CUSTOM_BINDING_ENV, checked_on=("vLLM 0.32.0, CPU",), order=CUSTOM_BINDING_ORDER)
+
+
 def install_custom_proposer_binding() -> str:
     """Wrap the runner's ``propose_draft_token_ids`` so ``custom_class`` drafters see the batch."""
     import functools
 
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    if getattr(GPUModelRunner, "_specrl_custom_binding", False):
+    if REGISTRY.is_installed(CUSTOM_BINDING_PATCH.name):
         return "installed"
-    stock = GPUModelRunner.propose_draft_token_ids
 
-    # ``wraps`` keeps the stock signature visible (``inspect.signature`` follows ``__wrapped__``):
-    # the capture tap and the draft recorder bind this method's arguments by name.
-    @functools.wraps(stock)
-    def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
-        drafter = getattr(self, "drafter", None)
-        bind = getattr(drafter, "bind_step", None)
-        if bind is not None:
-            bind(self.input_batch, getattr(scheduler_output, "num_spec_tokens_to_schedule", None))
-        drafts = stock(self, scheduler_output, *args, **kwargs)
-        if bind is not None and hasattr(drafter, "take_last_draft_probs"):
-            probs = drafter.take_last_draft_probs()
-            if probs is not None:
-                self._draft_probs = probs
-                self._draft_prob_req_ids = self.input_batch.req_ids.copy()
-        return drafts
+    def wrap(stock):
+        # ``wraps`` keeps the stock signature visible (``inspect.signature`` follows ``__wrapped__``):
+        # the capture tap and the draft recorder bind this method's arguments by name.
+        @functools.wraps(stock)
+        def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
+            drafter = getattr(self, "drafter", None)
+            bind = getattr(drafter, "bind_step", None)
+            if bind is not None:
+                bind(self.input_batch, getattr(scheduler_output, "num_spec_tokens_to_schedule", None))
+            drafts = stock(self, scheduler_output, *args, **kwargs)
+            if bind is not None and hasattr(drafter, "take_last_draft_probs"):
+                probs = drafter.take_last_draft_probs()
+                if probs is not None:
+                    self._draft_probs = probs
+                    self._draft_prob_req_ids = self.input_batch.req_ids.copy()
+            return drafts
+        return propose_draft_token_ids
 
-    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
-    GPUModelRunner._specrl_custom_binding = True
-    return "installed"
+    return REGISTRY.install(CUSTOM_BINDING_PATCH, wrap)
 
 
 # --- deferred draft-KV sync at k = 0 --------------------------------------------
@@ -1857,39 +1861,49 @@ class DeferredDraftKV:
             mm_embed_inputs=None, num_rejected_tokens_gpu=None, slot_mappings=None)
 
 
+DEFERRED_KV_PATCH = Patch(
+    name="deferred_draft_kv",
+    target="vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids",
+    why="the drafter's k = 0 passes are held and replayed in one pass when drafts resume, drafts unchanged "
+        "(CPU step cost: benchmarks, bench_step_cost --held-at 0)",
+    scope="cpu", switch=DEFER_DRAFT_KV_ENV, checked_on=("vLLM 0.32.0, CPU",), order=DEFERRED_KV_ORDER)
+
+
 def install_deferred_draft_kv() -> str:
     """Attach ``DeferredDraftKV`` to each eligible drafter on its runner's first proposal."""
     import functools
 
-    gated = cpu_measured_gate(DEFER_DRAFT_KV_ENV)
-    if gated:
-        return gated
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    if getattr(GPUModelRunner, "_specrl_deferred_draft_kv", False):
+    if REGISTRY.is_installed(DEFERRED_KV_PATCH.name):
         return "installed"
     if _signature_names(SpecDecodeBaseProposer.propose) != _PROPOSE_PARAMETERS:
         return "not installed (SpecDecodeBaseProposer.propose is not the method checked on 0.32.0)"
-    stock = GPUModelRunner.propose_draft_token_ids
-    early = _signature_names(stock) == _RUNNER_PROPOSE_PARAMETERS
+    early_holds = []
 
-    @functools.wraps(stock)
-    def propose_draft_token_ids(self, *args, **kwargs):
-        drafter = getattr(self, "drafter", None)
-        if drafter is not None and "_specrl_deferred_kv" not in vars(drafter):
-            drafter._specrl_deferred_kv = DeferredDraftKV(self, drafter) if DeferredDraftKV.eligible(drafter) else None
-        deferral = getattr(drafter, "_specrl_deferred_kv", None)
-        if early and deferral is not None and deferral.holds_early and not kwargs:
-            drafts = deferral.hold_before_vllm_inputs(*args)
-            if drafts is not None:
-                return drafts
-        return stock(self, *args, **kwargs)
+    def wrap(stock):
+        early = _signature_names(stock) == _RUNNER_PROPOSE_PARAMETERS
+        early_holds.append(early)
 
-    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
-    GPUModelRunner._specrl_deferred_draft_kv = True
-    return "installed" + ("" if early else " (k = 0 steps held inside vLLM's input gathering: "
-                                            "propose_draft_token_ids is not the method checked on 0.32.0)")
+        @functools.wraps(stock)
+        def propose_draft_token_ids(self, *args, **kwargs):
+            drafter = getattr(self, "drafter", None)
+            if drafter is not None and "_specrl_deferred_kv" not in vars(drafter):
+                drafter._specrl_deferred_kv = DeferredDraftKV(self, drafter) if DeferredDraftKV.eligible(drafter) \
+                    else None
+            deferral = getattr(drafter, "_specrl_deferred_kv", None)
+            if early and deferral is not None and deferral.holds_early and not kwargs:
+                drafts = deferral.hold_before_vllm_inputs(*args)
+                if drafts is not None:
+                    return drafts
+            return stock(self, *args, **kwargs)
+        return propose_draft_token_ids
+
+    result = REGISTRY.install(DEFERRED_KV_PATCH, wrap)
+    if result == "installed" and not early_holds[-1]:
+        result += (" (k = 0 steps held inside vLLM's input gathering: propose_draft_token_ids is not the "
+                   "method checked on 0.32.0)")
+    return result
 
 
 def deferred_draft_kv_counters(worker: Any) -> dict[str, int] | None:

@@ -1,0 +1,165 @@
+"""The patch registry on stand-in classes (no vLLM object is patched here): a patch wraps the original
+and uninstalling it puts back the very same object; a second install, or one over an attribute changed
+behind the registry's back, is refused; patches on one attribute compose in their declared order; a
+CPU-scoped patch is skipped off the CPU unless switched on; a signature drift skips with its reason
+logged; the report lists every declared patch."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+
+import pytest
+
+from vllm_specrl.compat.registry import CPU_ONLY_NOTE, Patch, PatchError, Registry
+
+
+class Base:
+    def inherited(self, x):
+        return f"base({x})"
+
+
+class Runner(Base):
+    def step(self, x, y):
+        return f"step({x},{y})"
+
+    @classmethod
+    def make(cls, n):
+        return f"make({n})"
+
+
+MODULE = types.ModuleType("specrl_registry_standin")
+MODULE.Runner = Runner
+MODULE.helper = lambda a: f"helper({a})"
+sys.modules[MODULE.__name__] = MODULE
+
+
+def patch(name="p", attribute="Runner.step", scope="everywhere", signature=("self", "x", "y"), order=0):
+    return Patch(name=name, target=f"{MODULE.__name__}:{attribute}", why="test", scope=scope,
+                 switch=f"SPECRL_TEST_{name.upper()}", checked_on=("0.32.0 cpu",), signature=signature, order=order)
+
+
+def tagging(tag):
+    def wrap(inner):
+        def wrapper(self, x, y):
+            return f"{tag}[{inner(self, x, y)}]"
+        return wrapper
+    return wrap
+
+
+@pytest.fixture
+def registry():
+    original = Runner.__dict__["step"]
+    reg = Registry(is_cpu=lambda: True, environ={})
+    yield reg
+    Runner.step = original  # whatever a failing test left behind
+    for name in ("inherited",):
+        Runner.__dict__.get(name) and delattr(Runner, name)
+
+
+def test_install_wraps_and_uninstall_restores_the_original_object(registry):
+    original = Runner.__dict__["step"]
+    assert registry.install(patch(), tagging("a")) == "installed"
+    assert Runner().step(1, 2) == "a[step(1,2)]" and registry.original("p") is original
+    registry.uninstall("p")
+    assert Runner.__dict__["step"] is original
+    assert registry.state("p")["state"] == "uninstalled"
+
+
+def test_a_second_install_is_refused_and_changes_nothing(registry):
+    registry.install(patch(), tagging("a"))
+    with pytest.raises(PatchError, match="already installed"):
+        registry.install(patch(), tagging("b"))
+    assert Runner().step(1, 2) == "a[step(1,2)]"
+
+
+def test_an_attribute_changed_behind_the_registry_is_not_patched_over(registry):
+    registry.install(patch("p"), tagging("a"))
+    Runner.step = lambda self, x, y: "someone else"
+    with pytest.raises(PatchError, match="changed outside the registry"):
+        registry.install(patch("q", order=1), tagging("b"))
+    with pytest.raises(PatchError, match="changed outside the registry"):
+        registry.uninstall("p")
+
+
+def test_patches_on_one_attribute_compose_in_their_order_and_come_off_one_by_one(registry):
+    original = Runner.__dict__["step"]
+    registry.install(patch("outer", order=2), tagging("outer"))
+    registry.install(patch("inner", order=1), tagging("inner"))
+    assert Runner().step(1, 2) == "outer[inner[step(1,2)]]"
+    registry.uninstall("inner")
+    assert Runner().step(1, 2) == "outer[step(1,2)]"
+    registry.uninstall("outer")
+    assert Runner.__dict__["step"] is original
+
+
+def test_an_inherited_method_patched_on_the_subclass_is_inherited_again_after(registry):
+    registry.install(patch("i", attribute="Runner.inherited", signature=("self", "x")),
+                     lambda inner: lambda self, x: f"i[{inner(self, x)}]")
+    assert Runner().inherited(1) == "i[base(1)]" and Base().inherited(1) == "base(1)"
+    registry.uninstall("i")
+    assert "inherited" not in Runner.__dict__ and Runner().inherited(1) == "base(1)"
+
+
+def test_module_functions_and_classmethods_can_be_patched(registry):
+    helper = MODULE.helper
+    registry.install(patch("h", attribute="helper", signature=("a",)), lambda inner: lambda a: f"h[{inner(a)}]")
+    assert MODULE.helper(1) == "h[helper(1)]"
+    registry.uninstall("h")
+    assert MODULE.helper is helper
+    make = Runner.__dict__["make"]
+    registry.install(patch("m", attribute="Runner.make", signature=("cls", "n")),
+                     lambda inner: classmethod(lambda cls, n: f"m[{inner.__func__(cls, n)}]"))
+    assert Runner.make(3) == "m[make(3)]"
+    registry.uninstall("m")
+    assert Runner.__dict__["make"] is make
+
+
+@pytest.mark.parametrize("is_cpu, switch, installed", [(True, None, True), (False, None, False),
+                                                       (False, "1", True), (True, "0", False)])
+def test_a_cpu_scoped_patch_applies_on_the_cpu_or_where_switched_on(is_cpu, switch, installed):
+    environ = {} if switch is None else {"SPECRL_TEST_P": switch}
+    reg = Registry(is_cpu=lambda: is_cpu, environ=environ)
+    original = Runner.__dict__["step"]
+    try:
+        result = reg.install(patch(scope="cpu"), tagging("a"))
+        assert (result == "installed") == installed, result
+        assert (Runner.__dict__["step"] is original) != installed
+        if not installed:
+            assert ("SPECRL_TEST_P=1" in result and CPU_ONLY_NOTE in result) if switch is None else "=0" in result
+    finally:
+        Runner.step = original
+
+
+def test_an_everywhere_patch_runs_off_the_cpu_too():
+    reg = Registry(is_cpu=lambda: False, environ={})
+    original = Runner.__dict__["step"]
+    try:
+        assert reg.install(patch(scope="everywhere"), tagging("a")) == "installed"
+    finally:
+        Runner.step = original
+
+
+def test_a_signature_drift_skips_the_patch_with_its_reason_logged(registry, caplog):
+    original = Runner.__dict__["step"]
+    with caplog.at_level(logging.WARNING, logger="vllm_specrl.compat.registry"):
+        result = registry.install(patch(signature=("self", "x")), tagging("a"))
+    assert result.startswith("skipped: signature drift") and "['self', 'x', 'y']" in result
+    assert Runner.__dict__["step"] is original
+    assert any("signature drift" in r.getMessage() for r in caplog.records)
+
+
+def test_a_missing_target_is_a_skip_not_an_error(registry):
+    assert registry.install(patch(attribute="Runner.nowhere", signature=None), tagging("a")).startswith("skipped:")
+
+
+def test_the_report_lists_every_declared_patch(registry):
+    registry.declare(patch("never"))
+    registry.install(patch("p"), tagging("a"))
+    rows = {row["name"]: row for row in registry.report()}
+    assert rows["never"]["state"] == "declared" and rows["p"]["state"] == "installed"
+    assert rows["p"]["switch"] == "SPECRL_TEST_P" and rows["p"]["checked_on"] == ["0.32.0 cpu"]
+    registry.uninstall("p")
+    with pytest.raises(ValueError, match="scope"):
+        Patch(name="x", target="m:a", why="", scope="gpu", switch="S", checked_on=())

@@ -1,0 +1,225 @@
+"""Engine patches as named, gated, reversible objects.
+
+A patch replaces one attribute of a vLLM class or module. The registry keeps the original, checks its
+signature before touching it, installs a patch only where it applies (a patch whose reason is a CPU
+fault or a CPU measurement: on the CPU platform only, unless its switch says ``1``), refuses to install
+a patch twice or over an attribute someone else changed, composes several patches on one attribute in a
+defined order, and uninstalls a patch leaving the original object itself in place. ``report()`` says
+what happened to every declared patch in this process: what ``/specrl/status`` and ``vllm-specrl
+doctor`` list.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Where a patch applies: "cpu" (a CPU fault or a CPU measurement: the CPU platform only unless switched on)
+# or "everywhere" (needed for correctness on any platform; its declaration says why).
+SCOPES = ("cpu", "everywhere")
+CPU_ONLY_NOTE = "measured on the CPU platform only"
+
+
+class PatchError(RuntimeError):
+    """A patch that must not be installed or removed as asked (installed twice, never installed, or
+    its attribute changed behind the registry's back)."""
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One replacement of one vLLM attribute, with everything a reader or a user needs to judge it.
+
+    ``target`` is ``"module:Class.attribute"`` or ``"module:attribute"``. ``signature``: the original's
+    parameter names as checked (a drift skips the patch with the reason logged). ``order``: patches on
+    the same attribute wrap in ascending order, the lowest closest to vLLM's original."""
+
+    name: str
+    target: str
+    why: str
+    scope: str
+    switch: str
+    checked_on: tuple[str, ...]
+    signature: tuple[str, ...] | None = None
+    repro: str | None = None
+    order: int = 0
+
+    def __post_init__(self) -> None:
+        if self.scope not in SCOPES:
+            raise ValueError(f"patch {self.name}: scope must be one of {SCOPES}, not {self.scope!r}")
+        if ":" not in self.target:
+            raise ValueError(f"patch {self.name}: target must read 'module:Owner.attribute', not {self.target!r}")
+
+    @property
+    def owner_path(self) -> tuple[str, str]:
+        module, _, rest = self.target.partition(":")
+        return module, rest.rpartition(".")[0]
+
+    @property
+    def attribute(self) -> str:
+        return self.target.rpartition(".")[2] if "." in self.target.partition(":")[2] \
+            else self.target.partition(":")[2]
+
+
+@dataclass
+class _Slot:
+    """One patched attribute: vLLM's original, the patches on it in order, what the registry last set."""
+
+    owner: Any
+    attribute: str
+    original: Any
+    inherited: bool  # the original lives on a base class: removing the last patch deletes the attribute
+    hooks: list[tuple[Patch, Callable[[Any], Any]]] = field(default_factory=list)
+    current: Any = None
+
+
+def _parameters(obj: Any) -> tuple[str, ...]:
+    fn = obj.__func__ if isinstance(obj, (classmethod, staticmethod)) else obj
+    return tuple(inspect.signature(fn).parameters)
+
+
+class Registry:
+    """The patches of this process. ``is_cpu`` and ``environ`` are injectable so that tests can stub the
+    platform and the switches."""
+
+    def __init__(self, is_cpu: Callable[[], bool] | None = None, environ: Mapping[str, str] | None = None):
+        self._is_cpu = is_cpu or _vllm_platform_is_cpu
+        self._environ = os.environ if environ is None else environ
+        self._declared: dict[str, Patch] = {}
+        self._states: dict[str, dict[str, str]] = {}
+        self._slots: dict[tuple[int, str], _Slot] = {}
+        self._where: dict[str, tuple[int, str]] = {}
+
+    def declare(self, patch: Patch) -> Patch:
+        """Make a patch known (listed even if never installed); a second declaration of the name must
+        be the same patch."""
+        known = self._declared.get(patch.name)
+        if known is not None and known != patch:
+            raise PatchError(f"patch {patch.name} is declared twice with different contents")
+        self._declared[patch.name] = patch
+        self._states.setdefault(patch.name, {"state": "declared", "detail": "not asked to install"})
+        return patch
+
+    def gate(self, patch: Patch) -> str | None:
+        """Why ``patch`` is not to be installed here, or None. Switch ``0``: off; ``1``: on (also off the
+        CPU); unset: by scope."""
+        value = self._environ.get(patch.switch)
+        if value == "0":
+            return f"off ({patch.switch}=0)"
+        if value == "1" or patch.scope == "everywhere":
+            return None
+        if self._is_cpu():
+            return None
+        return f"not installed off the CPU platform: {CPU_ONLY_NOTE} ({patch.switch}=1 switches it on)"
+
+    def install(self, patch: Patch, wrap: Callable[[Any], Any]) -> str:
+        """Install ``wrap(inner)`` over ``patch.target`` if it applies here; returns the state it ends in
+        (``installed``, or ``skipped: <why>``). Raises ``PatchError`` for a second install of the name or
+        an attribute changed behind the registry's back; a missing target or a signature drift is a skip."""
+        self.declare(patch)
+        if self._states[patch.name]["state"] == "installed":
+            raise PatchError(f"patch {patch.name} is already installed on {patch.target}")
+        reason = self.gate(patch)
+        if reason:
+            return self._set(patch, "skipped", reason)
+        try:
+            owner = _resolve_owner(patch)
+            original = getattr(owner, patch.attribute) if not isinstance(owner, type) else \
+                owner.__dict__.get(patch.attribute, inspect.getattr_static(owner, patch.attribute))
+        except (ImportError, AttributeError) as exc:
+            return self._set(patch, "skipped", f"{patch.target} not found in this vLLM ({exc!r})", logging.WARNING)
+        key = (id(owner), patch.attribute)
+        slot = self._slots.get(key)
+        if slot is not None and _current(owner, patch.attribute) is not slot.current:
+            raise PatchError(f"{patch.target} was changed outside the registry since it patched it")
+        if slot is None:
+            inherited = isinstance(owner, type) and patch.attribute not in owner.__dict__
+            slot = _Slot(owner, patch.attribute, original, inherited)
+        if patch.signature is not None:
+            found = _parameters(slot.original)
+            if found != patch.signature:
+                return self._set(patch, "skipped", f"signature drift: {patch.target} takes {list(found)}, "
+                                 f"checked with {list(patch.signature)}", logging.WARNING)
+        slot.hooks.append((patch, wrap))
+        slot.hooks.sort(key=lambda hook: hook[0].order)
+        self._slots[key] = slot
+        self._where[patch.name] = key
+        self._rebuild(slot)
+        return self._set(patch, "installed", "")
+
+    def uninstall(self, name: str) -> None:
+        """Remove one patch; the attribute returns to vLLM's own object once no patch is left on it."""
+        key = self._where.pop(name, None)
+        if key is None:
+            raise PatchError(f"patch {name} is not installed")
+        slot = self._slots[key]
+        if _current(slot.owner, slot.attribute) is not slot.current:
+            self._where[name] = key
+            raise PatchError(f"{self._declared[name].target} was changed outside the registry since it patched it")
+        slot.hooks = [hook for hook in slot.hooks if hook[0].name != name]
+        if slot.hooks:
+            self._rebuild(slot)
+        else:
+            if slot.inherited:
+                delattr(slot.owner, slot.attribute)
+            else:
+                setattr(slot.owner, slot.attribute, slot.original)
+            del self._slots[key]
+        self._set(self._declared[name], "uninstalled", "")
+
+    def original(self, name: str) -> Any:
+        """vLLM's own object under an installed patch."""
+        return self._slots[self._where[name]].original
+
+    def state(self, name: str) -> dict[str, str]:
+        return dict(self._states[name])
+
+    def is_installed(self, name: str) -> bool:
+        return self._states.get(name, {}).get("state") == "installed"
+
+    def report(self) -> list[dict[str, Any]]:
+        """Every declared patch: name, state and its detail, target, scope, switch, checked on, why."""
+        return [{"name": p.name, **self._states[p.name], "target": p.target, "scope": p.scope,
+                 "switch": p.switch, "checked_on": list(p.checked_on), "why": p.why,
+                 **({"repro": p.repro} if p.repro else {})} for p in self._declared.values()]
+
+    def _rebuild(self, slot: _Slot) -> None:
+        composed = slot.original
+        for _, wrap in slot.hooks:
+            composed = wrap(composed)
+        setattr(slot.owner, slot.attribute, composed)
+        slot.current = _current(slot.owner, slot.attribute)
+
+    def _set(self, patch: Patch, state: str, detail: str, level: int = logging.DEBUG) -> str:
+        self._states[patch.name] = {"state": state, "detail": detail}
+        if state == "skipped":
+            logger.log(level, "vllm-specrl patch %s skipped: %s", patch.name, detail)
+        return f"{state}: {detail}" if detail else state
+
+
+def _current(owner: Any, attribute: str) -> Any:
+    return owner.__dict__.get(attribute) if isinstance(owner, type) else getattr(owner, attribute, None)
+
+
+def _resolve_owner(patch: Patch) -> Any:
+    module_name, owner_name = patch.owner_path
+    owner = importlib.import_module(module_name)
+    for part in filter(None, owner_name.split(".")):
+        owner = getattr(owner, part)
+    return owner
+
+
+def _vllm_platform_is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+# This process's registry: the plugin installs through it and /specrl/status reports it.
+REGISTRY = Registry()
