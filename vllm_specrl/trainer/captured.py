@@ -38,30 +38,36 @@ class _Drain(threading.Thread):
         super().__init__(name="specrl-warm-start-capture", daemon=True)
         self.receiver, self.assembler = receiver, SequenceAssembler()
         self.stop = threading.Event()
-        self.last_frame = time.time()
+        self.received = 0  # frames taken off the socket: decoded (and assembled) or rejected
 
     def run(self) -> None:
         while not self.stop.is_set():
-            for header, tensors in self.receiver.receive(100):
+            frames = self.receiver.receive(100)
+            for header, tensors in frames:
                 self.assembler.add(header, tensors)
-                self.last_frame = time.time()
+            self.received = self.receiver.counters["frames"] + self.receiver.counters["rejected"]
 
 
 def _wait_for_flush(llm: Any, drain: _Drain, stall_s: float = 60.0) -> dict:
-    """Until the worker's sender has sent (or dropped) every frame it was offered and the
-    receiver has been quiet for a moment, or nothing moved for ``stall_s``; returns the
-    sender's final counters."""
+    """Until every frame the worker's sender sent has been received and assembled here (and the
+    sender has sent or dropped every frame it was offered), or nothing moved for ``stall_s``;
+    returns the sender's final counters.
+
+    Counting frames, not waiting for a quiet socket: with the engine in its own process the
+    receiving thread could be decoding a batch of a thousand frames for longer than any quiet
+    period, and stopping it then lost the rest of the stream (seen: 247 of 256 rollouts cut
+    short in one of four runs of the same build)."""
     state: dict = {}
-    progress, last_move = -1, time.time()
+    progress, last_move = (-1, -1), time.time()
     while time.time() - last_move < stall_s:
         state = llm.collective_rpc("specrl_capture_state")[0] or {}
         done = state.get("frames_sent", 0) + state.get("frames_dropped_queue_full", 0) \
             + state.get("frames_dropped_no_peer", 0)
         if done >= state.get("frames_offered", 0) and state.get("queued", 0) == 0 \
-                and time.time() - drain.last_frame > 0.5:
+                and drain.received >= state.get("frames_sent", 0):
             break
-        if done != progress:
-            progress, last_move = done, time.time()
+        if (done, drain.received) != progress:
+            progress, last_move = (done, drain.received), time.time()
         time.sleep(0.2)
     return state
 
