@@ -64,3 +64,38 @@ def test_no_prompt_to_train_on_is_a_clear_error(tiny_model, tmp_path, monkeypatc
     cfg = OfflineConfig(samples_per_prompt=SAMPLES, steps=2, chat=False, features="capture", eval_fraction=1.0)
     with pytest.raises(ValueError, match="no rollout to train on"):
         warm_start(tiny_model, tmp_path / "draft", prompts=PROMPTS, cfg=cfg)
+
+
+def test_the_capture_is_awaited_until_every_sent_frame_is_in_even_when_the_receiver_is_slow():
+    """The flush waits for every frame the sender sent, however long the receiving thread takes over a
+    batch: stopping at the first quiet moment (the old rule: nothing received for 0.5 s) cut the stream
+    of an engine in its own process while the thread was still decoding."""
+    import threading
+    import time
+
+    from vllm_specrl.trainer.captured import _wait_for_flush
+
+    sent = 30
+
+    class SlowDrain:
+        """Takes a batch of 10 frames every 0.8 s (a batch decoded and assembled at once)."""
+        received = 0
+        last_frame = time.time()
+
+    drain = SlowDrain()
+
+    def receive():
+        while drain.received < sent:
+            time.sleep(0.8)
+            drain.received += 10
+            drain.last_frame = time.time()
+
+    class Engine:
+        def collective_rpc(self, method):
+            assert method == "specrl_capture_state"
+            return [{"frames_offered": sent, "frames_sent": sent, "queued": 0}]
+
+    thread = threading.Thread(target=receive, daemon=True)
+    thread.start()
+    state = _wait_for_flush(Engine(), drain, stall_s=10)
+    assert drain.received == sent and state["frames_sent"] == sent
