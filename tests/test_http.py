@@ -93,6 +93,10 @@ def test_status_reports_versions_worker_and_spec_config(server, client):
     assert worker["plugin"]["status"] == "active" and worker["plugin"]["role"] == "worker"
     assert worker["pid"] != status["api_server"]["pid"], "worker must be another process"
     assert worker["model"] == "LlamaForCausalLM" and worker["drafter"] == "HistoryProposer"
+    # The worker's registered patches and their state there (CPU platform: the CPU-scoped ones too).
+    patches = {row["name"]: row for row in worker["plugin"]["patches"]}
+    for name in ("custom_proposer_binding", "deferred_draft_kv", "zero_draft_plain_sampler"):
+        assert patches[name]["state"] == "installed" and patches[name]["switch"].startswith("VLLM_SPECRL_"), patches
     # The proposer's index, from the worker process: the chat group above (n=4) was kept once it
     # finished, under the knob passed with --additional-config.
     history = worker["proposer"]
