@@ -10,5 +10,5 @@ work=$(mktemp -d -t specrl-first-run-XXXX)
 git clone -q "$repo" "$work/clone"
 cd "$work/clone"
 PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 make demo "$@" 2>&1 | awk '{ print strftime("%H:%M:%S"), $0; fflush() }' | tee "$work/demo.log"
-python3 scripts/first_run_phases.py "$work/demo.log" --out "$out" --results results/rl_demo.json --make-args "$*"
+python3 scripts/first_run_phases.py "$work/demo.log" --out "$out" --results results/rl_demo.json --make-args "$*" --clone .
 echo "log and clone kept in $work"

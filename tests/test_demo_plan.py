@@ -43,3 +43,19 @@ def test_the_phases_end_where_the_log_says():
     assert first_run_phases.phases(cached)["draft"] == 0
     over_midnight = ["23:59:00 [setup] ok", "23:59:30 [rl] go", "00:01:00 end"]
     assert first_run_phases.phases(over_midnight)["demo"] == 90
+
+
+def test_with_the_clone_the_phases_end_when_each_phase_wrote_its_files(tmp_path):
+    import os
+    import time
+
+    day = time.mktime(time.strptime("2026-11-29 07:00:00", "%Y-%m-%d %H:%M:%S"))
+    for rel, at in ((".venv/.specrl-setup", 120), (".fixtures/real/target/config.json", 150),
+                    (".fixtures/real/drafts/quick/make_args", 500)):
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("x")
+        os.utime(path, (day + at, day + at))
+    log = ["07:00:00 [demo] plan", "07:03:00 [setup] ok (printed late: buffered)", "07:20:00 wrote"]
+    assert first_run_phases.phases_from_files(log, tmp_path) == {"setup": 120, "fixture": 30, "draft": 350,
+                                                                 "demo": 700, "total": 1200}
