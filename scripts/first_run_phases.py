@@ -76,11 +76,10 @@ def main() -> None:
     args = ap.parse_args()
     cpu_model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                       if line.startswith("model name")), "unknown")
+    lines = args.log.read_text(errors="replace").splitlines()
     record = {"date": time.strftime("%Y-%m-%d"), "cpu_model": cpu_model, "isa_kind": isa_kind(),
               "cpus": os.cpu_count(), "make_args": args.make_args,
-              "phases_s": None}
-    lines = args.log.read_text(errors="replace").splitlines()
-    record["phases_s"] = phases_from_files(lines, args.clone) if args.clone else phases(lines)
+              "phases_s": phases_from_files(lines, args.clone) if args.clone else phases(lines)}
     if args.results and args.results.exists():
         report = json.loads(args.results.read_text())
         record["demo_summary"] = report.get("summary")

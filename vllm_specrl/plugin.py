@@ -65,7 +65,7 @@ def _install_registrations() -> list[str]:
                       vllm_compat.install_skip_empty_draft_fetch))
         steps.append(("custom_proposer_binding", "runner batch for custom_class proposers (history)",
                       vllm_compat.install_custom_proposer_binding))
-    done, gated = [], []
+    done = []
     for key, what, install in steps:
         try:
             result = install()
@@ -73,8 +73,8 @@ def _install_registrations() -> list[str]:
             log_early(logging.WARNING, "vllm-specrl: %s not installed: %r", what, exc)
             result = f"failed ({exc!r})"
         done.append(f"{key}: {result}")
-        if CPU_ONLY_NOTE in result:
-            gated.append(f"{what} ({result.rsplit('(', 1)[-1].rstrip(')')})")
+    gated = [f"{row['name']} ({row['switch']}=1 switches it on)" for row in REGISTRY.report()
+             if row["state"] == "skipped" and CPU_ONLY_NOTE in row["detail"]]
     if gated:
         log_early(logging.INFO, "vllm-specrl: left vLLM's own path for step shortcuts %s: %s",
                   CPU_ONLY_NOTE, "; ".join(gated))

@@ -63,8 +63,7 @@ class Patch:
 
     @property
     def attribute(self) -> str:
-        return self.target.rpartition(".")[2] if "." in self.target.partition(":")[2] \
-            else self.target.partition(":")[2]
+        return self.target.partition(":")[2].rpartition(".")[2]
 
 
 @dataclass
@@ -130,8 +129,7 @@ class Registry:
             return self._set(patch, "skipped", reason)
         try:
             owner = _resolve_owner(patch)
-            original = getattr(owner, patch.attribute) if not isinstance(owner, type) else \
-                owner.__dict__.get(patch.attribute, inspect.getattr_static(owner, patch.attribute))
+            original = inspect.getattr_static(owner, patch.attribute)  # as stored: a classmethod stays one
         except (ImportError, AttributeError) as exc:
             return self._set(patch, "skipped", f"{patch.target} not found in this vLLM ({exc!r})", logging.WARNING)
         key = (id(owner), patch.attribute)
