@@ -3,6 +3,8 @@
 # `make demo DEMO_ARGS="--runs spec,history,plain --dataset-size 8"`: EAGLE-3 and the history proposer.
 # `make demo PROPOSER=mtp`: the policy's own MTP layer (builds the real-mimo fixture first, ~15 min once).
 # Both set up what they need (venv, fixtures) themselves.
+# `make doctor`: every engine patch and what it does on this machine's vLLM; `make selftest`: the
+# product's promises (lossless greedy and T=1, weight updates, capture, status) checked on it.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 FIXTURES ?= $(CURDIR)/.fixtures
@@ -37,7 +39,8 @@ build_draft = if [ ! -f $(1)/trainer_meta.json ] || [ "$$(cat $(1)/make_args 2>/
 	echo "[draft] building $(1) (missing, or built with other arguments or recipe)"; \
 	rm -rf $(1) && $(TRAIN_DRAFT) --draft $(1) $(2) && echo "$(strip $(2)) recipe=$(DRAFT_RECIPE)" > $(1)/make_args; fi
 
-.PHONY: setup fixtures draft demo demo-plan demo-full demo-rollouts test test-all test-slow bench clean-fixtures
+.PHONY: setup fixtures draft demo demo-plan demo-full demo-rollouts test test-all test-slow bench doctor selftest \
+	clean-fixtures
 
 setup:
 	@bash scripts/setup_venv.sh
@@ -84,6 +87,12 @@ test-all: fixtures
 
 test-slow: fixtures
 	@$(PY) -m pytest tests -v -m slow --durations=30
+
+doctor: setup
+	@$(VENV)/bin/vllm-specrl doctor
+
+selftest: fixtures
+	@$(VENV)/bin/vllm-specrl selftest --model $(FIXTURES)/tiny/target
 
 bench: fixtures
 	@$(PY) scripts/bench_rollout.py --fixtures $(FIXTURES)

@@ -126,9 +126,9 @@ def _engine_offline(cfg: dict) -> list[dict] | None:
               additional_config={"specrl": {"adaptive_k": cfg["adaptive_config"]}} if cfg.get("adaptive_config") else {},
               **({"scheduler_cls": cfg["scheduler_cls"]} if cfg.get("scheduler_cls") else {}))
     if cfg.get("phases"):
-        from vllm_specrl import vllm_compat
+        from phase_timers import install_phase_timers
 
-        llm.collective_rpc(lambda worker: vllm_compat.install_phase_timers(worker.model_runner) and None)
+        llm.collective_rpc(lambda worker: install_phase_timers(worker.model_runner) and None)
         _time_scheduler(llm)
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
@@ -164,7 +164,7 @@ SCHEDULER_PHASES = ("schedule", "update_from_output")
 
 def _time_scheduler(llm) -> None:
     """Time the in-process engine core's scheduler calls (adaptive k runs inside them)."""
-    from vllm_specrl.vllm_compat import in_process_scheduler, timed_into
+    from phase_timers import in_process_scheduler, timed_into
 
     scheduler = in_process_scheduler(llm)
     totals = llm._bench_scheduler_seconds = dict.fromkeys(SCHEDULER_PHASES, 0.0)
@@ -173,13 +173,13 @@ def _time_scheduler(llm) -> None:
 
 
 def _phase_totals(llm) -> dict:
-    """Seconds so far in each phase of the model runner (``vllm_compat.install_phase_timers``) and the
+    """Seconds so far in each phase of the model runner (``phase_timers.install_phase_timers``) and the
     scheduler, and the drafter's deferred draft-KV counters where it has them."""
-    from vllm_specrl import vllm_compat
+    from vllm_specrl.proposer.deferred_kv import deferred_draft_kv_counters
 
     def read(worker):
         totals = dict(worker.model_runner._specrl_phase_totals)
-        totals.update({f"deferred_{k}": v for k, v in (vllm_compat.deferred_draft_kv_counters(worker) or {}).items()
+        totals.update({f"deferred_{k}": v for k, v in (deferred_draft_kv_counters(worker) or {}).items()
                        if k != "rows_held"})
         return totals
     return {**llm.collective_rpc(read)[0], **llm._bench_scheduler_seconds}
@@ -214,7 +214,7 @@ def _offline_cell(cfg: dict, llm, prompts: list[str], temperature: float, batch:
     stats = metrics.from_llm_metrics(llm.get_metrics()).minus(before).summary()
     cell = _cell(temperature, batch, len(jobs), tokens, wall, stats if spec else None)
     if phases_before is not None:
-        from vllm_specrl.vllm_compat import PHASES
+        from phase_timers import PHASES
 
         after = _phase_totals(llm)
         seconds = PHASES + SCHEDULER_PHASES

@@ -4,7 +4,7 @@ One in-process engine per configuration (plain; EAGLE-3 at k = 1..3, with the
 plugin's inverse-CDF sampling and with vLLM's exponential race,
 ``VLLM_SPECRL_FAST_SAMPLING=0``), each in its own subprocess. Every engine decodes
 ``batch`` seeded temperature-1 requests together (ignore_eos, fixed length), and
-phase timers (``vllm_compat.install_phase_timers``) split each engine step into:
+phase timers (``phase_timers.install_phase_timers``) split each engine step into:
 target forward, target logits, sampler (bonus / plain tokens), rejection sampler,
 and the drafter's share (its forward passes, its logits and sampling, the rest of
 ``propose``: metadata and input preparation). ``other`` is what is left of the step
@@ -36,13 +36,15 @@ def _engine(cfg: dict) -> list[dict]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
 
-    from vllm_specrl import metrics, vllm_compat
+    from phase_timers import install_phase_timers
+
+    from vllm_specrl import metrics
 
     llm = LLM(model=cfg["model"], dtype=cfg["dtype"], enforce_eager=not cfg.get("compiled"), seed=0,
               max_model_len=cfg["max_model_len"], max_num_seqs=max(cfg["batch_sizes"]),
               speculative_config=cfg["speculative_config"], disable_log_stats=False,
               **({"scheduler_cls": cfg["scheduler_cls"]} if cfg.get("scheduler_cls") else {}))
-    llm.collective_rpc(lambda worker: vllm_compat.install_phase_timers(worker.model_runner) and None)
+    llm.collective_rpc(lambda worker: install_phase_timers(worker.model_runner) and None)
 
     def totals() -> dict:
         return llm.collective_rpc(lambda worker: dict(worker.model_runner._specrl_phase_totals))[0]

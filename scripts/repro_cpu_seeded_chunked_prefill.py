@@ -4,7 +4,7 @@
 sampled token is discarded (partial prefill) with ``gen.set_offset(...)``; CPU
 ``torch.Generator`` has no offset, so the engine dies with
 ``RuntimeError: CPU Generator does not use offset``. vllm-specrl's plugin
-installs ``vllm_compat.install_cpu_seeded_rewind_fix``; run this with
+installs ``cpu_seeded_rewind.install_cpu_seeded_rewind_fix``; run this with
 ``VLLM_PLUGINS=`` (no plugins) to see the fault, exit code 1.
 
     VLLM_PLUGINS= VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 \\

@@ -9,7 +9,7 @@ the route's ``resume_generation``, sent just before, was left hanging; here the 
 killed directly while a slow RPC is pending, which shows the same deterministically.) In an API server that means a route awaiting a worker RPC (an in-place
 weight update, say) hangs for ever, and uvicorn, shutting down after the death, waits on that
 open connection. vllm-specrl races every such call against ``errored``
-(``vllm_specrl.vllm_compat.unless_engine_dies``). Suggested upstream fix: when the output socket
+(``vllm_specrl.engine_rpc.unless_engine_dies``). Suggested upstream fix: when the output socket
 task sees the engine die, set ``EngineDeadError`` on every future left in ``utility_results``.
 
     python scripts/repro_rpc_hangs_on_engine_death.py .fixtures/tiny/target

@@ -20,7 +20,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
 # Engines started by the tests fork their engine core and worker instead of spawning them (each
 # spawn re-imports vLLM, ~14 s here): a `vllm serve` is ready in ~20 s instead of ~47
-# (vllm_compat.install_cpu_start_method; tests/test_cpu_start_method.py runs both ways).
+# (cpu_start_method.install_cpu_start_method; tests/compat/test_cpu_start_method.py runs both ways).
 os.environ.setdefault("VLLM_SPECRL_CPU_START_METHOD", "fork")
 
 

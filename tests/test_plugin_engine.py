@@ -10,8 +10,9 @@ from helpers import result_json, run_python
 def test_unsupported_vllm_declines_and_engine_still_generates(tiny_model):
     out = run_python(f"""
         import json
-        from vllm_specrl import vllm_compat, plugin
-        vllm_compat.vllm_version = lambda: "0.31.0"   # fake an unsupported vLLM
+        from vllm_specrl import plugin
+        from vllm_specrl.compat import version as vllm_versions
+        vllm_versions.vllm_version = lambda: "0.31.0"   # fake an unsupported vLLM
         from vllm import LLM, SamplingParams
         llm = LLM(model={str(tiny_model)!r}, dtype="float32", enforce_eager=True, max_model_len=256)
         o = llm.generate(["def main("], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))

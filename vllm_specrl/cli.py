@@ -52,6 +52,30 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from vllm_specrl.doctor import diagnose, format_report
+
+    found = diagnose()
+    print(json.dumps(found, indent=2) if args.json else format_report(found))
+    return 0 if found["ok"] else 1
+
+
+def _cmd_selftest(args: argparse.Namespace) -> int:
+    from vllm_specrl.selftest.run import GROUPS, Settings, as_json, default_model, format_table, selftest
+
+    groups = tuple(g.strip() for g in args.only.split(",")) if args.only else GROUPS
+    unknown = set(groups) - set(GROUPS)
+    if unknown:
+        print(f"error: unknown check groups {sorted(unknown)}; choose from {', '.join(GROUPS)}", file=sys.stderr)
+        return 2
+    settings = Settings(model=args.model or default_model(), samples=args.samples, groups=groups)
+    checks = selftest(settings, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(format_table(checks))
+    if args.json:
+        args.json.write_text(json.dumps(as_json(checks, settings), indent=1) + "\n")
+    return 0 if all(c.passed for c in checks) else 1
+
+
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from vllm_specrl.adaptive.calibrate import calibrate
 
@@ -316,6 +340,21 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--steps", type=int, default=256,
                     help="most tokens per calibration request (each is dropped once its bucket is measured)")
     ca.set_defaults(func=_cmd_calibrate)
+
+    dr = sub.add_parser("doctor", help="list every engine patch and what it does on this machine's vLLM "
+                                       "(installed, skipped and why, failed), and check vLLM's internals it uses")
+    dr.add_argument("--json", action="store_true", help="the findings as JSON")
+    dr.set_defaults(func=_cmd_doctor)
+
+    se = sub.add_parser("selftest", help="check losslessness (greedy and T=1, EAGLE-3 and history against plain "
+                                         "vLLM), weight updates, capture and status on this machine's vLLM")
+    se.add_argument("--model", type=Path, default=None,
+                    help="an HF model directory (Llama/Qwen2/Qwen3 for the EAGLE-3 checks); default: the "
+                         "package's tiny fixture, built once into ~/.cache/vllm-specrl/fixtures")
+    se.add_argument("--samples", type=int, default=3000, help="samples per engine for the T=1 tests")
+    se.add_argument("--only", default=None, help="comma-separated groups: eagle3,history,updates,capture,status")
+    se.add_argument("--json", type=Path, default=None, help="also write the results here")
+    se.set_defaults(func=_cmd_selftest)
     return parser
 
 

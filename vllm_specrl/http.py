@@ -24,7 +24,10 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 
-from vllm_specrl import metrics, plugin, security, vllm_compat
+from vllm_specrl import metrics, plugin, security
+from vllm_specrl.compat import engine_config
+from vllm_specrl.compat import version as vllm_versions
+from vllm_specrl import engine_rpc
 from vllm_specrl._log import logger
 from vllm_specrl._version import __version__
 from vllm_specrl.adaptive import state as adaptive_state
@@ -196,8 +199,8 @@ async def gather_status(state: SpecRLHttpState) -> dict[str, Any]:
     engine = state.engine_client
     out: dict[str, Any] = {
         "vllm_specrl": __version__,
-        "vllm": vllm_compat.vllm_version(),
-        "supported_vllm": vllm_compat.SUPPORTED_RANGE,
+        "vllm": vllm_versions.vllm_version(),
+        "supported_vllm": vllm_versions.SUPPORTED_RANGE,
         "api_server": {"pid": os.getpid(), "plugin": plugin.state()},
         "speculative_config": None,
         "workers": None,
@@ -206,7 +209,7 @@ async def gather_status(state: SpecRLHttpState) -> dict[str, Any]:
     if engine is None:
         out["workers_error"] = "no engine (render-only server)"
         return out
-    out["speculative_config"] = vllm_compat.speculative_config_summary(engine.vllm_config)
+    out["speculative_config"] = engine_config.speculative_config_summary(engine.vllm_config)
     out["logprobs_mode"] = str(engine.vllm_config.model_config.logprobs_mode)
     out["versions"] = dict(state.versions)
     out["stale_draft"] = update_gauges(state)
@@ -219,7 +222,7 @@ async def gather_status(state: SpecRLHttpState) -> dict[str, Any]:
     out["adaptive_k"] = adaptive_state.read()  # None unless --scheduler-cls ...AdaptiveKScheduler
     try:
         out["workers"] = await asyncio.wait_for(
-            vllm_compat.collective_rpc_all_engines(engine, "specrl_status", WORKER_RPC_TIMEOUT_S),
+            engine_rpc.collective_rpc_all_engines(engine, "specrl_status", WORKER_RPC_TIMEOUT_S),
             WORKER_RPC_TIMEOUT_S + 5,
         )
         captures = [w["capture"] for w in out["workers"] if w.get("capture")]
@@ -254,11 +257,11 @@ def build_router() -> APIRouter:
         state = _specrl_state(request)
         body = await request.json() if await request.body() else {}
         if body.get("enabled", True):
-            results = await vllm_compat.collective_rpc_all_engines(
+            results = await engine_rpc.collective_rpc_all_engines(
                 state.engine_client, "specrl_capture_start", WORKER_RPC_TIMEOUT_S,
                 (body.get("address"), body.get("fraction")))
         else:
-            results = await vllm_compat.collective_rpc_all_engines(state.engine_client, "specrl_capture_stop",
+            results = await engine_rpc.collective_rpc_all_engines(state.engine_client, "specrl_capture_stop",
                                                                    WORKER_RPC_TIMEOUT_S)
         bad = [r for r in results if not r.get("ok")]
         return JSONResponse(bad[0] if bad else results[0], status_code=400 if bad else 200)
@@ -276,8 +279,8 @@ class SpecRLEndpointPlugin:
         app.include_router(build_router())
         app.include_router(build_sync_router(_specrl_state))
 
-        @app.exception_handler(vllm_compat.EngineDied)
-        async def engine_died(request: Request, exc: vllm_compat.EngineDied) -> JSONResponse:
+        @app.exception_handler(engine_rpc.EngineDied)
+        async def engine_died(request: Request, exc: engine_rpc.EngineDied) -> JSONResponse:
             return JSONResponse({"ok": False, "engine_dead": True, "problems": [],
                                  "error": f"{exc}; this engine serves nothing more and must be restarted"},
                                 status_code=503)
@@ -288,7 +291,7 @@ class SpecRLEndpointPlugin:
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         keys = [k for k in (getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY")]) if k]
-        specrl_cfg = vllm_compat.specrl_additional_config(engine_client.vllm_config)
+        specrl_cfg = engine_config.specrl_additional_config(engine_client.vllm_config)
         state.specrl = SpecRLHttpState(engine_client, keys, security.unauthenticated_remote_allowed(
             bool(specrl_cfg.get("allow_unauthenticated_remote", False))),
             update_idle_timeout_s=float(specrl_cfg.get("update_idle_timeout_s", 300.0)))
@@ -297,7 +300,7 @@ class SpecRLEndpointPlugin:
         capture = specrl_cfg.get("capture")
         if capture:
             try:
-                res = await vllm_compat.collective_rpc_all_engines(engine_client, "specrl_capture_start",
+                res = await engine_rpc.collective_rpc_all_engines(engine_client, "specrl_capture_start",
                                                                    WORKER_RPC_TIMEOUT_S)
                 logger.info("vllm-specrl capture to %s: %s", capture, res)
             except Exception as exc:  # noqa: BLE001 - serving goes on without capture

@@ -163,3 +163,59 @@ def test_the_report_lists_every_declared_patch(registry):
     registry.uninstall("p")
     with pytest.raises(ValueError, match="scope"):
         Patch(name="x", target="m:a", why="", scope="gpu", switch="S", checked_on=())
+
+
+def test_a_patch_on_one_object_wraps_its_bound_method_and_comes_off_it(registry):
+    runner, other = Runner(), Runner()
+    result = registry.install(patch("one", signature=("x", "y")),
+                              lambda inner: lambda x, y: f"one[{inner(x, y)}]", on=runner)
+    assert result == "installed"
+    assert runner.step(1, 2) == "one[step(1,2)]" and other.step(1, 2) == "step(1,2)"
+    registry.uninstall("one")
+    assert "step" not in vars(runner) and runner.step(1, 2) == "step(1,2)"
+
+
+def test_patches_on_one_object_compose_in_their_order_over_the_class_patches(registry):
+    runner = Runner()
+    registry.install(patch("cls"), tagging("cls"))
+    registry.install(patch("late", signature=("x", "y"), order=11),
+                     lambda inner: lambda x, y: f"late[{inner(x, y)}]", on=runner)
+    registry.install(patch("early", signature=("x", "y"), order=10),
+                     lambda inner: lambda x, y: f"early[{inner(x, y)}]", on=runner)
+    assert runner.step(1, 2) == "late[early[cls[step(1,2)]]]"
+    registry.uninstall("late")
+    registry.uninstall("early")
+    registry.uninstall("cls")
+    assert runner.step(1, 2) == "step(1,2)"
+
+
+def test_a_later_signature_the_patch_was_written_for_is_accepted(registry):
+    drifted = Patch(name="later", target=f"{MODULE.__name__}:Runner.step", why="test", scope="everywhere",
+                    switch="S", checked_on=(), signature=("self", "x"), also_checked=(("self", "x", "y"),))
+    assert registry.install(drifted, tagging("a")) == "installed"
+    registry.uninstall("later")
+
+
+def test_skips_and_failures_are_reported_with_their_reason(registry):
+    registry.skip(patch("absent"), "not needed (no fault here)")
+    registry.declare(patch("broken"))
+    registry.fail("broken", RuntimeError("boom"))
+    rows = {row["name"]: row for row in registry.report()}
+    assert rows["absent"]["state"] == "skipped" and rows["absent"]["detail"] == "not needed (no fault here)"
+    assert rows["broken"]["state"] == "failed" and "boom" in rows["broken"]["detail"]
+    registry.install(patch("p"), tagging("a"))
+    with pytest.raises(PatchError, match="installed"):
+        registry.skip(patch("p"), "too late")
+    registry.uninstall("p")
+
+
+def test_touch_points_list_each_patched_function_once_then_the_reads(registry):
+    from vllm_specrl.compat.registry import TouchPoint
+
+    registry.declare(patch("p"))
+    registry.declare(patch("q", order=1))  # the same function: one touch point
+    registry.reads(TouchPoint("x.py", "Thing", "attrs:a", "reading a"),
+                   TouchPoint(f"{MODULE.__name__}.py", "Runner.step", "function", "a read too"))
+    points = registry.touch_points()
+    assert [(p.name, p.kind) for p in points] == [("Runner.step", "function"), ("Thing", "attrs:a")]
+    assert points[0].used_for == "patch p"

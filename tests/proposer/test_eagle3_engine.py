@@ -123,14 +123,14 @@ def test_an_in_place_draft_update_reaches_the_mask_slots(tiny_model, parallel_dr
     out = run_python(f"""
         import json, torch
         from vllm import LLM, SamplingParams
-        from vllm_specrl import vllm_compat
+        from vllm_specrl.sync import reload
         llm = LLM(model={str(tiny_model)!r}, dtype="float32", enforce_eager=True, seed=0, max_model_len=256,
                   max_num_seqs=4, speculative_config={dict(eagle3(parallel_draft), parallel_drafting=True)!r})
         def state(worker):
             return worker.model_runner.drafter.parallel_drafting_hidden_state_tensor.tolist()
         before = llm.collective_rpc(state)[0]
         named = sorted(torch.load({str(update)!r}).items())
-        llm.collective_rpc(lambda worker: vllm_compat.apply_draft_weights(worker, named))
+        llm.collective_rpc(lambda worker: reload.apply_draft_weights(worker, named))
         after = llm.collective_rpc(state)[0]
         outs = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
         print("RESULT " + json.dumps({{"before": before, "after": after, "tokens": len(outs[0].outputs[0].token_ids)}}))

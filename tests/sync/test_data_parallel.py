@@ -4,7 +4,7 @@ lands in both, a commit that fails in one core rolls back the other, and both co
 senders stream to one trainer address.
 
 vLLM returns only the first core's answers to ``collective_rpc`` under data parallelism, so
-without ``vllm_compat.collective_rpc_all_engines`` the second core's refusals would go unseen
+without ``engine_rpc.collective_rpc_all_engines`` the second core's refusals would go unseen
 (the failure test below then sees a commit reported good while core 1 serves the old weights).
 As for tensor parallelism on this one-NUMA-node machine, each core's threads are bound by hand
 (``VLLM_CPU_OMP_THREADS_BIND="0|1"``). One server for the module (tiny target, float32, EAGLE-3

@@ -2,21 +2,141 @@
 
 vLLM picks the scheduler class by name; this one becomes vLLM's own scheduler
 (the asynchronous one when async scheduling is on, the default for EAGLE on GPUs;
-vLLM's CPU platform turns it off) with the adaptive-k controller attached
-(``vllm_compat.adaptive_k_scheduler_class``).
+vLLM's CPU platform turns it off) with the adaptive-k controller attached.
 Knobs: ``--additional-config '{"specrl": {"adaptive_k": {"explore": 0.03, ...}}}'``
 (``controller.AdaptiveKConfig``).
+
+vLLM 0.32's scheduler reads ``self.dynamic_sd_lookup[len(num_scheduled_tokens)]``
+(a dense batch-size -> k table, built from ``num_speculative_tokens_per_batch_size``)
+once per step to set ``SchedulerOutput.num_spec_tokens_to_schedule``: how many
+tokens the drafter proposes for the next step (0 allowed: EAGLE then runs only its
+KV-keeping first pass). With a table present, vLLM also stops padding decode
+requests to 1 + k. The subclass below owns that table and rewrites it before
+every ``schedule()`` from the adaptive-k controller, and feeds the controller in
+``update_from_output`` (scheduled drafts per request, accepted = sampled - 1,
+wall time between outputs; the sampled tokens are read before the stock method, which
+trims a stopped request's list in place: ``Scheduler._update_request_with_output``). Start-up calibration requests (``vllm_specrl.adaptive.calibrate``)
+are recognised by their request ids, which carry the ``X-Request-Id`` header the sweep sends
+(``cmpl-<header>-<i>``, then vLLM's ``-<random>`` suffix): while the scheduler's queues hold
+only those, the controller sweeps every k, and their drafts never reach its acceptance
+estimate. Checked on 0.32.0 (cpu), Scheduler and AsyncScheduler (``running``, ``waiting``).
+Behaviour relied on, with a parallel (P-EAGLE) drafter: steps at k = 0 between steps at the
+configured k serve, any other k > 0 fails (``scripts/repro_parallel_drafting_varying_k.py``;
+tests/proposer/test_eagle3_engine.py::test_adaptive_k_serves_a_parallel_draft_at_zero_or_its_k).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+from vllm_specrl.adaptive.step_timer import runner_seconds
+from vllm_specrl.compat.engine_config import process_role, specrl_additional_config
 
 
 class AdaptiveKScheduler:
     """Constructs vLLM's scheduler of the configured kind, with adaptive k."""
 
     def __new__(cls, vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
-        from vllm_specrl import vllm_compat
+        return adaptive_k_scheduler_class(vllm_config)(vllm_config, *args, **kwargs)
 
-        return vllm_compat.adaptive_k_scheduler_class(vllm_config)(vllm_config, *args, **kwargs)
+
+def adaptive_k_scheduler_class(vllm_config: Any) -> type:
+    """vLLM's scheduler class for this config (async or not), with adaptive k attached."""
+    import atexit
+    import itertools
+    import time
+
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_specrl.adaptive import state as adaptive_state
+    from vllm_specrl.adaptive.calibrate import only_calibration
+    from vllm_specrl.adaptive.controller import AdaptiveKConfig, AdaptiveKController
+
+    base = AsyncScheduler if vllm_config.scheduler_config.async_scheduling else Scheduler
+
+    class AdaptiveK(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            raw = specrl_additional_config(self.vllm_config).get("adaptive_k", True)
+            self._specrl_controller = None
+            if self.num_spec_tokens <= 0 or raw is False:
+                return
+            # vLLM's parallel drafter lays out its mask slots for the configured k: a step at any other
+            # k > 0 fails on 0.32.0 (a tensor size mismatch, also under vLLM's own
+            # num_speculative_tokens_per_batch_size), while k = 0 steps between k = K ones serve. So a
+            # parallel draft is served at 0 or K only (its drafter's one pass costs about the same at any k).
+            parallel = bool(getattr(self.vllm_config.speculative_config, "parallel_drafting", False))
+            choices = (0, self.num_spec_tokens) if parallel else None
+            max_batch = self.scheduler_config.max_num_seqs
+            self._specrl_controller = AdaptiveKController(self.num_spec_tokens, max_batch,
+                                                          AdaptiveKConfig.from_dict(raw), choices=choices)
+            self.dynamic_sd_lookup = [self.num_spec_tokens] * (max_batch + 1)
+            self._specrl_last_output = None
+            self._specrl_last_publish = 0.0
+            self._specrl_frontend_pid = os.getppid() if process_role() == "engine_core" else os.getpid()
+            atexit.register(adaptive_state.remove, self._specrl_frontend_pid)
+
+        def schedule(self, *args: Any, **kwargs: Any) -> Any:
+            ctl = self._specrl_controller
+            if ctl is not None:
+                queued = (r.request_id for r in itertools.chain(self.running, self.waiting))
+                self.dynamic_sd_lookup = ctl.lookup_for_step(calibrating=only_calibration(queued))
+            out = super().schedule(*args, **kwargs)
+            if ctl is not None and out.num_scheduled_tokens:
+                ctl.record_choice(len(out.num_scheduled_tokens), out.num_spec_tokens_to_schedule,
+                                  calibrating=only_calibration(out.num_scheduled_tokens))
+            return out
+
+        def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+            ctl = self._specrl_controller
+            # Read before vLLM's own update: a request that stops mid-verify (max_tokens, EOS, a stop
+            # token) has its list of sampled tokens trimmed in place there (``del new_token_ids[n:]``),
+            # which would count its accepted drafts past the stop as rejected.
+            verified = verified_drafts(scheduler_output, model_runner_output) if ctl is not None else []
+            result = super().update_from_output(scheduler_output, model_runner_output)
+            if ctl is None or not scheduler_output.num_scheduled_tokens:
+                return result
+            now = time.perf_counter()
+            spec = scheduler_output.scheduled_spec_decode_tokens
+            scheduled = scheduler_output.num_scheduled_tokens
+            k_verify = {len(spec.get(rid, ())) for rid in scheduled}
+            clean = (len(k_verify) == 1 and not scheduler_output.scheduled_new_reqs
+                     and all(n == 1 + len(spec.get(rid, ())) for rid, n in scheduled.items()))
+            calibrating = only_calibration(scheduled)
+            seconds = now - self._specrl_last_output if (clean and self._specrl_last_output) else None
+            ctl.observe_step(len(scheduled), k_verify.pop() if len(k_verify) == 1 else 0,
+                             scheduler_output.num_spec_tokens_to_schedule, seconds, verified,
+                             runner_seconds(model_runner_output), calibrating=calibrating)
+            # An idle engine makes no outputs: the next interval would count the idle time.
+            busy = bool(self.get_num_unfinished_requests())
+            self._specrl_last_output = now if busy else None
+            if now - self._specrl_last_publish > 0.5 or not busy:
+                self._specrl_last_publish = now
+                try:
+                    adaptive_state.publish(ctl.state(), self._specrl_frontend_pid)
+                except OSError:
+                    pass  # reporting must never break scheduling
+            return result
+
+    AdaptiveK.__name__ = AdaptiveK.__qualname__ = f"AdaptiveK{base.__name__}"
+    return AdaptiveK
+
+
+def verified_drafts(scheduler_output: Any, model_runner_output: Any) -> list[tuple[int, int]]:
+    """``(drafts, accepted)`` per request that verified drafts this step, as vLLM's ``spec_decode``
+    counters count them (accepted = tokens sampled - 1), calibration requests left out (synthetic
+    drafts: their acceptance says nothing about the workload's)."""
+    from vllm_specrl.adaptive.calibrate import is_calibration_request
+
+    verified = []
+    index = model_runner_output.req_id_to_index
+    sampled = model_runner_output.sampled_token_ids
+    for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+        row = index.get(rid)
+        if drafts and row is not None and row < len(sampled) and not is_calibration_request(rid):
+            emitted = len(sampled[row])
+            if emitted:
+                verified.append((len(drafts), min(emitted - 1, len(drafts))))
+    return verified

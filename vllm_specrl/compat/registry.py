@@ -15,6 +15,7 @@ import importlib
 import inspect
 import logging
 import os
+import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +39,9 @@ class Patch:
 
     ``target`` is ``"module:Class.attribute"`` or ``"module:attribute"``. ``signature``: the original's
     parameter names as checked (a drift skips the patch with the reason logged). ``order``: patches on
-    the same attribute wrap in ascending order, the lowest closest to vLLM's original."""
+    the same attribute wrap in ascending order, the lowest closest to vLLM's original. ``defined_in``:
+    where vLLM's source defines a target its class inherits (what the touch-point check reads).
+    ``also_checked``: further signatures the replacement was written for (read from a later vLLM)."""
 
     name: str
     target: str
@@ -49,6 +52,8 @@ class Patch:
     signature: tuple[str, ...] | None = None
     repro: str | None = None
     order: int = 0
+    defined_in: str | None = None  # "module:Class.attr" where vLLM defines an inherited target
+    also_checked: tuple[tuple[str, ...], ...] = ()  # other signatures the patch handles (a later vLLM's)
 
     def __post_init__(self) -> None:
         if self.scope not in SCOPES:
@@ -64,6 +69,34 @@ class Patch:
     @property
     def attribute(self) -> str:
         return self.target.partition(":")[2].rpartition(".")[2]
+
+    def touch_point(self) -> TouchPoint:
+        """What this patch relies on in vLLM's source: the patched function, with its parameters."""
+        module, _, dotted = (self.defined_in or self.target).partition(":")
+        return TouchPoint(module_file(module), dotted, "function", f"patch {self.name}")
+
+
+@dataclass(frozen=True)
+class TouchPoint:
+    """One vLLM internal the package reads without patching it, checked against vLLM's source by
+    ``scripts/check_vllm_touch_points.py``. ``file`` is under ``vllm/``; ``kind`` is ``function``
+    (its parameters), ``class`` (it exists), ``attrs:a,b`` (assigned on ``self`` or declared in the
+    class) or ``names:a,b`` (module-level names, ``name`` empty)."""
+
+    file: str
+    name: str
+    kind: str
+    used_for: str
+
+
+def module_file(module: str) -> str:
+    """``vllm.v1.worker.gpu_model_runner`` -> ``v1/worker/gpu_model_runner.py`` (a package: its ``__init__``)."""
+    parts = module.split(".")
+    parts = parts[1:] if parts[0] == "vllm" and len(parts) > 1 else parts
+    return "/".join(parts) + ".py" if parts[-1] not in _PACKAGES else "/".join(parts) + "/__init__.py"
+
+
+_PACKAGES = {"plugins"}  # vLLM packages whose __init__ holds a touched name
 
 
 @dataclass
@@ -94,6 +127,22 @@ class Registry:
         self._states: dict[str, dict[str, str]] = {}
         self._slots: dict[tuple[int, str], _Slot] = {}
         self._where: dict[str, tuple[int, str]] = {}
+        self._reads: list[TouchPoint] = []
+
+    def reads(self, *points: TouchPoint) -> None:
+        """Declare vLLM internals the package reads (listed and checked with the patches' targets)."""
+        self._reads.extend(p for p in points if p not in self._reads)
+
+    def touch_points(self) -> list[TouchPoint]:
+        """Every vLLM internal the package relies on: each patch's target, then every declared read."""
+        points = [p.touch_point() for p in sorted(self._declared.values(), key=lambda p: p.name)]
+        unique: dict[tuple[str, str, str], TouchPoint] = {}
+        for point in points + self._reads:
+            unique.setdefault((point.file, point.name, point.kind), point)
+        return list(unique.values())
+
+    def patches(self) -> list[Patch]:
+        return list(self._declared.values())
 
     def declare(self, patch: Patch) -> Patch:
         """Make a patch known (listed even if never installed); a second declaration of the name must
@@ -117,10 +166,13 @@ class Registry:
             return None
         return f"not installed off the CPU platform: {CPU_ONLY_NOTE} ({patch.switch}=1 switches it on)"
 
-    def install(self, patch: Patch, wrap: Callable[[Any], Any]) -> str:
+    def install(self, patch: Patch, wrap: Callable[[Any], Any], on: Any = None) -> str:
         """Install ``wrap(inner)`` over ``patch.target`` if it applies here; returns the state it ends in
         (``installed``, or ``skipped: <why>``). Raises ``PatchError`` for a second install of the name or
-        an attribute changed behind the registry's back; a missing target or a signature drift is a skip."""
+        an attribute changed behind the registry's back; a missing target or a signature drift is a skip.
+
+        ``on``: one object (a model runner) to patch instead of the target's class or module; the
+        original is then that object's bound attribute, and uninstalling removes the override."""
         self.declare(patch)
         if self._states[patch.name]["state"] == "installed":
             raise PatchError(f"patch {patch.name} is already installed on {patch.target}")
@@ -128,8 +180,8 @@ class Registry:
         if reason:
             return self._set(patch, "skipped", reason)
         try:
-            owner = _resolve_owner(patch)
-            original = inspect.getattr_static(owner, patch.attribute)  # as stored: a classmethod stays one
+            owner = _resolve_owner(patch) if on is None else on
+            original = _original(owner, patch.attribute)
         except (ImportError, AttributeError) as exc:
             return self._set(patch, "skipped", f"{patch.target} not found in this vLLM ({exc!r})", logging.WARNING)
         key = (id(owner), patch.attribute)
@@ -137,11 +189,11 @@ class Registry:
         if slot is not None and _current(owner, patch.attribute) is not slot.current:
             raise PatchError(f"{patch.target} was changed outside the registry since it patched it")
         if slot is None:
-            inherited = isinstance(owner, type) and patch.attribute not in owner.__dict__
+            inherited = not isinstance(owner, types.ModuleType) and patch.attribute not in vars(owner)
             slot = _Slot(owner, patch.attribute, original, inherited)
         if patch.signature is not None:
             found = _parameters(slot.original)
-            if found != patch.signature:
+            if found not in (patch.signature, *patch.also_checked):
                 return self._set(patch, "skipped", f"signature drift: {patch.target} takes {list(found)}, "
                                  f"checked with {list(patch.signature)}", logging.WARNING)
         slot.hooks.append((patch, wrap))
@@ -150,6 +202,19 @@ class Registry:
         self._where[patch.name] = key
         self._rebuild(slot)
         return self._set(patch, "installed", "")
+
+    def skip(self, patch: Patch, reason: str) -> str:
+        """Record that an installer left ``patch`` out here (the fault it fixes is absent, the feature is
+        off); ``report()`` lists the reason."""
+        self.declare(patch)
+        if self.is_installed(patch.name):
+            raise PatchError(f"patch {patch.name} is installed: uninstall it rather than skip it")
+        return self._set(patch, "skipped", reason)
+
+    def fail(self, name: str, error: BaseException) -> None:
+        """Record that installing a declared patch raised (the installer's caller keeps vLLM running)."""
+        if not self.is_installed(name):
+            self._states[name] = {"state": "failed", "detail": repr(error)}
 
     def uninstall(self, name: str) -> None:
         """Remove one patch; the attribute returns to vLLM's own object once no patch is left on it."""
@@ -202,7 +267,15 @@ class Registry:
 
 
 def _current(owner: Any, attribute: str) -> Any:
-    return owner.__dict__.get(attribute) if isinstance(owner, type) else getattr(owner, attribute, None)
+    return vars(owner).get(attribute)
+
+
+def _original(owner: Any, attribute: str) -> Any:
+    """The attribute as a class or module stores it (a classmethod stays one); an instance's as it
+    resolves (a bound method, or its own attribute)."""
+    if isinstance(owner, (type, types.ModuleType)):
+        return inspect.getattr_static(owner, attribute)
+    return getattr(owner, attribute)
 
 
 def _resolve_owner(patch: Patch) -> Any:

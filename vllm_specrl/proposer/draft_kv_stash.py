@@ -14,7 +14,7 @@ Only one-token decode rows are held (a prompt's draft KV may be shared through t
 prefix cache with a request that outlives the one that wrote it, so prefills are
 never deferred); memory is bounded by ``max_rows`` (when full, the caller first forgets
 the rows of requests that left the batch, then replays). Pure torch and Python: the
-vLLM side is ``vllm_compat``.
+vLLM side is ``proposer.deferred_kv``.
 """
 
 from __future__ import annotations

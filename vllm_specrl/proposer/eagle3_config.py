@@ -198,3 +198,16 @@ def check_fits_target(draft_cfg: dict[str, Any], target_hidden_size: int, target
         problems.append(f"aux hidden state layers {list(shape.aux_layer_ids)} repeat a layer")
     if problems:
         raise DraftConfigError("EAGLE-3 draft does not fit the target model: " + "; ".join(problems))
+
+
+EAGLE3_CLASS_PATH = "vllm_specrl.proposer.eagle3_vllm:SpecRLEagle3LlamaForCausalLM"
+
+
+def register_eagle3_architecture() -> str:
+    """Register the draft architecture with vLLM's ``ModelRegistry`` (a public API; lazy by path, so
+    nothing of the model is imported here)."""
+    from vllm import ModelRegistry
+
+    if SPECRL_ARCH not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model(SPECRL_ARCH, EAGLE3_CLASS_PATH)
+    return SPECRL_ARCH

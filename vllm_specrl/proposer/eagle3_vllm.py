@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 
-from vllm_specrl import vllm_compat
+from vllm_specrl.compat import engine_config
 from vllm_specrl.proposer.eagle3_config import check_fits_target
 
 
 class SpecRLEagle3LlamaForCausalLM(Eagle3LlamaForCausalLM):
     def __init__(self, *, vllm_config, prefix: str = ""):
-        draft_cfg, target = vllm_compat.draft_and_target_configs(vllm_config)
+        draft_cfg, target = engine_config.draft_and_target_configs(vllm_config)
         check_fits_target(draft_cfg, target["hidden_size"], target["vocab_size"], target["num_layers"])
         super().__init__(vllm_config=vllm_config, prefix=prefix)

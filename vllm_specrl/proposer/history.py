@@ -12,14 +12,14 @@ token is drafted only if its estimated chance of acceptance beats what a row cos
 batch size, from a fit of the engine's own step times (``step_cost``); otherwise the fixed
 ``min_confidence``. For requests sampled at T > 0 each draft token is sampled from the
 continuations' shares, and those shares go to vLLM's rejection sampler as the draft
-distribution (``take_last_draft_probs``, handed over by ``vllm_compat``'s binding):
+distribution (``take_last_draft_probs``, handed over by ``proposer.custom_binding``):
 it accepts with ``min(1, p / q)`` and resamples the rest from ``max(p - q, 0)``, so
 the output distribution is the target's. Greedy requests get the heaviest tokens
 (token-id drafts).
 
 vLLM hands a ``custom_class`` proposer the batch's token rows; the request ids, prompt
 lengths and the step's k (adaptive k) come from the runner through
-``vllm_compat.install_custom_proposer_binding`` (installed by the plugin). A policy
+``custom_binding.install_custom_proposer_binding`` (installed by the plugin). A policy
 update (the sync path's commit) ages the history (``on_policy_version``).
 """
 
@@ -49,12 +49,12 @@ class HistoryProposer:
     """A ``custom_class`` proposer: suffix matches over the request's prompt group."""
 
     def __init__(self, vllm_config: Any):
-        from vllm_specrl import vllm_compat
+        from vllm_specrl.compat import engine_config
 
         spec = vllm_config.speculative_config
         self.k = int(spec.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
-        raw = vllm_compat.specrl_additional_config(vllm_config).get("history")
+        raw = engine_config.specrl_additional_config(vllm_config).get("history")
         self.index = HistoryIndex(HistoryConfig.from_dict(raw))
         self.live: dict[str, _Live] = {}
         self.input_batch: Any = None
@@ -144,7 +144,7 @@ class HistoryProposer:
 
     def take_last_draft_probs(self) -> Any:
         """The last ``propose``'s draft distributions (None: token-id drafts only), handed to vLLM's
-        rejection sampler by ``vllm_compat.install_custom_proposer_binding``."""
+        rejection sampler by ``custom_binding.install_custom_proposer_binding``."""
         probs, self.last_draft_probs = self.last_draft_probs, None
         return probs
 

@@ -26,7 +26,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from vllm_specrl import vllm_compat
+from vllm_specrl import engine_rpc
 from vllm_specrl._log import logger
 from vllm_specrl.security import confined_file
 from vllm_specrl.sync.shm import SHM_DIR
@@ -44,7 +44,7 @@ def refused(error: str, problems: list[str] | None = None, status: int = 400) ->
 async def rpc(engine: Any, method: str, *args: Any) -> list:
     """Every rank's answer (of every data-parallel engine core); ``EngineDied`` if an engine core
     dies meanwhile (never a hang)."""
-    return await vllm_compat.collective_rpc_all_engines(engine, method, RPC_TIMEOUT_S, args)
+    return await engine_rpc.collective_rpc_all_engines(engine, method, RPC_TIMEOUT_S, args)
 
 
 async def rpc_all(engine: Any, method: str, *args: Any) -> dict:
@@ -82,7 +82,7 @@ async def commit_paused(engine: Any, state: Any, update_id: str, mode: str) -> d
         return prepared
     t0 = time.perf_counter()
     if mode != "none":
-        await vllm_compat.unless_engine_dies(engine, engine.pause_generation(mode=mode, clear_cache=False), "pause")
+        await engine_rpc.unless_engine_dies(engine, engine.pause_generation(mode=mode, clear_cache=False), "pause")
     t_paused = time.perf_counter()
     try:
         res = await commit_on_every_rank(engine, update_id)
@@ -92,7 +92,7 @@ async def commit_paused(engine: Any, state: Any, update_id: str, mode: str) -> d
             await state.commit_failed(res)
     finally:
         if mode != "none" and not getattr(engine, "errored", False):
-            await vllm_compat.unless_engine_dies(engine, engine.resume_generation(), "resume")
+            await engine_rpc.unless_engine_dies(engine, engine.resume_generation(), "resume")
     if res.get("ok"):
         res["pause_window_s"] = round(time.perf_counter() - t0, 4)
         res["drain_s"] = round(t_paused - t0, 4)
@@ -217,10 +217,10 @@ def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
         async with state.commit_lock:
             try:
                 res = await commit_paused(engine, state, update_id, mode)
-            except vllm_compat.EngineDied as exc:  # nothing can serve or be restored here: say so at once
+            except engine_rpc.EngineDied as exc:  # nothing can serve or be restored here: say so at once
                 state.uploads.pop(update_id, None)
                 logger.error("vllm-specrl: %s; update %s outcome unknown", exc, update_id)
-                raise vllm_compat.EngineDied(  # answered 503 by the app's handler (http.py)
+                raise engine_rpc.EngineDied(  # answered 503 by the app's handler (http.py)
                     f"{exc}: update {update_id} may be partly applied; restart from the served checkpoint "
                     "plus the last committed update") from exc
         state.uploads.pop(update_id, None)
@@ -239,13 +239,13 @@ def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
         if mode not in PAUSE_MODES[:3]:
             return refused(f"mode must be one of {PAUSE_MODES[:3]}; got {mode!r}")
         engine = state.engine_client
-        await vllm_compat.unless_engine_dies(engine, engine.pause_generation(mode=mode, clear_cache=False), "pause")
+        await engine_rpc.unless_engine_dies(engine, engine.pause_generation(mode=mode, clear_cache=False), "pause")
         return JSONResponse({"ok": True, "paused": True, "mode": mode})
 
     @router.post("/resume")
     async def resume(request: Request) -> JSONResponse:
         state = get_state(request)
-        await vllm_compat.unless_engine_dies(state.engine_client, state.engine_client.resume_generation(), "resume")
+        await engine_rpc.unless_engine_dies(state.engine_client, state.engine_client.resume_generation(), "resume")
         return JSONResponse({"ok": True, "paused": False})
 
     return router

@@ -22,7 +22,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from vllm_specrl import vllm_compat
+from vllm_specrl.sync import reload
 from vllm_specrl.security import confined_file
 from vllm_specrl.sync.shm import SHM_DIR
 from vllm_specrl.sync.validate import WeightUpdateError, checkpoint_specs, tensor_problems
@@ -76,7 +76,7 @@ class SpecRLShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateI
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
-        vllm_compat.refresh_tied_lm_head(self.model)
+        reload.refresh_tied_lm_head(self.model)
 
     def shutdown(self) -> None:
         self._specs = {}

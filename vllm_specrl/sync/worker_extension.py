@@ -24,7 +24,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_specrl import faults, plugin, vllm_compat
+from vllm_specrl import faults, plugin
+from vllm_specrl.capture import runner_hooks
+from vllm_specrl.compat import engine_config
+from vllm_specrl.proposer import deferred_kv
+from vllm_specrl.sync import reload
 from vllm_specrl._version import __version__
 from vllm_specrl.sync.staging import UpdateBusy, UpdateStager
 from vllm_specrl.sync.validate import WeightUpdateError, checkpoint_specs
@@ -61,11 +65,11 @@ class SpecRLWorkerExtension:
                                         "the policy's own MTP layers (\"method\": \"mtp\")")
             if "policy-body" not in cache:
                 cache["policy-body"] = {name: spec for name, spec in self._specrl_specs("policy").items()
-                                        if not vllm_compat.is_mtp_tensor(self, name)}
+                                        if not engine_config.is_mtp_tensor(self, name)}
             return cache["policy-body"]
         if target not in cache:
-            directory = (vllm_compat.policy_checkpoint_dir(self) if target == "policy"
-                         else vllm_compat.draft_checkpoint_dir(self))
+            directory = (engine_config.policy_checkpoint_dir(self) if target == "policy"
+                         else engine_config.draft_checkpoint_dir(self))
             if directory is None:
                 raise WeightUpdateError("this engine serves no draft model to update "
                                         "(start it with an eagle3 or mtp --speculative-config)")
@@ -73,17 +77,17 @@ class SpecRLWorkerExtension:
             if target == "draft" and self._specrl_drafts_with_mtp():
                 # The policy's own MTP layers: a draft update carries exactly those (an online
                 # trainer's); a policy update carries them with the body.
-                specs = {name: spec for name, spec in specs.items() if vllm_compat.is_mtp_tensor(self, name)}
+                specs = {name: spec for name, spec in specs.items() if engine_config.is_mtp_tensor(self, name)}
             elif target == "policy" and not self._specrl_drafts_with_mtp():
                 # A checkpoint's MTP layers that this engine does not draft with (plain serving of a
                 # MiMo checkpoint): the loader drops them, so an update may send them or not.
-                specs = {name: dataclasses.replace(spec, optional=vllm_compat.is_mtp_tensor(self, name))
+                specs = {name: dataclasses.replace(spec, optional=engine_config.is_mtp_tensor(self, name))
                          for name, spec in specs.items()}
             cache[target] = specs
         return cache[target]
 
     def _specrl_drafts_with_mtp(self) -> bool:
-        return vllm_compat.policy_mtp_drafter(self) is not None
+        return engine_config.policy_mtp_drafter(self) is not None
 
     def specrl_status(self) -> dict[str, Any]:
         """What the plugin and the model look like from inside this worker process."""
@@ -91,19 +95,19 @@ class SpecRLWorkerExtension:
             "pid": os.getpid(),
             "process": multiprocessing.current_process().name,
             "rank": getattr(self, "rank", None),
-            "data_parallel_rank": vllm_compat.data_parallel_rank(self),
+            "data_parallel_rank": engine_config.data_parallel_rank(self),
             "vllm_specrl": __version__,
             "plugin": plugin.state(),
             "sync": self.specrl_sync_state(),
             "capture": self.specrl_capture_state(),
             "proposer": self.specrl_proposer_state(),
-            "deferred_draft_kv": vllm_compat.deferred_draft_kv_counters(self),
-            **vllm_compat.worker_model_summary(self),
+            "deferred_draft_kv": deferred_kv.deferred_draft_kv_counters(self),
+            **engine_config.worker_model_summary(self),
         }
 
     def specrl_proposer_state(self) -> dict[str, Any] | None:
         """What a vllm-specrl proposer reports about itself (the history proposer's index), if one serves."""
-        report = getattr(vllm_compat.runner_drafter(self), "specrl_status", None)
+        report = getattr(engine_config.runner_drafter(self), "specrl_status", None)
         return report() if callable(report) else None
 
     def specrl_sync_state(self) -> dict[str, Any]:
@@ -168,22 +172,22 @@ class SpecRLWorkerExtension:
 
     def _specrl_apply(self, target: str, named: Any) -> None:
         if target == "policy":
-            vllm_compat.apply_policy_weights(self, named)
+            reload.apply_policy_weights(self, named)
         else:
-            vllm_compat.apply_draft_weights(self, named)
+            reload.apply_draft_weights(self, named)
 
     def _specrl_restore(self, target: str, tensors: dict | None) -> str | None:
         """Re-apply a known good set (``None``: the served checkpoint's files); the error, if any."""
         try:
-            vllm_compat.end_interrupted_reload(self, target)
+            reload.end_interrupted_reload(self, target)
             if tensors is None:
                 from safetensors.torch import load_file
 
-                directory = Path(vllm_compat.policy_checkpoint_dir(self) if target == "policy"
-                                 else vllm_compat.draft_checkpoint_dir(self))
+                directory = Path(engine_config.policy_checkpoint_dir(self) if target == "policy"
+                                 else engine_config.draft_checkpoint_dir(self))
                 tensors = {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()
                            if target == "policy" or not self._specrl_drafts_with_mtp()
-                           or vllm_compat.is_mtp_tensor(self, k)}
+                           or engine_config.is_mtp_tensor(self, k)}
             self._specrl_apply(target, sorted(tensors.items()))
             return None
         except Exception as exc:  # noqa: BLE001 - reported; the engine must say it is inconsistent
@@ -202,7 +206,7 @@ class SpecRLWorkerExtension:
         try:
             self._specrl_apply(session.target, faults.with_apply_fault(
                 named, session.target, session.version, getattr(self, "rank", None),
-                vllm_compat.data_parallel_rank(self)))
+                engine_config.data_parallel_rank(self)))
         except Exception as exc:  # noqa: BLE001 - whatever vLLM's loader raised, the old weights return
             target, serving = session.target, stager.versions[session.target]
             restore_error = self._specrl_restore(target, stager.last_good[target])
@@ -223,7 +227,7 @@ class SpecRLWorkerExtension:
     def _specrl_tell_proposer(self) -> None:
         """A proposer that keeps rollouts (history) learns the serving policy version, so older
         rollouts age (after a commit, and again after a rollback)."""
-        on_policy = getattr(vllm_compat.runner_drafter(self), "on_policy_version", None)
+        on_policy = getattr(engine_config.runner_drafter(self), "on_policy_version", None)
         if callable(on_policy):
             on_policy(self._specrl_stager().versions["policy"])
 
@@ -250,7 +254,7 @@ class SpecRLWorkerExtension:
         from vllm_specrl.capture.sender import DEFAULT_QUEUE_FRAMES, CaptureSender, resolve_sender_cpus
         from vllm_specrl.capture.tap import CaptureTap
 
-        cfg = vllm_compat.specrl_additional_config(self.vllm_config)
+        cfg = engine_config.specrl_additional_config(self.vllm_config)
         address = address or cfg.get("capture")
         if not address:
             return {"ok": False, "error": "no capture address (pass one, or set "
@@ -276,7 +280,7 @@ class SpecRLWorkerExtension:
             return {"ok": False, "error": f"capture_dtype must be 'bfloat16' or 'float32', not {dtype!r}"}
         tap = CaptureTap(sender, fraction, lambda: stager.versions["policy"], dtype=getattr(torch, dtype),
                          topk=int(cfg.get("capture_topk", DEFAULT_CAPTURE_TOPK)))
-        how = vllm_compat.install_capture_tap(self.model_runner, tap)
+        how = runner_hooks.install_capture_tap(self.model_runner, tap)
         self._specrl_capture = tap
         return {"ok": True, "tap": how, "address": address, "fraction": fraction}
 
@@ -284,7 +288,7 @@ class SpecRLWorkerExtension:
         tap = getattr(self, "_specrl_capture", None)
         if tap is None:
             return {"ok": True, "stopped": False}
-        vllm_compat.remove_capture_tap(self.model_runner)
+        runner_hooks.remove_capture_tap(self.model_runner)
         tap.sender.close()
         self._specrl_capture = None
         return {"ok": True, "stopped": True, "final": tap.sender.state()}
@@ -309,7 +313,7 @@ class SpecRLWorkerExtension:
             room = limit - len(records)
             records.extend(batch[:max(room, 0)])
 
-        state = vllm_compat.install_draft_recorder(self.model_runner, on_draft if enabled else None)
+        state = runner_hooks.install_draft_recorder(self.model_runner, on_draft if enabled else None)
         return {"ok": True, "recorder": state}
 
     def specrl_recorded_drafts(self) -> list[dict]:

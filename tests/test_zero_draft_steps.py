@@ -1,5 +1,5 @@
-"""Steps without drafts take the plain sampler (``vllm_compat.install_zero_draft_plain_sampler``)
-and are followed by no draft fetch (``vllm_compat.install_skip_empty_draft_fetch``).
+"""Steps without drafts take the plain sampler (``cpu_patches.install_zero_draft_plain_sampler``)
+and are followed by no draft fetch (``skip_draft_fetch.install_skip_empty_draft_fetch``).
 
 An EAGLE-3 engine held at k = 0 by vLLM's own batch-size table drafts nothing, so with
 the plugin every decode step skips the rejection sampler. Its seeded temperature-1
@@ -17,7 +17,8 @@ import pytest
 
 from helpers import result_json, run_python
 from prompts import code_prompts
-from vllm_specrl.vllm_compat import SKIP_EMPTY_DRAFT_FETCH_ENV, ZERO_DRAFT_ENV
+from vllm_specrl.adaptive.skip_draft_fetch import SKIP_EMPTY_DRAFT_FETCH_ENV
+from vllm_specrl.sampling.cpu_patches import ZERO_DRAFT_ENV
 
 PROMPTS = code_prompts(8)
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from vllm_specrl import vllm_compat
+from vllm_specrl.compat import cpu_expand_kernel
+from vllm_specrl.compat import version as vllm_versions
 
 CASES = [
     # values, cu_num_tokens, replace_from, replace_to, expected
@@ -17,14 +18,14 @@ CASES = [
 @pytest.mark.parametrize("values,cu,rfrom,rto,expected", CASES)
 def test_fixed_kernel_matches_the_triton_semantics(values, cu, rfrom, rto, expected):
     out = torch.full((len(expected),), -99, dtype=values.dtype)
-    vllm_compat.expand_kernel_fixed(out, values, torch.tensor(cu, dtype=torch.int32), rfrom, rto)
+    cpu_expand_kernel.expand_kernel_fixed(out, values, torch.tensor(cu, dtype=torch.int32), rfrom, rto)
     assert out.tolist() == pytest.approx(expected)
 
 
 def test_stock_cpu_kernel_is_faulty_on_0_32():
-    if not vllm_compat.vllm_version().startswith("0.32"):
+    if not vllm_versions.vllm_version().startswith("0.32"):
         pytest.skip("fault documented for 0.32")
-    assert vllm_compat.stock_expand_is_faulty() is True
+    assert cpu_expand_kernel.stock_expand_is_faulty() is True
 
 
 @pytest.mark.parametrize("values,cu,rfrom,rto,expected", CASES)
@@ -34,7 +35,7 @@ def test_rejection_sampler_expand_path_after_fix(values, cu, rfrom, rto, expecte
     from vllm.v1.sample import rejection_sampler
 
     current_platform.register_triton_kernel_overrides()  # what every CPU worker does
-    assert vllm_compat.install_cpu_expand_fix() == "installed"
+    assert cpu_expand_kernel.install_cpu_expand_fix() == "installed"
     got = rejection_sampler.expand_batch_to_tokens(values, torch.tensor(cu, dtype=torch.int32),
                                                    len(expected), replace_from=rfrom,
                                                    replace_to=rto)

@@ -1,6 +1,8 @@
 import pytest
 
-from vllm_specrl import vllm_compat
+from vllm_specrl.compat import engine_config
+from vllm_specrl.compat import version as vllm_versions
+from vllm_specrl import engine_rpc
 
 
 @pytest.mark.parametrize("version,ok", [
@@ -8,17 +10,17 @@ from vllm_specrl import vllm_compat
     ("0.31.9", False), ("0.34.0", False), ("1.32.0", False), ("dev", False),
 ])
 def test_supported_range(version, ok):
-    assert vllm_compat.is_supported(version) is ok
+    assert vllm_versions.is_supported(version) is ok
 
 
 def test_check_supported_names_the_range():
-    with pytest.raises(vllm_compat.UnsupportedVLLMVersion, match=r">=0.32,<0.34.*found 0.31.0"):
-        vllm_compat.check_supported("0.31.0")
-    assert vllm_compat.check_supported("0.32.0") == "0.32.0"
+    with pytest.raises(vllm_versions.UnsupportedVLLMVersion, match=r">=0.32,<0.34.*found 0.31.0"):
+        vllm_versions.check_supported("0.31.0")
+    assert vllm_versions.check_supported("0.32.0") == "0.32.0"
 
 
 def test_installed_vllm_is_supported():
-    assert vllm_compat.is_supported(vllm_compat.vllm_version())
+    assert vllm_versions.is_supported(vllm_versions.vllm_version())
 
 
 class _Spec:
@@ -34,9 +36,9 @@ class _Cfg:
 
 
 def test_speculative_config_summary():
-    summary = vllm_compat.speculative_config_summary(_Cfg())
+    summary = engine_config.speculative_config_summary(_Cfg())
     assert summary["method"] == "eagle3" and summary["num_speculative_tokens"] == 3
-    assert vllm_compat.speculative_config_summary(object()) is None
+    assert engine_config.speculative_config_summary(object()) is None
 
 
 class _Engine:
@@ -50,15 +52,15 @@ def test_a_call_pending_when_the_engine_dies_fails_instead_of_hanging():
 
     async def scenario():
         engine = _Engine()
-        assert await vllm_compat.unless_engine_dies(engine, asyncio.sleep(0.01, result=7), "ok") == 7
+        assert await engine_rpc.unless_engine_dies(engine, asyncio.sleep(0.01, result=7), "ok") == 7
         parked = asyncio.get_running_loop().create_future()  # what vLLM leaves in utility_results
         asyncio.get_running_loop().call_later(0.3, setattr, engine, "errored", True)
         t0 = asyncio.get_running_loop().time()
-        with pytest.raises(vllm_compat.EngineDied, match="during specrl_commit_update"):
-            await vllm_compat.unless_engine_dies(engine, parked, "specrl_commit_update")
+        with pytest.raises(engine_rpc.EngineDied, match="during specrl_commit_update"):
+            await engine_rpc.unless_engine_dies(engine, parked, "specrl_commit_update")
         return asyncio.get_running_loop().time() - t0
 
-    assert asyncio.run(asyncio.wait_for(scenario(), 10)) < 0.3 + 2 * vllm_compat.ENGINE_POLL_S
+    assert asyncio.run(asyncio.wait_for(scenario(), 10)) < 0.3 + 2 * engine_rpc.ENGINE_POLL_S
 
 
 def test_a_call_failed_by_a_dying_engine_reports_the_death(monkeypatch):
@@ -67,7 +69,7 @@ def test_a_call_failed_by_a_dying_engine_reports_the_death(monkeypatch):
     ``EngineDied``; a call that fails while the engine stays alive keeps its own error."""
     import asyncio
 
-    monkeypatch.setattr(vllm_compat, "DEATH_GRACE_S", 1.0)
+    monkeypatch.setattr(engine_rpc, "DEATH_GRACE_S", 1.0)
 
     async def failing():
         raise RuntimeError("Call to collective_rpc method failed: cancelled")
@@ -76,9 +78,9 @@ def test_a_call_failed_by_a_dying_engine_reports_the_death(monkeypatch):
         engine = _Engine()
         if dies:
             asyncio.get_running_loop().call_later(0.3, setattr, engine, "errored", True)
-        await vllm_compat.unless_engine_dies(engine, failing(), "specrl_commit_update")
+        await engine_rpc.unless_engine_dies(engine, failing(), "specrl_commit_update")
 
-    with pytest.raises(vllm_compat.EngineDied, match="during specrl_commit_update"):
+    with pytest.raises(engine_rpc.EngineDied, match="during specrl_commit_update"):
         asyncio.run(asyncio.wait_for(scenario(dies=True), 10))
     with pytest.raises(RuntimeError, match="cancelled"):
         asyncio.run(asyncio.wait_for(scenario(dies=False), 10))
@@ -104,7 +106,7 @@ class _AsyncLLM:
 def test_worker_calls_are_answered_by_every_data_parallel_core():
     import asyncio
 
-    every = asyncio.run(vllm_compat.collective_rpc_all_engines(_AsyncLLM(_DataParallelCore()), "m", 1.0))
+    every = asyncio.run(engine_rpc.collective_rpc_all_engines(_AsyncLLM(_DataParallelCore()), "m", 1.0))
     assert every == [{"core": 0, "rpc": "m"}, {"core": 1, "rpc": "m"}]
-    single = asyncio.run(vllm_compat.collective_rpc_all_engines(_AsyncLLM(object()), "m", 1.0))
+    single = asyncio.run(engine_rpc.collective_rpc_all_engines(_AsyncLLM(object()), "m", 1.0))
     assert single == [{"core": 0, "rpc": "m"}]

@@ -11,7 +11,7 @@ float64: a single float32 cumsum over 49k entries would perturb each token's
 probability by up to an ulp of the running total (about 3e-8 absolute, a
 total-variation error near 1e-3 summed over the vocabulary).
 
-Nothing here imports vLLM; ``vllm_compat`` binds these functions in place of
+Nothing here imports vLLM; ``cpu_patches`` binds these functions in place of
 vLLM's where (version, platform) the exponential race is what a step costs.
 """
 

@@ -1,4 +1,4 @@
-"""Deferred draft-KV sync at k = 0 (``vllm_compat.install_deferred_draft_kv``).
+"""Deferred draft-KV sync at k = 0 (``deferred_kv.install_deferred_draft_kv``).
 
 An EAGLE-3 engine whose batch-size table drafts nothing while two or more requests
 run and k = 3 once one is left (an RL step's tail): with the deferral the drafter's
@@ -21,7 +21,7 @@ import pytest
 
 from helpers import result_json, run_python
 from prompts import code_prompts
-from vllm_specrl.vllm_compat import DEFER_DRAFT_KV_ENV
+from vllm_specrl.proposer.deferred_kv import DEFER_DRAFT_KV_ENV
 
 PROMPTS = code_prompts(4)
 MAX_TOKENS = [6, 12, 18, 72]   # the last request decodes alone, at k = 3, for its last ~54 tokens
@@ -46,12 +46,13 @@ def tail_run(model, draft, env: dict | None = None, plant: str = "", parallel: b
     out = run_python(plant + textwrap.dedent(f"""
         import json
         from vllm import LLM, SamplingParams
-        from vllm_specrl import vllm_compat
+        from vllm_specrl.capture import runner_hooks
+        from vllm_specrl.proposer import deferred_kv
         llm = LLM(model={str(model)!r}, dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
                   max_num_seqs={max_num_seqs}, speculative_config={spec!r},
                   **{batched!r})
         drafts = []
-        llm.collective_rpc(lambda w: vllm_compat.install_draft_recorder(w.model_runner, lambda records: drafts.extend(
+        llm.collective_rpc(lambda w: runner_hooks.install_draft_recorder(w.model_runner, lambda records: drafts.extend(
             [r["request_id"].split("-")[0], r["base_position"], r["draft_token_ids"]] for r in records
             if r["draft_token_ids"])) and None)
         tokens = []
@@ -63,7 +64,7 @@ def tail_run(model, draft, env: dict | None = None, plant: str = "", parallel: b
         seeded = [SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True, seed=50 + i)
                   for i, m in enumerate({MAX_TOKENS!r})]
         sampled = [list(o.outputs[0].token_ids) for o in llm.generate({PROMPTS!r}, seeded, use_tqdm=False)]
-        counters = llm.collective_rpc(vllm_compat.deferred_draft_kv_counters)[0]
+        counters = llm.collective_rpc(deferred_kv.deferred_draft_kv_counters)[0]
         print("RESULT " + json.dumps({{"tokens": tokens, "sampled": sampled, "drafts": greedy_drafts,
                                        "counters": counters}}))
     """), env={"VLLM_PLUGINS": "specrl", **(env or {})})
@@ -180,7 +181,7 @@ def test_a_parallel_drafter_is_deferred_only_where_its_mask_slots_leave_room_for
     keeps vLLM's own pass (a stash of fewer than one row could not even be built)."""
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
-    from vllm_specrl.vllm_compat import DeferredDraftKV
+    from vllm_specrl.proposer.deferred_kv import DeferredDraftKV
 
     drafter = object.__new__(SpecDecodeBaseProposer)
     vars(drafter).update(method="eagle3", parallel_drafting=True, needs_extra_input_slots=True,

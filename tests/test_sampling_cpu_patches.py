@@ -1,7 +1,7 @@
 """vLLM's rejection sampler with the plugin's inverse-CDF samplers (fast, no engine).
 
 The peer properties of vLLM's own rejection-sampler tests, run through vLLM's
-``rejection_sample`` with ``vllm_compat.install_cpu_fast_sampling`` in place:
+``rejection_sample`` with ``cpu_patches.install_cpu_fast_sampling`` in place:
 the emitted token follows the target distribution, the acceptance rate equals
 sum min(p, q), seeded requests are reproducible; and a planted bug (recovered
 tokens drawn from the target instead of max(p - q, 0)) is caught.
@@ -12,7 +12,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from vllm_specrl import sampling, vllm_compat
+from vllm_specrl.sampling import exact as sampling
+from vllm_specrl.compat import cpu_expand_kernel
+from vllm_specrl.compat.registry import REGISTRY
+from vllm_specrl.sampling import cpu_patches
+from vllm_specrl.sampling import cpu_samplers
 
 V, N = 48, 30000
 ALPHA, POWER_ALPHA = 1e-3, 1e-6
@@ -24,10 +28,10 @@ def installed():
     from vllm.v1.sample import rejection_sampler
 
     current_platform.register_triton_kernel_overrides()  # what every CPU worker does
-    vllm_compat.install_cpu_expand_fix()
-    assert vllm_compat.install_cpu_fast_sampling() == "installed"
+    cpu_expand_kernel.install_cpu_expand_fix()
+    assert cpu_patches.install_cpu_fast_sampling() == "installed"
     yield rejection_sampler
-    vllm_compat.uninstall_cpu_fast_sampling()
+    cpu_patches.uninstall_cpu_fast_sampling()
 
 
 @pytest.fixture(scope="module", params=["lazy_recovery", "vllm_kernel_with_inverse_cdf"])
@@ -37,7 +41,7 @@ def rejection_sample(installed, request):
     VLLM_SPECRL_LAZY_REJECTION=0 take)."""
     if request.param == "lazy_recovery":
         return installed.rejection_sample
-    return installed._specrl_stock_rejection_sample
+    return REGISTRY.original(cpu_samplers.LAZY_REJECTION)
 
 
 def _metadata(batch: int, generators: dict | None = None):
@@ -126,8 +130,18 @@ def test_draft_sampling_follows_softmax_of_tempered_logits(rejection_sample):
 
 
 def test_off_switch_leaves_vllm_alone(monkeypatch):
+    from vllm.v1.sample import rejection_sampler
+
+    was_installed = REGISTRY.is_installed(cpu_samplers.LAZY_REJECTION)
+    cpu_patches.uninstall_cpu_fast_sampling()
+    stock = rejection_sampler.rejection_sample, rejection_sampler.RejectionSampler.forward
     monkeypatch.setenv("VLLM_SPECRL_FAST_SAMPLING", "0")
-    assert vllm_compat.install_cpu_fast_sampling().startswith("off")
+    result = cpu_patches.install_cpu_fast_sampling()
+    assert result.startswith("0 of 6 installed") and "VLLM_SPECRL_FAST_SAMPLING=0" in result, result
+    assert (rejection_sampler.rejection_sample, rejection_sampler.RejectionSampler.forward) == stock
+    monkeypatch.delenv("VLLM_SPECRL_FAST_SAMPLING")
+    if was_installed:
+        assert cpu_patches.install_cpu_fast_sampling() == "installed"
 
 
 def _ragged_batch(seed: int, with_draft_probs: bool):
@@ -162,7 +176,7 @@ def test_lazy_recovery_accepts_exactly_where_vllms_kernel_does(installed, with_d
             meta.temperature[list(GREEDY_REQUESTS)] = 0.0
             meta.all_random = False
         outs = []
-        for fn in (installed.rejection_sample, installed._specrl_stock_rejection_sample):
+        for fn in (installed.rejection_sample, REGISTRY.original(cpu_samplers.LAZY_REJECTION)):
             torch.manual_seed(1000 + seed)
             outs.append(fn(drafts, counts, 3, cu, q, logits.clone(), bonus, meta))
         lazy, stock = outs
@@ -227,8 +241,7 @@ def test_emitted_logprobs_equal_vllms(installed, mode):
         target = logits[meta.target_logits_indices.long()] * 0.9  # distinct from the raw rows: read from here
         bonus = logits[meta.bonus_logits_indices.long()] * 1.1
         got = RejectionSampler._get_logprobs_tensors(sampler, 3, meta, logits, target, bonus, sampled)
-        want = RejectionSampler._specrl_stock__get_logprobs_tensors(sampler, 3, meta, logits, target, bonus,
-                                                                     sampled)
+        want = REGISTRY.original(cpu_samplers.EMITTED_LOGPROBS)(sampler, 3, meta, logits, target, bonus, sampled)
         valid = (sampled.flatten() >= 0)
         assert int(valid.sum()) >= len(meta.num_draft_tokens)
         assert torch.equal(got.logprob_token_ids[valid], want.logprob_token_ids[valid])
@@ -237,17 +250,19 @@ def test_emitted_logprobs_equal_vllms(installed, mode):
 
 
 def test_lazy_rejection_off_switch_keeps_only_the_inverse_cdf_samplers(installed, monkeypatch):
-    vllm_compat.uninstall_cpu_fast_sampling()
-    monkeypatch.setenv(vllm_compat.LAZY_REJECTION_ENV, "0")
+    stock = REGISTRY.original(cpu_samplers.LAZY_REJECTION)
+    cpu_patches.uninstall_cpu_fast_sampling()
+    monkeypatch.setenv(cpu_samplers.LAZY_REJECTION_ENV, "0")
     try:
-        assert vllm_compat.install_cpu_fast_sampling() == "installed"
-        assert installed.rejection_sample is installed._specrl_stock_rejection_sample
-        assert installed.sample_recovered_tokens is vllm_compat.fast_recovered_sample
+        result = cpu_patches.install_cpu_fast_sampling()
+        assert result.startswith("3 of 6 installed") and f"{cpu_samplers.LAZY_REJECTION_ENV}=0" in result, result
+        assert installed.rejection_sample is stock
+        assert installed.sample_recovered_tokens is cpu_samplers.fast_recovered_sample
     finally:
-        vllm_compat.uninstall_cpu_fast_sampling()
-        monkeypatch.delenv(vllm_compat.LAZY_REJECTION_ENV)
-        assert vllm_compat.install_cpu_fast_sampling() == "installed"
-    assert installed.rejection_sample is vllm_compat.fast_rejection_sample
+        cpu_patches.uninstall_cpu_fast_sampling()
+        monkeypatch.delenv(cpu_samplers.LAZY_REJECTION_ENV)
+        assert cpu_patches.install_cpu_fast_sampling() == "installed"
+    assert installed.rejection_sample is cpu_samplers.fast_rejection_sample
 
 
 def _reduced_vocab_drafter(draft_vocab: int, vocab: int, hidden: int = 16, seed: int = 5):
@@ -282,14 +297,14 @@ def test_reduced_vocab_draft_is_sampled_in_its_own_vocabulary(installed):
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
     drafter, mapped, h = _reduced_vocab_drafter(draft_vocab=V // 2, vocab=3 * V)
-    assert SpecDecodeBaseProposer._sample_draft_tokens is vllm_compat.draft_vocab_sample_draft_tokens
+    assert SpecDecodeBaseProposer._sample_draft_tokens is cpu_samplers.draft_vocab_sample_draft_tokens
     meta = _metadata(N)
     meta.temperature = torch.full((N,), 0.8)
     hidden = h.expand(N, -1).contiguous()
     tokens, compact = drafter._sample_draft_tokens(hidden, meta)
-    _, stock_probs = SpecDecodeBaseProposer._specrl_stock__sample_draft_tokens(drafter, hidden.clone(), meta)
+    _, stock_probs = REGISTRY.original(cpu_samplers.DRAFT_VOCAB)(drafter, hidden.clone(), meta)
     assert compact.shape == (N, V // 2) and stock_probs.shape == (N, 3 * V)
-    probs = vllm_compat.full_draft_probs(compact, 3 * V)
+    probs = cpu_samplers.full_draft_probs(compact, 3 * V)
     assert torch.allclose(probs, stock_probs, atol=1e-7, rtol=1e-5)
     assert bool(torch.isin(tokens, mapped).all())
     expected = stock_probs[0].double().numpy() * N
@@ -310,13 +325,16 @@ def test_reduced_vocab_draft_probs_are_spread_when_vllms_forward_verifies(instal
     for switch in ("env", "one_pass_off"):
         with monkeypatch.context() as patch:
             if switch == "env":
-                patch.setenv(vllm_compat.COMPACT_DRAFT_PROBS_ENV, "0")
+                patch.setenv(cpu_samplers.COMPACT_DRAFT_PROBS_ENV, "0")
             else:
-                patch.setattr(RejectionSampler, "forward", RejectionSampler._specrl_stock_forward)
+                REGISTRY.uninstall(cpu_samplers.ONE_PASS_VERIFY)
             torch.manual_seed(0)
             spread_tokens, spread = drafter._sample_draft_tokens(hidden, _metadata(4))
+        if switch == "one_pass_off":
+            assert cpu_patches.install_cpu_fast_sampling() == "installed"
+            assert RejectionSampler.forward is cpu_samplers.one_pass_rejection_forward
         assert torch.equal(spread_tokens, tokens)
-        assert torch.equal(spread, vllm_compat.full_draft_probs(compact, 3 * V))
+        assert torch.equal(spread, cpu_samplers.full_draft_probs(compact, 3 * V))
 
 
 def test_reduced_vocab_draft_keeps_vllms_path_where_it_is_not_sampled(installed):
@@ -455,7 +473,7 @@ def test_one_pass_verify_leaves_other_batches_to_vllm(installed, change):
 
     sampler = SimpleNamespace(synthetic_mode=False, sampler=Sampler())
     meta = _metadata(4)
-    assert vllm_compat.one_pass_verify_applies(sampler, meta)
+    assert cpu_samplers.one_pass_verify_applies(sampler, meta)
     if change == "greedy":
         meta.all_random, meta.temperature = False, torch.tensor([0.0, 1.0, 1.0, 1.0])
     elif change == "top_k":
@@ -469,15 +487,15 @@ def test_one_pass_verify_leaves_other_batches_to_vllm(installed, change):
     elif change == "logit_bias":
         proc = LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
         meta.logitsprocs = LogitsProcessors([proc])
-        assert vllm_compat.one_pass_verify_applies(sampler, meta)  # loaded but idle
+        assert cpu_samplers.one_pass_verify_applies(sampler, meta)  # loaded but idle
         proc.biases = {0: {3: 1.0}}
     elif change == "min_tokens":
         proc = object.__new__(MinTokensLogitsProcessor)
         proc.min_toks = {}
         meta.logitsprocs = LogitsProcessors([proc])
-        assert vllm_compat.one_pass_verify_applies(sampler, meta)
+        assert cpu_samplers.one_pass_verify_applies(sampler, meta)
         proc.min_toks = {1: (4, [], {2})}
-    assert not vllm_compat.one_pass_verify_applies(sampler, meta)
+    assert not cpu_samplers.one_pass_verify_applies(sampler, meta)
 
 
 @pytest.mark.parametrize("batch", ["one_pass", "handed_to_vllm"])
@@ -503,7 +521,7 @@ def test_compact_draft_probs_verify_as_their_spread_rows(installed, batch):
     meta, target_rows, bonus_rows = _verify_metadata(counts, drafts.to(torch.int32))
     logits = torch.empty(meta.logits_indices.shape[0], vocab)
     # The target near the draft's own distribution: most drafts accepted, rejections at every depth.
-    logits[target_rows] = vllm_compat.full_draft_probs(compact, vocab).clamp(min=1e-6).log() \
+    logits[target_rows] = cpu_samplers.full_draft_probs(compact, vocab).clamp(min=1e-6).log() \
         + torch.randn(rows, vocab, generator=gen) * 0.3
     logits[bonus_rows] = torch.randn(len(counts), vocab, generator=gen) * 2
     sampling = _metadata(len(counts))
@@ -512,7 +530,7 @@ def test_compact_draft_probs_verify_as_their_spread_rows(installed, batch):
 
         sampling.top_k, sampling.logitsprocs = torch.full((len(counts),), vocab), LogitsProcessors([])
     outputs = []
-    for probs in (compact, vllm_compat.full_draft_probs(compact, vocab)):
+    for probs in (compact, cpu_samplers.full_draft_probs(compact, vocab)):
         torch.manual_seed(6)
         outputs.append(RejectionSampler(Sampler())(meta, probs.clone(), logits.clone(), sampling).sampled_token_ids)
     assert torch.equal(outputs[0], outputs[1])

@@ -13,7 +13,7 @@ import psutil
 import pytest
 import requests
 
-from vllm_specrl import vllm_compat
+from vllm_specrl.compat import cpu_start_method
 from vllm_specrl.server import VLLMServer, cpu_env, started
 
 pytestmark = pytest.mark.server
@@ -24,9 +24,9 @@ PROMPTS = ["def add(a, b):\n    return", "x = [1, 2, 3]\ny = [1, 2, 3]\nz =", "T
 
 def env_for(method: str | None) -> dict[str, str]:
     env = cpu_env()
-    env.pop(vllm_compat.CPU_START_METHOD_ENV, None)
+    env.pop(cpu_start_method.CPU_START_METHOD_ENV, None)
     if method:
-        env[vllm_compat.CPU_START_METHOD_ENV] = method
+        env[cpu_start_method.CPU_START_METHOD_ENV] = method
     return env
 
 
@@ -54,7 +54,7 @@ def test_the_plugin_runs_in_each_process_as_its_own(servers, method):
     # worker-side fixes run in the worker, which the API server's registrations never do
     assert registrations["cpu_fast_sampling"] == registrations["custom_proposer_binding"] == "installed"
     assert registrations["cpu_start_method"].startswith("engine processes started by fork" if method == "fork"
-                                                        else "not requested")
+                                                        else "skipped: not requested")
     assert worker["drafter"] == "HistoryProposer"
 
 
@@ -75,8 +75,8 @@ def test_a_forked_engine_answers_as_a_spawned_one(servers):
 
 
 def test_an_unknown_start_method_is_a_clear_error(monkeypatch):
-    monkeypatch.setenv(vllm_compat.CPU_START_METHOD_ENV, "forkserver")
+    monkeypatch.setenv(cpu_start_method.CPU_START_METHOD_ENV, "forkserver")
     with pytest.raises(ValueError, match="expected one of"):
-        vllm_compat.requested_cpu_start_method()
-    monkeypatch.setenv(vllm_compat.CPU_START_METHOD_ENV, " Fork ")
-    assert vllm_compat.requested_cpu_start_method() == "fork"
+        cpu_start_method.requested_cpu_start_method()
+    monkeypatch.setenv(cpu_start_method.CPU_START_METHOD_ENV, " Fork ")
+    assert cpu_start_method.requested_cpu_start_method() == "fork"

@@ -8,7 +8,7 @@ with it): the chunk size is fixed when an engine starts.
 import pytest
 
 from helpers import result_json, run_python
-from vllm_specrl import vllm_compat
+from vllm_specrl.compat import cpu_seeded_rewind
 
 PROMPTS = ["def f(x):\n    return x + 1\n" * (4 + i) for i in range(6)]  # 50-120 tokens
 
@@ -30,7 +30,7 @@ def seeded_samples(model, budget: int, plugins: str = "specrl", expect_failure: 
 def test_rewindable_generator_restores_step_state():
     import torch
 
-    gen = vllm_compat._rewindable_generator_class()(device="cpu")
+    gen = cpu_seeded_rewind._rewindable_generator_class()(device="cpu")
     gen.manual_seed(3)
     gen.mark_step()
     first = torch.rand(4, generator=gen)
@@ -39,7 +39,7 @@ def test_rewindable_generator_restores_step_state():
 
 
 def test_seeded_chunked_prefill_fails_without_the_fix(tiny_model):
-    if not vllm_compat.cpu_generator_lacks_offset():
+    if not cpu_seeded_rewind.cpu_generator_lacks_offset():
         pytest.skip("this torch's CPU generators have offsets")
     out = seeded_samples(tiny_model, 32, plugins="none", expect_failure=True)
     assert "CPU Generator does not use offset" in out

@@ -11,14 +11,16 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from vllm_specrl import vllm_compat
+from vllm_specrl.adaptive import skip_draft_fetch
 from vllm_specrl.compat.registry import CPU_ONLY_NOTE, REGISTRY
+from vllm_specrl.proposer import custom_binding, deferred_kv
+from vllm_specrl.sampling import cpu_patches
 
-CPU_SCOPED = [(vllm_compat.ZERO_DRAFT_ENV, vllm_compat.install_zero_draft_plain_sampler,
-               vllm_compat.ZERO_DRAFT_PATCH),
-              (vllm_compat.SKIP_EMPTY_DRAFT_FETCH_ENV, vllm_compat.install_skip_empty_draft_fetch,
-               vllm_compat.SKIP_FETCH_POST_STEP_PATCH),
-              (vllm_compat.DEFER_DRAFT_KV_ENV, vllm_compat.install_deferred_draft_kv, vllm_compat.DEFERRED_KV_PATCH)]
+CPU_SCOPED = [(cpu_patches.ZERO_DRAFT_ENV, cpu_patches.install_zero_draft_plain_sampler,
+               cpu_patches.ZERO_DRAFT_PATCH),
+              (skip_draft_fetch.SKIP_EMPTY_DRAFT_FETCH_ENV, skip_draft_fetch.install_skip_empty_draft_fetch,
+               skip_draft_fetch.SKIP_FETCH_POST_STEP_PATCH),
+              (deferred_kv.DEFER_DRAFT_KV_ENV, deferred_kv.install_deferred_draft_kv, deferred_kv.DEFERRED_KV_PATCH)]
 
 
 def _vllm_attributes() -> dict:
@@ -27,15 +29,19 @@ def _vllm_attributes() -> dict:
             "post_step": EngineCore.__dict__["post_step"], "schedule": Scheduler.__dict__["schedule"]}
 
 
+ON_THESE_ATTRIBUTES = [patch.name for _, _, patch in CPU_SCOPED] + [
+    skip_draft_fetch.SKIP_FETCH_SCHEDULE_PATCH.name, custom_binding.CUSTOM_BINDING_PATCH.name]
+
+
 @pytest.fixture
 def pristine():
-    """Nothing registered is installed in this process before or after a test."""
-    assert not any(REGISTRY.is_installed(row["name"]) for row in REGISTRY.report())
+    """No patch on these vLLM attributes is installed in this process before or after a test."""
+    assert not any(REGISTRY.is_installed(name) for name in ON_THESE_ATTRIBUTES)
     before = _vllm_attributes()
     yield before
-    for row in REGISTRY.report():
-        if REGISTRY.is_installed(row["name"]):
-            REGISTRY.uninstall(row["name"])
+    for name in ON_THESE_ATTRIBUTES:
+        if REGISTRY.is_installed(name):
+            REGISTRY.uninstall(name)
     assert _vllm_attributes() == before
 
 
@@ -64,19 +70,19 @@ def test_switched_on_it_installs_off_the_cpu_and_comes_off_again(on_a_gpu, monke
 
 
 def test_on_the_cpu_a_switch_at_0_keeps_vllms_path(pristine, monkeypatch):
-    monkeypatch.setenv(vllm_compat.ZERO_DRAFT_ENV, "0")
-    assert vllm_compat.install_zero_draft_plain_sampler() == f"skipped: off ({vllm_compat.ZERO_DRAFT_ENV}=0)"
+    monkeypatch.setenv(cpu_patches.ZERO_DRAFT_ENV, "0")
+    assert cpu_patches.install_zero_draft_plain_sampler() == f"skipped: off ({cpu_patches.ZERO_DRAFT_ENV}=0)"
     assert _vllm_attributes() == pristine
 
 
 def test_the_binding_runs_everywhere_and_wraps_outside_the_deferral_whatever_the_install_order(on_a_gpu, monkeypatch):
-    monkeypatch.setenv(vllm_compat.DEFER_DRAFT_KV_ENV, "1")
+    monkeypatch.setenv(deferred_kv.DEFER_DRAFT_KV_ENV, "1")
     original = on_a_gpu["propose_draft_token_ids"]
-    assert vllm_compat.install_custom_proposer_binding() == "installed"  # scope "everywhere": no switch needed
-    assert vllm_compat.install_deferred_draft_kv().startswith("installed")
+    assert custom_binding.install_custom_proposer_binding() == "installed"  # scope "everywhere": no switch needed
+    assert deferred_kv.install_deferred_draft_kv().startswith("installed")
     outer = GPUModelRunner.__dict__["propose_draft_token_ids"]
     inner = outer.__wrapped__
     assert "bind_step" in outer.__code__.co_consts and "_specrl_deferred_kv" in inner.__code__.co_names
     assert inner.__wrapped__ is original
-    REGISTRY.uninstall(vllm_compat.CUSTOM_BINDING_PATCH.name)
+    REGISTRY.uninstall(custom_binding.CUSTOM_BINDING_PATCH.name)
     assert GPUModelRunner.__dict__["propose_draft_token_ids"].__wrapped__ is original

@@ -1,0 +1,38 @@
+"""The vLLM versions this package was checked against, and the gate the plugin applies."""
+
+from __future__ import annotations
+
+import re
+
+SUPPORTED_RANGE = ">=0.32,<0.34"
+SUPPORTED_MINORS = ((0, 32), (0, 33))
+
+
+class UnsupportedVLLMVersion(RuntimeError):
+    """The installed vLLM is outside the range this package was checked against."""
+
+
+def vllm_version() -> str:
+    """The running vLLM's version string (e.g. ``0.32.0`` or ``0.33.1+cpu``)."""
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def parse_major_minor(version: str) -> tuple[int, int] | None:
+    match = re.match(r"^(\d+)\.(\d+)", version)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def is_supported(version: str) -> bool:
+    return parse_major_minor(version) in SUPPORTED_MINORS
+
+
+def check_supported(version: str | None = None) -> str:
+    """Return the version if supported, else raise with the supported range."""
+    version = version or vllm_version()
+    if not is_supported(version):
+        raise UnsupportedVLLMVersion(
+            f"vllm-specrl supports vLLM {SUPPORTED_RANGE} (0.32.x, 0.33.x); found {version}"
+        )
+    return version

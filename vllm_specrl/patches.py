@@ -1,0 +1,80 @@
+"""Every engine patch and registration of the package, in the order the plugin installs them.
+
+Importing this module declares every patch in ``compat.registry.REGISTRY`` (each feature declares
+its own beside its code), which is what ``/specrl/status``, ``vllm-specrl doctor`` and the touch-point
+check list. ``WORKER`` steps import vLLM's model runner, so they run only where a model runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+from vllm_specrl import cpu_malloc
+from vllm_specrl.adaptive.skip_draft_fetch import (SKIP_FETCH_POST_STEP_PATCH, SKIP_FETCH_SCHEDULE_PATCH,
+                                                   install_skip_empty_draft_fetch)
+from vllm_specrl.adaptive.step_timer import (STEP_TIMER_EXECUTE_PATCH, STEP_TIMER_SAMPLE_PATCH,
+                                             install_runner_step_timer)
+from vllm_specrl.capture import runner_hooks  # noqa: F401 - declares the tap's and recorder's patches
+from vllm_specrl.compat import touch_points  # noqa: F401 - declares the internals read without patching
+from vllm_specrl.compat.cpu_expand_kernel import EXPAND_KERNEL_PATCH, install_cpu_expand_fix
+from vllm_specrl.compat.cpu_seeded_rewind import SEEDED_REWIND_PATCH, install_cpu_seeded_rewind_fix
+from vllm_specrl.compat.cpu_start_method import START_METHOD_PATCH, install_cpu_start_method
+from vllm_specrl.compat.registry import REGISTRY
+from vllm_specrl.proposer.custom_binding import CUSTOM_BINDING_PATCH, install_custom_proposer_binding
+from vllm_specrl.proposer.deferred_kv import DEFERRED_KV_PATCH, install_deferred_draft_kv
+from vllm_specrl.proposer.eagle3_config import register_eagle3_architecture
+from vllm_specrl.sampling.cpu_patches import (FAST_SAMPLING_PATCHES, ZERO_DRAFT_PATCH, install_cpu_fast_sampling,
+                                              install_zero_draft_plain_sampler)
+from vllm_specrl.sync.registration import register_shm_weight_transfer_backend
+
+
+class Step(NamedTuple):
+    key: str
+    what: str
+    install: Callable[[], str]
+    patches: tuple[str, ...] = ()  # the registry's patches it installs (marked failed if it raises)
+
+
+def install_step(step: Step) -> str:
+    """Run one step; an exception is recorded against its patches and returned, never raised."""
+    try:
+        return step.install()
+    except Exception as exc:  # noqa: BLE001 - the plugin must never break vLLM
+        for name in step.patches:
+            REGISTRY.fail(name, exc)
+        return f"failed ({exc!r})"
+
+
+def _tune_malloc_on_cpu() -> str:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return "not needed (not the CPU platform)"
+    return cpu_malloc.tune_glibc_malloc()
+
+
+# Every process vLLM starts (the API server too).
+EVERY_PROCESS = (
+    Step("model_architecture", "EAGLE-3 draft architecture", register_eagle3_architecture),
+    Step("cpu_expand_kernel_fix", "CPU expand-kernel fix", install_cpu_expand_fix, (EXPAND_KERNEL_PATCH.name,)),
+    Step("weight_transfer_backend", "specrl_shm weight-transfer backend", register_shm_weight_transfer_backend),
+    Step("cpu_start_method", "engine start method on CPU", install_cpu_start_method, (START_METHOD_PATCH.name,)),
+)
+# Processes that run a model (engine core, workers, or an in-process engine).
+WORKER = (
+    Step("cpu_malloc_tuning", "glibc malloc thresholds (CPU)", _tune_malloc_on_cpu),
+    Step("cpu_seeded_rewind_fix", "CPU seeded-rewind fix", install_cpu_seeded_rewind_fix,
+         (SEEDED_REWIND_PATCH.name,)),
+    Step("cpu_fast_sampling", "CPU inverse-CDF spec-decode sampling", install_cpu_fast_sampling,
+         tuple(patch.name for patch, _ in FAST_SAMPLING_PATCHES)),
+    Step("zero_draft_plain_sampler", "plain sampler for steps without drafts", install_zero_draft_plain_sampler,
+         (ZERO_DRAFT_PATCH.name,)),
+    Step("runner_step_timer", "model-runner step timer (adaptive k)", install_runner_step_timer,
+         (STEP_TIMER_EXECUTE_PATCH.name, STEP_TIMER_SAMPLE_PATCH.name)),
+    Step("deferred_draft_kv", "deferred draft-KV sync at k = 0", install_deferred_draft_kv, (DEFERRED_KV_PATCH.name,)),
+    Step("skip_empty_draft_fetch", "no draft fetch after steps without drafts", install_skip_empty_draft_fetch,
+         (SKIP_FETCH_POST_STEP_PATCH.name, SKIP_FETCH_SCHEDULE_PATCH.name)),
+    Step("custom_proposer_binding", "runner batch for custom_class proposers (history)",
+         install_custom_proposer_binding, (CUSTOM_BINDING_PATCH.name,)),
+)
