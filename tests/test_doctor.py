@@ -39,9 +39,10 @@ def test_doctor_lists_every_patch_installed_where_it_applies():
     assert set(rows) == {patch.name for patch in REGISTRY.patches()}
     assert found["ok"] and found["supported"] and found["platform"]["is_cpu"]
     assert found["touch_points"]["checked"] == len(REGISTRY.touch_points()) and not found["touch_points"]["failing"]
-    per_runner = {"capture_tap", "capture_tap.sample_tokens", "capture_tap.compute_logprobs", "draft_recorder"}
+    per_runner = {"capture_tap", "capture_tap.sample_tokens", "capture_tap.compute_logprobs", "draft_recorder",
+                  "deferred_draft_kv.propose"}
     for name, row in rows.items():
-        if name in per_runner:  # installed on a runner when capture (or the recorder) is configured
+        if name in per_runner:  # installed per runner or drafter, when capture, the recorder or a drafter asks
             assert row["state"] == "declared", row
         elif name == "cpu_start_method":  # the suite's engines fork (conftest); a user's spawn unless asked
             forked = os.environ.get("VLLM_SPECRL_CPU_START_METHOD") == "fork"

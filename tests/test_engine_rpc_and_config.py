@@ -110,3 +110,9 @@ def test_worker_calls_are_answered_by_every_data_parallel_core():
     assert every == [{"core": 0, "rpc": "m"}, {"core": 1, "rpc": "m"}]
     single = asyncio.run(engine_rpc.collective_rpc_all_engines(_AsyncLLM(object()), "m", 1.0))
     assert single == [{"core": 0, "rpc": "m"}]
+
+
+@pytest.mark.parametrize("version,says", [("0.32.0+cpu", "run"), ("0.33.1", "read, not run"),
+                                          ("0.34.0", "not validated")])
+def test_the_gate_says_what_was_run_and_what_was_only_read(version, says):
+    assert vllm_versions.validation(version).startswith(says)

@@ -97,7 +97,7 @@ def test_status_reports_versions_worker_and_spec_config(server, client):
     from vllm_specrl import patches as package_patches
     from vllm_specrl.compat.registry import REGISTRY
 
-    assert worker["plugin"]["platform"] == "cpu"
+    assert worker["plugin"]["platform"] == "cpu" and status["ineffective_switches"] == []
     patches = {row["name"]: row for row in worker["plugin"]["patches"]}
     assert set(patches) == {patch.name for patch in REGISTRY.patches()}, package_patches  # every one listed
     for name in ("custom_proposer_binding", "deferred_draft_kv", "zero_draft_plain_sampler", "cpu_expand_kernel_fix",

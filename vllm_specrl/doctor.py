@@ -39,6 +39,7 @@ def diagnose() -> dict[str, Any]:
     failed = [row["name"] for row in report if row["state"] == "failed"]
     return {
         "vllm_specrl": __version__, "vllm": version, "supported": supported,
+        "validation": vllm_versions.validation(version),
         "supported_range": vllm_versions.SUPPORTED_RANGE, "torch": torch.__version__,
         "platform": {"device_type": str(current_platform.device_type), "is_cpu": current_platform.is_cpu(),
                      "cuda_available": torch.cuda.is_available(), "machine": host.machine(),
@@ -55,7 +56,8 @@ def format_report(found: dict[str, Any]) -> str:
     plat = found["platform"]
     lines = [f"vllm-specrl {found['vllm_specrl']} on vLLM {found['vllm']} "
              f"({'supported' if found['supported'] else 'NOT supported: ' + found['supported_range']}), "
-             f"torch {found['torch']}, platform {plat['device_type']} ({plat['machine']})", ""]
+             f"torch {found['torch']}, platform {plat['device_type']} ({plat['machine']})",
+             f"this vLLM release: {found['validation']}", ""]
     width = max((len(row["name"]) for row in found["patches"]), default=10)
     lines.append(f"{'patch':{width}}  {'state':11}  {'scope':10}  switch / detail")
     for row in found["patches"]:

@@ -24,7 +24,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 
-from vllm_specrl import metrics, plugin, security
+from vllm_specrl import metrics, plugin, security, switches
 from vllm_specrl.compat import engine_config
 from vllm_specrl.compat import version as vllm_versions
 from vllm_specrl import engine_rpc
@@ -194,6 +194,15 @@ def _specrl_state(request: Request) -> SpecRLHttpState:
     return state
 
 
+def ineffective_switches(vllm_config: Any) -> list[str]:
+    """The switches set on this server that change nothing here (``switches.ineffective``)."""
+    scheduler = getattr(getattr(vllm_config, "scheduler_config", None), "scheduler_cls", None)
+    name = scheduler if isinstance(scheduler, str) or scheduler is None else \
+        f"{scheduler.__module__}.{scheduler.__qualname__}"
+    return switches.ineffective(engine_config.specrl_additional_config(vllm_config), name,
+                                getattr(vllm_config, "speculative_config", None))
+
+
 async def gather_status(state: SpecRLHttpState) -> dict[str, Any]:
     """Everything /specrl/status reports, gathered from every process that has it."""
     engine = state.engine_client
@@ -210,6 +219,7 @@ async def gather_status(state: SpecRLHttpState) -> dict[str, Any]:
         out["workers_error"] = "no engine (render-only server)"
         return out
     out["speculative_config"] = engine_config.speculative_config_summary(engine.vllm_config)
+    out["ineffective_switches"] = ineffective_switches(engine.vllm_config)
     out["logprobs_mode"] = str(engine.vllm_config.model_config.logprobs_mode)
     out["versions"] = dict(state.versions)
     out["stale_draft"] = update_gauges(state)
@@ -297,6 +307,8 @@ class SpecRLEndpointPlugin:
             update_idle_timeout_s=float(specrl_cfg.get("update_idle_timeout_s", 300.0)))
         update_gauges(state.specrl)
         register_adaptive_k_metrics()
+        for problem in ineffective_switches(engine_client.vllm_config):
+            logger.warning("vllm-specrl: a switch without effect: %s", problem)
         capture = specrl_cfg.get("capture")
         if capture:
             try:

@@ -219,3 +219,35 @@ def test_touch_points_list_each_patched_function_once_then_the_reads(registry):
     points = registry.touch_points()
     assert [(p.name, p.kind) for p in points] == [("Runner.step", "function"), ("Thing", "attrs:a")]
     assert points[0].used_for == "patch p"
+
+
+def test_a_generic_wrapper_shows_the_signature_it_wraps(registry):
+    """A later patch that checks the signature (or binds arguments by name) sees vLLM's parameters
+    through a ``(self, *args, **kwargs)`` wrapper: the capture tap's check on a CPU runner's
+    ``sample_tokens`` passed through the seeded-rewind fix only so."""
+    import inspect
+
+    registry.install(patch("generic", order=1), lambda inner: lambda self, *a, **k: inner(self, *a, **k))
+    assert list(inspect.signature(Runner.step).parameters) == ["self", "x", "y"]
+    runner = Runner()
+    assert registry.install(patch("on_top", signature=("x", "y"), order=2),
+                            lambda inner: lambda x, y: f"top[{inner(x, y)}]", on=runner) == "installed"
+    assert runner.step(1, 2) == "top[step(1,2)]"
+    registry.uninstall("on_top")
+    registry.uninstall("generic")
+
+
+def test_a_per_object_patch_goes_on_several_objects_once_each(registry):
+    first, second = Runner(), Runner()
+    wrap = lambda inner: lambda x, y: f"o[{inner(x, y)}]"  # noqa: E731
+    for runner in (first, second):
+        assert registry.install(patch("obj", signature=("x", "y")), wrap, on=runner) == "installed"
+    with pytest.raises(PatchError, match="already installed"):
+        registry.install(patch("obj", signature=("x", "y")), wrap, on=first)
+    with pytest.raises(PatchError, match="say which"):
+        registry.uninstall("obj")
+    registry.uninstall("obj", on=first)
+    assert first.step(1, 2) == "step(1,2)" and second.step(1, 2) == "o[step(1,2)]"
+    assert registry.is_installed("obj")
+    registry.uninstall("obj", on=second)
+    assert not registry.is_installed("obj") and "step" not in vars(second)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from vllm_specrl.compat.registry import REGISTRY, Patch
+from vllm_specrl.compat.registry import REGISTRY, Patch, PatchError
 from vllm_specrl.sampling.cpu_samplers import _COMPACT_DRAFT_VOCAB, full_draft_probs
 
 PLACEHOLDER_TOKEN_ID = -1
@@ -147,7 +147,9 @@ def install_capture_tap(runner: Any, on_step: Any) -> str:
     if result != "installed":
         return result
     runner._specrl_capture_on_step = on_step
-    REGISTRY.install(CAPTURE_LOGITS_PATCH, wrap_sample, on=runner)  # without it: no logprobs sent
+    logits = REGISTRY.install(CAPTURE_LOGITS_PATCH, wrap_sample, on=runner)
+    if logits != "installed":
+        result += f" (rows sent without logprobs: {logits})"
     verifier, sampler = getattr(runner, "rejection_sampler", None), getattr(runner, "sampler", None)
     if verifier is not None:
         verifier._specrl_keep_logp = keep_logp
@@ -160,9 +162,12 @@ def remove_capture_tap(runner: Any) -> None:
     """Take the tap off the runner (vLLM's methods, or the recorder's, again)."""
     if getattr(runner, "_specrl_capture_on_step", None) is None:
         return
-    for patch in (CAPTURE_TAP_PATCH, CAPTURE_LOGITS_PATCH, CAPTURE_LOGP_PATCH):
-        if REGISTRY.is_installed(patch.name):
-            REGISTRY.uninstall(patch.name)
+    sampler = getattr(runner, "sampler", None)
+    for patch, owner in ((CAPTURE_TAP_PATCH, runner), (CAPTURE_LOGITS_PATCH, runner), (CAPTURE_LOGP_PATCH, sampler)):
+        try:
+            REGISTRY.uninstall(patch.name, on=owner)
+        except PatchError:
+            pass  # not installed there (skipped, or never installed)
     runner._specrl_capture_on_step = runner._specrl_step_logp = None
     verifier = getattr(runner, "rejection_sampler", None)
     if verifier is not None:
@@ -185,8 +190,8 @@ def install_draft_recorder(runner: Any, on_draft: Any) -> str:
     import torch
 
     if on_draft is None:
-        if REGISTRY.is_installed(DRAFT_RECORDER_PATCH.name):
-            REGISTRY.uninstall(DRAFT_RECORDER_PATCH.name)
+        if getattr(runner, "_specrl_on_draft", None) is not None:
+            REGISTRY.uninstall(DRAFT_RECORDER_PATCH.name, on=runner)
         runner._specrl_on_draft = None
         return "removed"
     if getattr(runner, "_specrl_on_draft", None) is not None:

@@ -126,7 +126,7 @@ class Registry:
         self._declared: dict[str, Patch] = {}
         self._states: dict[str, dict[str, str]] = {}
         self._slots: dict[tuple[int, str], _Slot] = {}
-        self._where: dict[str, tuple[int, str]] = {}
+        self._where: dict[str, list[tuple[int, str]]] = {}  # a per-object patch may sit on several objects
         self._reads: list[TouchPoint] = []
 
     def reads(self, *points: TouchPoint) -> None:
@@ -168,13 +168,15 @@ class Registry:
 
     def install(self, patch: Patch, wrap: Callable[[Any], Any], on: Any = None) -> str:
         """Install ``wrap(inner)`` over ``patch.target`` if it applies here; returns the state it ends in
-        (``installed``, or ``skipped: <why>``). Raises ``PatchError`` for a second install of the name or
-        an attribute changed behind the registry's back; a missing target or a signature drift is a skip.
+        (``installed``, or ``skipped: <why>``). Raises ``PatchError`` for a second install of the name on
+        the same owner or an attribute changed behind the registry's back; a missing target or a
+        signature drift is a skip.
 
         ``on``: one object (a model runner) to patch instead of the target's class or module; the
-        original is then that object's bound attribute, and uninstalling removes the override."""
+        original is then that object's bound attribute, and uninstalling removes the override. Such a
+        patch may be installed on several objects, once each."""
         self.declare(patch)
-        if self._states[patch.name]["state"] == "installed":
+        if on is None and self.is_installed(patch.name):
             raise PatchError(f"patch {patch.name} is already installed on {patch.target}")
         reason = self.gate(patch)
         if reason:
@@ -185,6 +187,8 @@ class Registry:
         except (ImportError, AttributeError) as exc:
             return self._set(patch, "skipped", f"{patch.target} not found in this vLLM ({exc!r})", logging.WARNING)
         key = (id(owner), patch.attribute)
+        if key in self._where.get(patch.name, []):
+            raise PatchError(f"patch {patch.name} is already installed on this {type(owner).__name__}")
         slot = self._slots.get(key)
         if slot is not None and _current(owner, patch.attribute) is not slot.current:
             raise PatchError(f"{patch.target} was changed outside the registry since it patched it")
@@ -199,7 +203,7 @@ class Registry:
         slot.hooks.append((patch, wrap))
         slot.hooks.sort(key=lambda hook: hook[0].order)
         self._slots[key] = slot
-        self._where[patch.name] = key
+        self._where.setdefault(patch.name, []).append(key)
         self._rebuild(slot)
         return self._set(patch, "installed", "")
 
@@ -216,15 +220,14 @@ class Registry:
         if not self.is_installed(name):
             self._states[name] = {"state": "failed", "detail": repr(error)}
 
-    def uninstall(self, name: str) -> None:
-        """Remove one patch; the attribute returns to vLLM's own object once no patch is left on it."""
-        key = self._where.pop(name, None)
-        if key is None:
-            raise PatchError(f"patch {name} is not installed")
+    def uninstall(self, name: str, on: Any = None) -> None:
+        """Remove one patch (from ``on``, for a patch on several objects); the attribute returns to
+        vLLM's own object once no patch is left on it."""
+        key = self._key(name, on)
         slot = self._slots[key]
         if _current(slot.owner, slot.attribute) is not slot.current:
-            self._where[name] = key
             raise PatchError(f"{self._declared[name].target} was changed outside the registry since it patched it")
+        self._where[name].remove(key)
         slot.hooks = [hook for hook in slot.hooks if hook[0].name != name]
         if slot.hooks:
             self._rebuild(slot)
@@ -234,11 +237,23 @@ class Registry:
             else:
                 setattr(slot.owner, slot.attribute, slot.original)
             del self._slots[key]
-        self._set(self._declared[name], "uninstalled", "")
+        if not self._where[name]:
+            del self._where[name]
+            self._set(self._declared[name], "uninstalled", "")
 
-    def original(self, name: str) -> Any:
-        """vLLM's own object under an installed patch."""
-        return self._slots[self._where[name]].original
+    def original(self, name: str, on: Any = None) -> Any:
+        """vLLM's own object under an installed patch (on ``on``, for a patch on several objects)."""
+        return self._slots[self._key(name, on)].original
+
+    def _key(self, name: str, on: Any) -> tuple[int, str]:
+        keys = self._where.get(name, [])
+        if on is not None:
+            keys = [key for key in keys if key[0] == id(on)]
+        if not keys:
+            raise PatchError(f"patch {name} is not installed" + (" on that object" if on is not None else ""))
+        if len(keys) > 1:
+            raise PatchError(f"patch {name} is installed on {len(keys)} objects: say which (on=...)")
+        return keys[0]
 
     def state(self, name: str) -> dict[str, str]:
         return dict(self._states[name])
@@ -255,7 +270,8 @@ class Registry:
     def _rebuild(self, slot: _Slot) -> None:
         composed = slot.original
         for _, wrap in slot.hooks:
-            composed = wrap(composed)
+            inner, composed = composed, wrap(composed)
+            _show_signature_of(composed, inner)
         setattr(slot.owner, slot.attribute, composed)
         slot.current = _current(slot.owner, slot.attribute)
 
@@ -264,6 +280,23 @@ class Registry:
         if state == "skipped":
             logger.log(level, "vllm-specrl patch %s skipped: %s", patch.name, detail)
         return f"{state}: {detail}" if detail else state
+
+
+def _show_signature_of(wrapper: Any, inner: Any) -> None:
+    """A wrapper taking ``(self, *args, **kwargs)`` shows the signature of what it wraps (``__wrapped__``,
+    which ``inspect.signature`` follows), so a later patch's signature check, or a hook that binds the
+    method's arguments by name, sees vLLM's parameters through it."""
+    if wrapper is inner or isinstance(wrapper, (classmethod, staticmethod)) or hasattr(wrapper, "__wrapped__"):
+        return
+    try:
+        params = inspect.signature(wrapper).parameters.values()
+    except (TypeError, ValueError):
+        return
+    if all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.name == "self" for p in params):
+        try:
+            wrapper.__wrapped__ = inner
+        except (AttributeError, TypeError):
+            pass
 
 
 def _current(owner: Any, attribute: str) -> Any:

