@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from vllm_specrl._version import __version__
@@ -69,10 +70,12 @@ def _cmd_selftest(args: argparse.Namespace) -> int:
         print(f"error: unknown check groups {sorted(unknown)}; choose from {', '.join(GROUPS)}", file=sys.stderr)
         return 2
     settings = Settings(model=args.model or default_model(), samples=args.samples, groups=groups)
+    started = time.perf_counter()
     checks = selftest(settings, progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(format_table(checks))
     if args.json:
-        args.json.write_text(json.dumps(as_json(checks, settings), indent=1) + "\n")
+        found = as_json(checks, settings, round(time.perf_counter() - started, 1))
+        args.json.write_text(json.dumps(found, indent=1) + "\n")
     return 0 if all(c.passed for c in checks) else 1
 
 

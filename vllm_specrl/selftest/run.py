@@ -204,6 +204,14 @@ def format_table(checks: list[Check]) -> str:
     return "\n".join(lines)
 
 
-def as_json(checks: list[Check], settings: Settings) -> dict[str, Any]:
-    return {"model": str(settings.model), "groups": list(settings.groups), "samples": settings.samples,
+def as_json(checks: list[Check], settings: Settings, seconds: float | None = None) -> dict[str, Any]:
+    """The results with the machine and versions they were found on."""
+    import vllm
+
+    from vllm_specrl._version import __version__
+    from vllm_specrl.bench_engine import host_info
+
+    return {"selftest": "vllm-specrl", "vllm_specrl": __version__, "vllm": vllm.__version__, "host": host_info(),
+            "date": time.strftime("%Y-%m-%d"), "seconds": seconds, "model": str(settings.model),
+            "groups": list(settings.groups), "samples": settings.samples,
             "checks": [c.__dict__ for c in checks], "passed": all(c.passed for c in checks)}
