@@ -95,7 +95,7 @@ selftest: fixtures
 	@$(VENV)/bin/vllm-specrl selftest --model $(FIXTURES)/tiny/target
 
 bench: fixtures
-	@$(PY) scripts/bench_rollout.py --fixtures $(FIXTURES)
+	@$(PY) scripts/bench/bench_rollout.py --fixtures $(FIXTURES)
 
 clean-fixtures:
 	rm -rf $(FIXTURES)

@@ -51,7 +51,6 @@ import json
 import os
 import resource
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -63,11 +62,11 @@ from typing import Any
 import torch
 
 from vllm_specrl import cpu_malloc, metrics
-from vllm_specrl.adaptive import SCHEDULER_CLS
 from vllm_specrl.adaptive.calibrate import WARM_UP_TOKENS
 from vllm_specrl.bench_engine import ParentTurns, host_info
+from vllm_specrl.rl.draft_trainer import DraftTrainerProcess, DraftTrainerSettings, pause_file, trainer_cpus
 from vllm_specrl.rl.policy import Policy
-from vllm_specrl.rl.processes import start_niced
+from vllm_specrl.rl.serving import serve_args
 from vllm_specrl.rl.rollouts import check_rollouts, generate_at_lengths, sample_groups
 from vllm_specrl.rl.tasks import TASKS, make_tasks, reward
 from vllm_specrl.trainer.core import resolve_mixed_precision
@@ -88,44 +87,27 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path, replay: d
     shutil.rmtree(policy_dir, ignore_errors=True)
     shutil.rmtree(work / f"draft-online-{mode}", ignore_errors=True)
     shutil.rmtree(work / f"policy_head_{mode}", ignore_errors=True)
-    trainer_pause_file(work, mode).unlink(missing_ok=True)
+    pause_file(work, mode).unlink(missing_ok=True)
     shutil.copytree(target, policy_dir)
-    server_args = ["--dtype", args.dtype, "--max-model-len", "1024", "--seed", str(args.seed)]
-    trainer = None
     speculative = mode.startswith("spec")
     history = mode.startswith("history")
     mtp = mode.startswith("mtp")
     policy_head = work / f"policy_head_{mode}"  # what train-draft --mtp reads of the policy
     asynchronous = mode.endswith("-async")
-    spec, capture_config = None, None  # the proposer's speculative config; what its online trainer captures
-    if history:
-        spec = {"method": "custom_class", "model": "vllm_specrl.proposer.history.HistoryProposer",
-                "num_speculative_tokens": args.k}
-    if mtp:
-        spec = {"method": "mtp", "num_speculative_tokens": args.k, "draft_sample_method": "probabilistic"}
-        capture_config = {}
-    if speculative:
-        draft = Path(args.draft) if args.draft else work / "draft"
-        if not args.draft:
-            init_draft(target, draft, args.draft_vocab_size, seed=args.seed)
-        spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": args.k,
-                "draft_sample_method": "probabilistic"}
-        capture_config = {"capture_topk": 64}
-    if spec is not None:
-        server_args += ["--speculative-config", json.dumps(spec)]
-        # The history proposer chooses each request's draft length from its own fit of the step's cost
-        # (cost_aware); adaptive k measures a k's cost on steps where every request verifies k drafts,
-        # which history's per-request lengths rarely make, so it would cap history at k's it never measured.
-        if args.adaptive_k and not history:
-            server_args += ["--scheduler-cls", SCHEDULER_CLS]
-    if capture_config is not None and args.online_draft:
-        capture = f"tcp://127.0.0.1:{free_port()}"
-        server_args += ["--additional-config", json.dumps({"specrl": {"capture": capture, **capture_config}})]
+    proposer = "eagle3" if speculative else "history" if history else "mtp" if mtp else "plain"
+    draft = Path(args.draft) if args.draft else work / "draft"
+    if speculative and not args.draft:
+        init_draft(target, draft, args.draft_vocab_size, seed=args.seed)
+    online = args.online_draft and proposer in ("eagle3", "mtp")
+    serving = serve_args(proposer, k=args.k, draft=draft if speculative else None, adaptive_k=args.adaptive_k,
+                         capture=f"tcp://127.0.0.1:{free_port()}" if online else None, dtype=args.dtype,
+                         max_model_len=1024, seed=args.seed)
+    trainer = None
     policy = Policy(policy_dir, args.lr, args.seed)
-    if mtp and args.online_draft:
-        write_policy_head(policy, policy_dir, policy_head)
+    if mtp and online:
+        policy.write_head(policy_dir, policy_head)
     steps, warm_up = [], []
-    with VLLMServer(policy_dir, server_args, log_path=work / f"serve_{mode}.log", enforce_eager=not args.compile,
+    with VLLMServer(policy_dir, serving.args, log_path=work / f"serve_{mode}.log", enforce_eager=not args.compile,
                     startup_timeout_s=900 if args.compile else 300) as srv:
         client = EngineClient(srv.url, progress=False)
         calibration = None
@@ -137,15 +119,14 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path, replay: d
                                                       steps=WARM_UP_TOKENS if history else 256)
             print(f"[rl:{mode}] calibration {calibration['seconds']:.1f}s: "
                   + ", ".join(f"{b['batch']} seqs -> k {b['best_k']}" for b in calibration["batches"]), flush=True)
-        if (speculative or mtp) and args.online_draft:
+        if online:
             # EAGLE-3: the draft reads the policy's head from the served checkpoint (capture_topk sends
             # the targets). MTP: the policy's own layer, trained against the policy's next-token
             # distribution, with embedding and final norm re-read from ``policy_head`` per version.
-            trainer = start_draft_trainer(
-                args, work, mode, capture, srv.url,
-                ["--mtp", "--draft", str(policy_dir), "--target", str(policy_head)] if mtp
-                else ["--draft", str(draft), "--target", str(policy_dir)],
-                cpus=trainer_cpus(args.draft_trainer_cpus, client.status()))
+            trainer = DraftTrainerProcess.start(
+                serving.capture, srv.url, policy_dir if mtp else draft, policy_head if mtp else policy_dir, work,
+                draft_trainer_settings(args), mtp=mtp, cpus=trainer_cpus(args.draft_trainer_cpus, client.status()),
+                name=mode)
         pool = ThreadPoolExecutor(1)
 
         def rollouts(step: int):
@@ -165,14 +146,14 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path, replay: d
             total = args.warm_up_steps + args.steps
             # Step i samples task set i and leaves policy version i + 1; the first warm_up_steps are
             # recorded apart (steps -N..-1) and left out of the summary.
-            pause = trainer_pause_file(work, mode)
             for i in range(total):
                 step = i - args.warm_up_steps
                 if turns is not None and next_turn(turns, mode, "step") != i:
                     raise RuntimeError(f"[rl:{mode}] the parent's step index is not {i}")
                 # The draft trainer trains while rollouts run; paused (when it yields) from the policy
                 # phases until the next step's rollouts, and so also while another run takes its turn.
-                pause.unlink(missing_ok=True)
+                if trainer is not None:
+                    trainer.resume()
                 started_at = time.time()
                 t_step = time.perf_counter()
                 t0 = time.perf_counter()
@@ -186,7 +167,7 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path, replay: d
                 after = client.status()
                 check_rollouts(samples, i, args.prompts, args.group)
                 if trainer is not None and args.draft_trainer_yields and not asynchronous:
-                    pause.touch()  # the policy phases get the cores; removed before the next rollouts
+                    trainer.pause()  # the policy phases get the cores; resumed before the next rollouts
                 # Logprob recomputation and the update in one pass, micro-batch by micro-batch (one
                 # micro-batch's autograd graph alive at a time); its forward and update times apart.
                 f0 = page_faults()
@@ -196,8 +177,8 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path, replay: d
                 diffs = torch.cat(abs_diffs)
                 on_policy = [s["policy_version_start"] == s["policy_version_end"] == policy.version for s in samples]
                 t0 = time.perf_counter()
-                if mtp and args.online_draft:
-                    write_policy_head(policy, policy_dir, policy_head)  # before the commit the trainer sees
+                if mtp and online:
+                    policy.write_head(policy_dir, policy_head)  # before the commit the trainer sees
                 # An MTP run sends the body alone: the served MTP layer is the online trainer's (or,
                 # with --no-online-draft, the checkpoint's, frozen).
                 client.update_policy(policy.model.named_parameters(), version=i + 1,
@@ -252,14 +233,8 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path, replay: d
                 length_replays = replay_lengths(srv, policy, args, {**replay, mode: {"steps": steps}}, mode)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)  # a queued next-step rollout is dropped
-            if trainer is not None:
-                trainer.send_signal(signal.SIGINT)  # it checkpoints and exits
-                try:
-                    trainer.wait(120)
-                except subprocess.TimeoutExpired:  # a stuck trainer must not fail the RL run
-                    print(f"[rl:{mode}] draft trainer did not exit in 120 s after SIGINT: killed", flush=True)
-                    trainer.kill()
-                    trainer.wait()
+            if trainer is not None and not trainer.stop():  # a stuck trainer must not fail the RL run
+                print(f"[rl:{mode}] draft trainer did not exit in 120 s after SIGINT: killed", flush=True)
     return {"mode": mode, "steps": steps, "warm_up_steps": warm_up, "calibration": calibration,
             "draft_publish_gate": publish_gate_verdicts(work / f"online_draft_{mode}.jsonl"),
             **({"length_replays": length_replays} if replay else {})}
@@ -435,19 +410,6 @@ def format_minutes(seconds: float) -> str:
 RUN_TURN_TIMEOUT_S = 1800.0  # a run's start-up (engine, calibration, trainer), one step, or its finish
 
 
-def write_policy_head(policy: Policy, policy_dir: Path, out: Path) -> None:
-    """The tensors ``train-draft --mtp`` reads of the current policy (embedding, final norm, an
-    untied LM head) with its config: a few hundred MB less to write per step than the checkpoint."""
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    if not (out / "config.json").exists():  # the shapes never change; the tensors do, every step
-        shutil.copy(policy_dir / "config.json", out / "config.json")
-    params = dict(policy.model.named_parameters())
-    keep = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
-    save_file({k: params[k].detach().contiguous() for k in keep if k in params}, out / "model.safetensors")
-
-
 def page_faults() -> int:
     """Minor page faults of this process so far: the policy phases' cost in fresh pages."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -462,56 +424,11 @@ def mean_k(before: dict | None, after: dict | None) -> float | None:
     return sum(k * n for k, n in enumerate(counts)) / sum(counts) if sum(counts) else None
 
 
-def start_draft_trainer(args: argparse.Namespace, work: Path, mode: str, capture: str, engine_url: str,
-                        model_args: list[str], cpus: set[int] | None = None) -> subprocess.Popen:
-    """``vllm-specrl train-draft`` on the engine's capture stream, started before step 0, on ``cpus``
-    when given (``trainer_cpus``)."""
-    out = work / f"draft_trainer_{mode}.out"
-    trainer = start_niced(
-        [sys.executable, "-m", "vllm_specrl.cli", "train-draft", "--capture", capture, "--engine", engine_url,
-         *model_args, "--checkpoint-dir", str(work / f"draft-online-{mode}"),
-         "--publish-every", str(args.draft_publish_every), "--checkpoint-every", "50", "--batch-size", "4",
-         "--lr", str(args.draft_lr), "--tv-weight", str(args.draft_tv_weight),
-         "--idle-s", "0.5", "--replay-ratio", str(args.draft_replay_ratio),
-         "--holdout-every", str(args.draft_holdout_every),
-         "--mixed-precision", args.draft_mixed_precision,
-         *(["--pause-file", str(trainer_pause_file(work, mode))] if args.draft_trainer_yields else []),
-         "--log", str(work / f"online_draft_{mode}.jsonl")],
-        stdout=open(out, "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
-        # The draft trainer shares these 2 cores with the engine and this loop (on a GPU
-        # cluster it has its own device): it takes cycles they leave, and a bounded number.
-        niceness=args.draft_nice, idle=args.draft_sched_idle, cpus=cpus,
-        env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
-    # In an RL job the draft trainer starts once, before the first step; here its start-up
-    # (imports, loading the draft and the policy's head) would otherwise land in step 0's
-    # rollouts and be counted as their cost.
-    wait_for_trainer_start(trainer, out)
-    return trainer
-
-
-def trainer_cpus(setting: str, engine_status: dict) -> set[int] | None:
-    """Where the online draft trainer runs: "auto", the CPUs the engine's capture sender runs on (those
-    its CPU worker's compute threads are not bound to; none on a GPU worker, then anywhere), or "any"."""
-    if setting == "any":
-        return None
-    return set((engine_status.get("capture") or {}).get("sender_cpus") or ()) or None
-
-
-def trainer_pause_file(work: Path, mode: str) -> Path:
-    """While it exists the online draft trainer ingests but does not train (``--pause-file``)."""
-    return work / f"draft_trainer_{mode}.pause"
-
-
-def wait_for_trainer_start(trainer: subprocess.Popen, out: Path, timeout_s: float = 300.0) -> None:
-    """Until the online draft trainer says it started (its first output line), or it exits."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and trainer.poll() is None:
-        if out.exists() and '"event": "started"' in out.read_text():
-            return
-        time.sleep(0.5)
-    code = trainer.poll()
-    trainer.kill()
-    raise RuntimeError(f"the draft trainer did not start (exit code {code}); see {out}")
+def draft_trainer_settings(args: argparse.Namespace) -> DraftTrainerSettings:
+    return DraftTrainerSettings(publish_every=args.draft_publish_every, lr=args.draft_lr, tv_weight=args.draft_tv_weight,
+                                replay_ratio=args.draft_replay_ratio, holdout_every=args.draft_holdout_every,
+                                mixed_precision=args.draft_mixed_precision, niceness=args.draft_nice,
+                                sched_idle=args.draft_sched_idle, yields=args.draft_trainer_yields)
 
 
 def summarize(runs: dict) -> dict:
@@ -655,7 +572,7 @@ def print_table(report: dict) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The demo's options (``scripts/bench_online_cost.py`` reads the draft trainer's defaults here)."""
+    """The demo's options (``scripts/bench/bench_online_cost.py`` reads the draft trainer's defaults here)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fixtures", type=Path, default=None)
     ap.add_argument("--target", type=Path, default=None, help="policy checkpoint (default: the real fixture)")

@@ -14,7 +14,7 @@ FIXTURE_ROOT = Path(os.environ.get("VLLM_SPECRL_FIXTURES", REPO / ".fixtures")).
 # Without a KV-cache size vLLM reserves a share of RAM and fails.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# TRL (imported when tests/plugins/test_trl.py is collected) sets VLLM_LOGGING_LEVEL=ERROR in this
+# TRL (imported when tests/integrations/test_trl.py is collected) sets VLLM_LOGGING_LEVEL=ERROR in this
 # process unless it is already set, and every `vllm serve` started later would inherit it: tests read
 # vLLM's INFO lines (the plugin's "active in ... process" lines), so pin vLLM's default here.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")

@@ -1,4 +1,4 @@
-"""``scripts/bench_gpu_step_cost.py`` on the CPU at toy shapes: its decoder layer is a real GQA layer (the
+"""``scripts/bench/bench_gpu_step_cost.py`` on the CPU at toy shapes: its decoder layer is a real GQA layer (the
 folded-query attention equals torch's own GQA attention with a causal mask over the cache), and its
 derived columns follow from the times it measured.
 
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "bench"))
 
 import bench_gpu_step_cost as bench  # noqa: E402
 
@@ -54,7 +54,7 @@ def test_the_folded_gqa_layer_equals_torchs_gqa_attention():
 
 def test_a_toy_run_reports_costs_that_follow_from_its_times(tmp_path):
     out = tmp_path / "cost.json"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "bench_gpu_step_cost.py"), "--device", "cpu", "--no-graphs",
+    subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "bench_gpu_step_cost.py"), "--device", "cpu", "--no-graphs",
                     "--layers", "2", "--hidden", "128", "--intermediate", "256", "--heads", "4", "--kv-heads", "2",
                     "--vocab", "2048", "--draft-vocab", "512", "--batch-sizes", "1,2", "--context", "32",
                     "--reps", "2", "--out", str(out)], check=True, capture_output=True, timeout=300)

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_bench_rollout_sweep_on_tiny(tiny_model, warm_draft, tmp_path):
     out = tmp_path / "bench.json"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "bench_rollout.py"),
+    subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "bench_rollout.py"),
                     "--model", str(tiny_model), "--warm-draft", str(warm_draft),
                     "--methods", "plain,ngram,eagle3-random,eagle3-warm", "--ks", "2",
                     "--temperatures", "0,1", "--batch-sizes", "2", "--waves", "1",
@@ -54,7 +54,7 @@ def test_bench_rollout_sweep_on_tiny(tiny_model, warm_draft, tmp_path):
 def _bench_rollout_module():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_rollout", REPO / "scripts" / "bench_rollout.py")
+    spec = importlib.util.spec_from_file_location("bench_rollout", REPO / "scripts" / "bench" / "bench_rollout.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

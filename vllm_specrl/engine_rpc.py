@@ -26,7 +26,7 @@ async def unless_engine_dies(engine: Any, call: Awaitable[T], what: str) -> T:
     dies is never answered: its future stays in ``utility_results``, nothing fails it, so the
     ``await`` hangs forever, and the API server, shutting down after the death, waits for that
     open connection. A weight update whose engine was killed mid-commit would hang its caller
-    (and a whole fleet's update) instead of failing. ``scripts/repro_rpc_hangs_on_engine_death.py``
+    (and a whole fleet's update) instead of failing. ``scripts/repro/repro_rpc_hangs_on_engine_death.py``
     shows it with vLLM alone.
 
     The same death can also answer first: when a worker process dies, the engine core fails

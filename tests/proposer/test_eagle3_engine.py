@@ -143,7 +143,7 @@ def test_an_in_place_draft_update_reaches_the_mask_slots(tiny_model, parallel_dr
 
 def test_adaptive_k_serves_a_parallel_draft_at_zero_or_its_k(tiny_model, prompts, plain, parallel_draft):
     """vLLM's parallel drafter lays out its mask slots for the configured k: a step at another k > 0
-    fails on 0.32 (scripts/repro_parallel_drafting_varying_k.py), a k = 0 step between k = 3 ones
+    fails on 0.32 (scripts/repro/repro_parallel_drafting_varying_k.py), a k = 0 step between k = 3 ones
     serves. Adaptive k switches a parallel draft between 0 and 3 only, and stays lossless."""
     spec = greedy_generate(tiny_model, prompts, MAX_TOKENS, dict(eagle3(parallel_draft), parallel_drafting=True),
                            scheduler_cls=SCHEDULER_CLS)

@@ -437,12 +437,9 @@ class AdaptiveKController:
         to a k that pays at the *mean* estimate, i.e. beats k = 0 without it (``optimism_where_paying``):
         where a k costs more k = 0 steps than it can return tokens at today's acceptance, being
         wrong about it is expensive, so it is not served on hope; bursts at the served k's
-        neighbours keep measuring it. Without this, a bucket calibrated before any real draft
-        (every position at the prior 0.5 plus one standard error of a weight-2 prior: 0.85, so
-        E[tokens | k = 3] = 3.2) served k = 2-3 at 16 sequences, where they cost 2.1-3.0 k = 0
-        steps, until the first real drafts pulled it down (the chosen k there was 0, 2, 0, 3
-        over four demo runs with the same measured costs). Where a k is cheap (one sequence:
-        k = 3 costs 1.4 k = 0 steps) the bonus still explores it."""
+        neighbours keep measuring it. (Without this, a bucket calibrated before any real draft, its
+        acceptance at the optimistic prior, served large k at large batches until real drafts pulled it
+        down.) Where a k is cheap (small batches) the bonus still explores it."""
         state = self.buckets[bucket]
         tokens = self.acceptance.expected_tokens(self.cfg.optimism)
         measured = [state.cost.samples(k) >= min(3, self.cfg.min_samples) for k in range(self.max_k + 1)]
@@ -457,8 +454,7 @@ class AdaptiveKController:
         best = int(np.argmax(rates))
         # Down needs no margin, only the candidate's own noise: where two k's are that close, the
         # smaller one is the safer (costs a step's timing does not see, prefills and k switches,
-        # grow with k); a parallel draft at four sequences served k = 3 at its own estimate of
-        # 0.95-0.97 of k = 0 for a whole run, held there by the 2% margin alone, at 0.76x plain.
+        # grow with k; a margin on the way down once held a losing k for a whole run).
         margin = self.cfg.switch_margin if best > state.best else 0.0
         needed = 1 + margin + state.cost.ratio_stderr(best)
         if best != state.best and rates[best] > rates[state.best] * needed:

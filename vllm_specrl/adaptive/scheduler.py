@@ -15,13 +15,14 @@ requests to 1 + k. The subclass below owns that table and rewrites it before
 every ``schedule()`` from the adaptive-k controller, and feeds the controller in
 ``update_from_output`` (scheduled drafts per request, accepted = sampled - 1,
 wall time between outputs; the sampled tokens are read before the stock method, which
-trims a stopped request's list in place: ``Scheduler._update_request_with_output``). Start-up calibration requests (``vllm_specrl.adaptive.calibrate``)
+trims a stopped request's list in place: ``Scheduler._update_request_with_output``). Start-up
+calibration requests (``vllm_specrl.adaptive.calibrate``)
 are recognised by their request ids, which carry the ``X-Request-Id`` header the sweep sends
 (``cmpl-<header>-<i>``, then vLLM's ``-<random>`` suffix): while the scheduler's queues hold
 only those, the controller sweeps every k, and their drafts never reach its acceptance
 estimate. Checked on 0.32.0 (cpu), Scheduler and AsyncScheduler (``running``, ``waiting``).
 Behaviour relied on, with a parallel (P-EAGLE) drafter: steps at k = 0 between steps at the
-configured k serve, any other k > 0 fails (``scripts/repro_parallel_drafting_varying_k.py``;
+configured k serve, any other k > 0 fails (``scripts/repro/repro_parallel_drafting_varying_k.py``;
 tests/proposer/test_eagle3_engine.py::test_adaptive_k_serves_a_parallel_draft_at_zero_or_its_k).
 """
 
@@ -79,24 +80,24 @@ def adaptive_k_scheduler_class(vllm_config: Any) -> type:
             atexit.register(adaptive_state.remove, self._specrl_frontend_pid)
 
         def schedule(self, *args: Any, **kwargs: Any) -> Any:
-            ctl = self._specrl_controller
-            if ctl is not None:
+            controller = self._specrl_controller
+            if controller is not None:
                 queued = (r.request_id for r in itertools.chain(self.running, self.waiting))
-                self.dynamic_sd_lookup = ctl.lookup_for_step(calibrating=only_calibration(queued))
+                self.dynamic_sd_lookup = controller.lookup_for_step(calibrating=only_calibration(queued))
             out = super().schedule(*args, **kwargs)
-            if ctl is not None and out.num_scheduled_tokens:
-                ctl.record_choice(len(out.num_scheduled_tokens), out.num_spec_tokens_to_schedule,
+            if controller is not None and out.num_scheduled_tokens:
+                controller.record_choice(len(out.num_scheduled_tokens), out.num_spec_tokens_to_schedule,
                                   calibrating=only_calibration(out.num_scheduled_tokens))
             return out
 
         def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-            ctl = self._specrl_controller
+            controller = self._specrl_controller
             # Read before vLLM's own update: a request that stops mid-verify (max_tokens, EOS, a stop
             # token) has its list of sampled tokens trimmed in place there (``del new_token_ids[n:]``),
             # which would count its accepted drafts past the stop as rejected.
-            verified = verified_drafts(scheduler_output, model_runner_output) if ctl is not None else []
+            verified = verified_drafts(scheduler_output, model_runner_output) if controller is not None else []
             result = super().update_from_output(scheduler_output, model_runner_output)
-            if ctl is None or not scheduler_output.num_scheduled_tokens:
+            if controller is None or not scheduler_output.num_scheduled_tokens:
                 return result
             now = time.perf_counter()
             spec = scheduler_output.scheduled_spec_decode_tokens
@@ -106,7 +107,7 @@ def adaptive_k_scheduler_class(vllm_config: Any) -> type:
                      and all(n == 1 + len(spec.get(rid, ())) for rid, n in scheduled.items()))
             calibrating = only_calibration(scheduled)
             seconds = now - self._specrl_last_output if (clean and self._specrl_last_output) else None
-            ctl.observe_step(len(scheduled), k_verify.pop() if len(k_verify) == 1 else 0,
+            controller.observe_step(len(scheduled), k_verify.pop() if len(k_verify) == 1 else 0,
                              scheduler_output.num_spec_tokens_to_schedule, seconds, verified,
                              runner_seconds(model_runner_output), calibrating=calibrating)
             # An idle engine makes no outputs: the next interval would count the idle time.
@@ -115,7 +116,7 @@ def adaptive_k_scheduler_class(vllm_config: Any) -> type:
             if now - self._specrl_last_publish > 0.5 or not busy:
                 self._specrl_last_publish = now
                 try:
-                    adaptive_state.publish(ctl.state(), self._specrl_frontend_pid)
+                    adaptive_state.publish(controller.state(), self._specrl_frontend_pid)
                 except OSError:
                     pass  # reporting must never break scheduling
             return result

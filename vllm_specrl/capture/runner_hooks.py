@@ -29,7 +29,7 @@ def capture_step_view(runner: Any, scheduler_output: Any, sampled_token_ids: Any
         return None
     n_reqs = runner.input_batch.num_reqs
     total = scheduler_output.total_num_scheduled_tokens
-    qsl = runner.query_start_loc.cpu[: n_reqs + 1].tolist()
+    query_starts = runner.query_start_loc.cpu[: n_reqs + 1].tolist()
     if isinstance(sampled_token_ids, torch.Tensor):
         sampled = [[t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in sampled_token_ids.tolist()]
     else:
@@ -40,7 +40,7 @@ def capture_step_view(runner: Any, scheduler_output: Any, sampled_token_ids: Any
     logit_row = 0
     for i, rid in enumerate(runner.input_batch.req_ids[:n_reqs]):
         num_spec = len(scheduler_output.scheduled_spec_decode_tokens.get(rid, ()))
-        requests.append({"request_id": rid, "start": qsl[i], "end": qsl[i + 1], "num_spec": num_spec,
+        requests.append({"request_id": rid, "start": query_starts[i], "end": query_starts[i + 1], "num_spec": num_spec,
                          "sampled": [] if discard[i] else sampled[i], "logit_row": logit_row,
                          "num_prompt_tokens": int(prompt_lens[i])})
         # The step's logits hold num_spec + 1 rows per request, in batch order (spec decode metadata's

@@ -10,7 +10,7 @@ float input would be truncated to int64 anyway). `apply_sampling_constraints`
 expands temperature, top-k and top-p per draft position with it, so at T>0
 every drafted position's target logits are divided by garbage and speculative
 sampling is no longer lossless; greedy returns before it and is unaffected.
-Reproduction: scripts/repro_cpu_expand_kernel.py.
+Reproduction: scripts/repro/repro_cpu_expand_kernel.py.
 Fix: replace the implementation with a dtype-preserving repeat_interleave,
 (a) by rebinding the module attribute the platform reads when it registers its
 overrides (the plugin runs before that in every worker), and (b) by
@@ -30,7 +30,7 @@ EXPAND_KERNEL_PATCH = REGISTRY.declare(Patch(
         "every drafted position's target logits are divided by garbage temperatures (not lossless)",
     scope="cpu", switch="VLLM_SPECRL_CPU_EXPAND_FIX", checked_on=("vLLM 0.32.0, CPU: faulty (probe, T=1 test)",),
     signature=("output", "input_val", "cu_num_tokens", "replace_from", "replace_to", "MAX_NUM_TOKENS"),
-    repro="scripts/repro_cpu_expand_kernel.py"))
+    repro="scripts/repro/repro_cpu_expand_kernel.py"))
 
 
 def expand_kernel_fixed(output, input_val, cu_num_tokens, replace_from, replace_to,

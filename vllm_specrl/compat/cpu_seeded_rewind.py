@@ -5,7 +5,7 @@ generator of every request whose sampled token is discarded (a partial
 prefill) with ``gen.set_offset(gen.get_offset() - 4)``: Philox offsets, which
 a CPU ``torch.Generator`` does not have ("CPU Generator does not use offset"),
 so the first seeded request whose prefill is chunked kills the engine.
-Repro: scripts/repro_cpu_seeded_chunked_prefill.py. Fix: give seeded requests
+Repro: scripts/repro/repro_cpu_seeded_chunked_prefill.py. Fix: give seeded requests
 a CPU generator that remembers its state when the step's sampling begins and
 restores it on that rewind, which is what the rewind means (the discarded
 sample never happened), so seeded outputs do not depend on chunking.
@@ -23,7 +23,7 @@ SEEDED_REWIND_PATCH = REGISTRY.declare(Patch(
         "which CPU generators lack, and kills the engine",
     scope="cpu", switch="VLLM_SPECRL_CPU_SEEDED_REWIND_FIX",
     checked_on=("vLLM 0.32.0, CPU: faulty (engine error with chunked prefill)",),
-    signature=("self", "grammar_output"), repro="scripts/repro_cpu_seeded_chunked_prefill.py",
+    signature=("self", "grammar_output"), repro="scripts/repro/repro_cpu_seeded_chunked_prefill.py",
     order=SEEDED_REWIND_ORDER, defined_in="vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens"))
 
 

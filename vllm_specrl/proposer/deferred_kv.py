@@ -8,7 +8,8 @@ on every step, also at k = 0 (adaptive k, or ``num_speculative_tokens_per_batch_
 ``propose_draft_token_ids``): a k = 0 step whose requests all decode one token
 (``max_query_len == 1``) stores the pass's inputs (``proposer.draft_kv_stash``)
 and returns the same empty draft tensor. A k = 0 step that mixes prompt chunks with
-one-token decodes (a request joining a running batch, which in a refilled rollout batch happens every few steps) holds the
+one-token decodes (a request joining a running batch, which in a refilled rollout batch happens every
+few steps) holds the
 decodes' rows too and passes the prompt chunks alone (the prompt's draft KV is written at
 once). A full stash (``drafter.max_num_tokens`` rows) first forgets the rows of requests
 that left the batch. Before any other call (k > 0, a resumed request,
@@ -110,25 +111,25 @@ class DeferredDraftKV:
                 and DeferredDraftKV.stash_rows(drafter) >= int(drafter.max_batch_size))
 
     def propose(self, **kw: Any) -> Any:
-        cam = kw["common_attn_metadata"]
-        n = cam.num_reqs
+        attention = kw["common_attn_metadata"]
+        n = attention.num_reqs
         req_ids = self.runner.input_batch.req_ids[:n]
-        if kw["num_speculative_tokens"] == 0 and cam.max_query_len == 1 and cam.num_actual_tokens == n:
-            self._make_room(n, cam, req_ids, kw)
+        if kw["num_speculative_tokens"] == 0 and attention.max_query_len == 1 and attention.num_actual_tokens == n:
+            self._make_room(n, attention, req_ids, kw)
             if self.stash.fits(n):
                 positions = kw["target_positions"][:n]
                 self.stash.add_step(list(req_ids), positions.tolist(), kw["next_token_ids"], positions,
-                                    kw["target_hidden_states"], cam.slot_mapping)
+                                    kw["target_hidden_states"], attention.slot_mapping)
                 return self._no_drafts(n, kw["next_token_ids"].device)
-        elif kw["num_speculative_tokens"] == 0 and self._defer_decodes_beside_prefills(cam, req_ids, kw):
+        elif kw["num_speculative_tokens"] == 0 and self._defer_decodes_beside_prefills(attention, req_ids, kw):
             return self._no_drafts(n, kw["next_token_ids"].device)
         if self.stash.rows:
-            self.replay(cam, req_ids, kw)
+            self.replay(attention, req_ids, kw)
         return self.stock_propose(**kw)
 
     def hold_before_vllm_inputs(self, scheduler_output: Any, sampled_token_ids: Any, sampling_metadata: Any,
                                 hidden_states: Any, sample_hidden_states: Any, aux_hidden_states: Any,
-                                spec_decode_metadata: Any, cam: Any, slot_mappings: Any) -> Any:
+                                spec_decode_metadata: Any, attention: Any, slot_mappings: Any) -> Any:
         """A k = 0 step of one-token decodes that the stash can hold, held before vLLM gathers the
         drafter's inputs (its Python loop over the batch for backup tokens, the next-token kernel,
         the hidden-state concatenation: ~0.4 ms of a 16-sequence CPU step, for a pass that is not
@@ -138,10 +139,10 @@ class DeferredDraftKV:
         done) for any other step. Arguments: ``propose_draft_token_ids``'s."""
         import torch
 
-        runner, n = self.runner, cam.num_reqs
+        runner, n = self.runner, attention.num_reqs
         if (scheduler_output.num_spec_tokens_to_schedule != 0
                 or (spec_decode_metadata is not None and spec_decode_metadata.max_spec_len != 0)
-                or cam.max_query_len != 1 or cam.num_actual_tokens != n or not self.stash.fits(n)
+                or attention.max_query_len != 1 or attention.num_actual_tokens != n or not self.stash.fits(n)
                 or not isinstance(sampled_token_ids, torch.Tensor) or sampled_token_ids.shape[1] != 1
                 or runner.discard_request_mask.np[:n].any()):
             return None
@@ -149,19 +150,19 @@ class DeferredDraftKV:
         hidden = (torch.cat([h[:n] for h in aux_hidden_states], dim=-1) if runner.use_aux_hidden_state_outputs
                   else hidden_states[:n])
         self.stash.add_step(list(runner.input_batch.req_ids[:n]), positions.tolist(),
-                            sampled_token_ids[:n, 0].to(torch.int32), positions, hidden, cam.slot_mapping)
+                            sampled_token_ids[:n, 0].to(torch.int32), positions, hidden, attention.slot_mapping)
         self.stash.counters.held_early += 1
         runner._draft_probs = runner._draft_prob_req_ids = None
         return self._no_drafts(n, sampled_token_ids.device)
 
-    def _make_room(self, rows: int, cam: Any, req_ids: list[str], kw: dict[str, Any]) -> None:
+    def _make_room(self, rows: int, attention: Any, req_ids: list[str], kw: dict[str, Any]) -> None:
         """Room for ``rows`` more: first forget the rows of requests that left the batch (never
         replayed: their draft KV is never read), and replay the batch's only if still full."""
         if self.stash.fits(rows):
             return
         self.stash.forget_absent(list(req_ids))
         if not self.stash.fits(rows):
-            self.replay(cam, req_ids, kw)
+            self.replay(attention, req_ids, kw)
 
     def _no_drafts(self, n: int, device: Any) -> Any:
         import torch
@@ -170,7 +171,7 @@ class DeferredDraftKV:
         self.drafter._last_draft_probs = None
         return torch.empty(n, 0, dtype=torch.int64, device=device)
 
-    def _defer_decodes_beside_prefills(self, cam: Any, req_ids: list[str], kw: dict[str, Any]) -> bool:
+    def _defer_decodes_beside_prefills(self, attention: Any, req_ids: list[str], kw: dict[str, Any]) -> bool:
         """A k = 0 step that mixes prompt chunks with one-token decodes (a request joining a running
         batch): hold the decodes' rows, and run the stock pass over the prompt chunks alone, instead
         of replaying everything held and passing over the whole batch (with requests joining
@@ -178,9 +179,10 @@ class DeferredDraftKV:
         False (nothing done) for any other shape: a request that verified drafts, or resumed."""
         import torch
 
-        starts_at = cam.query_start_loc_cpu.long()
+        starts_at = attention.query_start_loc_cpu.long()
         query_lens = (starts_at[1:] - starts_at[:-1]).tolist()
-        if cam.num_actual_tokens != int(starts_at[-1]) or int(kw["target_token_ids"].shape[0]) < cam.num_actual_tokens:
+        tokens = attention.num_actual_tokens
+        if tokens != int(starts_at[-1]) or int(kw["target_token_ids"].shape[0]) < tokens:
             return False
         first = kw["target_positions"][starts_at[:-1]].tolist()
         prompt_lens = self.runner.input_batch.num_prompt_tokens[:len(query_lens)].tolist()
@@ -194,7 +196,7 @@ class DeferredDraftKV:
                 return False
         if not prompts or not decodes:
             return False
-        self._make_room(len(decodes), cam, req_ids, kw)
+        self._make_room(len(decodes), attention, req_ids, kw)
         if not self.stash.fits(len(decodes)):
             return False
         dev = kw["target_positions"].device
@@ -203,12 +205,13 @@ class DeferredDraftKV:
         positions = kw["target_positions"].index_select(0, rows)
         self.stash.add_step([req_ids[i] for i in decodes], positions.tolist(),
                             kw["next_token_ids"].index_select(0, idx), positions,
-                            kw["target_hidden_states"].index_select(0, rows), cam.slot_mapping.index_select(0, rows))
+                            kw["target_hidden_states"].index_select(0, rows),
+                            attention.slot_mapping.index_select(0, rows))
         self.stash.counters.prompt_passes += 1
         chunk_rows = torch.cat([torch.arange(int(starts_at[i]), int(starts_at[i + 1])) for i in prompts]).to(dev)
         sub_cam = self._sub_batch_metadata(
-            cam, prompts, [query_lens[i] for i in prompts], cam.seq_lens[prompts].tolist(),
-            cam.slot_mapping.index_select(0, chunk_rows), kw["next_token_ids"].device)
+            attention, prompts, [query_lens[i] for i in prompts], attention.seq_lens[prompts].tolist(),
+            attention.slot_mapping.index_select(0, chunk_rows), kw["next_token_ids"].device)
         self.stock_propose(
             num_speculative_tokens=0, target_token_ids=kw["target_token_ids"].index_select(0, chunk_rows),
             target_positions=kw["target_positions"].index_select(0, chunk_rows),
@@ -220,35 +223,35 @@ class DeferredDraftKV:
         return True
 
     @staticmethod
-    def _sub_batch_metadata(cam: Any, batch_rows: list[int], query_lens: list[int], seq_lens: list[int],
+    def _sub_batch_metadata(attention: Any, batch_rows: list[int], query_lens: list[int], seq_lens: list[int],
                             slots: Any, device: Any) -> Any:
         """Attention metadata of a pass over some of the batch's requests (their block-table rows),
         ``query_lens[i]`` rows each, ending at KV length ``seq_lens[i]``, written at ``slots``."""
         import torch
         from vllm.v1.attention.backend import CommonAttentionMetadata
 
-        qsl_cpu = torch.zeros(len(query_lens) + 1, dtype=cam.query_start_loc_cpu.dtype)
+        qsl_cpu = torch.zeros(len(query_lens) + 1, dtype=attention.query_start_loc_cpu.dtype)
         torch.cumsum(torch.tensor(query_lens), 0, out=qsl_cpu[1:])
-        seq_lens_cpu = torch.tensor(seq_lens, dtype=cam.seq_lens.dtype)
-        rows = torch.tensor(batch_rows, dtype=torch.long, device=cam.block_table_tensor.device)
+        seq_lens_cpu = torch.tensor(seq_lens, dtype=attention.seq_lens.dtype)
+        rows = torch.tensor(batch_rows, dtype=torch.long, device=attention.block_table_tensor.device)
         return CommonAttentionMetadata(
             query_start_loc=qsl_cpu.to(device), query_start_loc_cpu=qsl_cpu,
             seq_lens=seq_lens_cpu.to(device), seq_lens_cpu_upper_bound=seq_lens_cpu,
             num_reqs=len(batch_rows), num_actual_tokens=int(qsl_cpu[-1]),
             max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-            block_table_tensor=cam.block_table_tensor.index_select(0, rows),
+            block_table_tensor=attention.block_table_tensor.index_select(0, rows),
             slot_mapping=slots.to(device), causal=True)
 
-    def replay(self, cam: Any, req_ids: list[str], kw: dict[str, Any]) -> None:
+    def replay(self, attention: Any, req_ids: list[str], kw: dict[str, Any]) -> None:
         """Write the held rows of the batch's requests into the draft KV cache (one stock pass)."""
         import torch
 
-        starts = kw["target_positions"][cam.query_start_loc_cpu[:-1].long()].tolist()
+        starts = kw["target_positions"][attention.query_start_loc_cpu[:-1].long()].tolist()
         plan = self.stash.take(list(req_ids), starts)
         if plan is None:
             return
         device = kw["next_token_ids"].device
-        replay_cam = self._sub_batch_metadata(cam, plan.batch_rows, plan.query_lens, plan.seq_lens,
+        replay_cam = self._sub_batch_metadata(attention, plan.batch_rows, plan.query_lens, plan.seq_lens,
                                               plan.slots, device)
         last = replay_cam.query_start_loc[1:] - 1
         token_ids = plan.token_ids.to(device)

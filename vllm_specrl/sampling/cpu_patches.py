@@ -2,7 +2,7 @@
 plain sampler for steps without drafts.
 
 Each is a registry patch with scope ``cpu``: its reason is a CPU step cost, measured on the CPU
-platform only (``scripts/bench_step_cost.py``), so elsewhere it stays off unless its switch says
+platform only (``scripts/bench/bench_step_cost.py``), so elsewhere it stays off unless its switch says
 ``1``. ``VLLM_SPECRL_FAST_SAMPLING=0`` keeps every sampler of vLLM's; ``VLLM_SPECRL_LAZY_REJECTION=0``
 keeps its rejection sampling and logprobs, ``VLLM_SPECRL_ONE_PASS_VERIFY=0`` its verify forward,
 ``VLLM_SPECRL_DRAFT_VOCAB_SAMPLING=0`` its full-vocabulary draft sampling.
@@ -49,7 +49,7 @@ FAST_SAMPLING_PATCHES = tuple((REGISTRY.declare(patch), replacement) for patch, 
                       "draft_probs", "target_logits", "bonus_token_ids", "sampling_metadata", "synthetic_mode",
                       "synthetic_conditional_rates", "use_fp64_gumbel"),
            also_checked=(_REJECTION_SAMPLE_0_33,),
-           repro="scripts/repro_cpu_padded_draft_accepted.py"), fast.fast_rejection_sample),
+           repro="scripts/repro/repro_cpu_padded_draft_accepted.py"), fast.fast_rejection_sample),
     (Patch(name=fast.EMITTED_LOGPROBS, target=f"{_RS}:RejectionSampler._get_logprobs_tensors",
            why=f"logprobs scored for the emitted rows only, not every draft row {_WHY}",
            scope="cpu", switch=LAZY_REJECTION_ENV, checked_on=_CHECKED,

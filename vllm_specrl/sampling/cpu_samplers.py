@@ -6,8 +6,7 @@ rejection-recovered token (``rejection_sampler.sample_recovered_tokens``) as
 ``argmax(p / q)`` with ``q ~ Exp(1)`` drawn over the full vocabulary: one
 exponential variate per vocabulary entry per row (per request row for recovered
 tokens, per draft row for drafts). On CPU that is a random draw plus a log each,
-1.6 ms per row at a 49k vocabulary here, the largest single cost of a
-speculative step (``scripts/bench_step_cost.py``). Replaced by exact inverse-CDF
+the largest single cost of a speculative step (``scripts/bench/bench_step_cost.py``). Replaced by exact inverse-CDF
 sampling from one uniform per row (``sampling.exact``): same distributions,
 drafts still from the global generator (as vLLM does), recovered tokens from the
 request's own generator when it is seeded (seeded outputs stay reproducible; they
@@ -18,13 +17,11 @@ rejected row emits one (``rejection_sample`` -> ``sampling.rejection_sample_lazi
 acceptance from ``p(d)`` per row, the residual formed and sampled only at the
 emitting rows; greedy requests beside sampled ones verified as vLLM does, all-greedy
 batches keep vLLM's; a padded -1 draft is rejected, as vLLM's Triton kernel does and
-its CPU kernel does not: scripts/repro_cpu_padded_draft_accepted.py), and with logprobs requested it
+its CPU kernel does not: scripts/repro/repro_cpu_padded_draft_accepted.py), and with logprobs requested it
 copies every row into a zeroed ``[rows, V]`` tensor and scores all of them
 (``RejectionSampler._get_logprobs_tensors`` -> ``fast_logprobs_tensors``: the
-emitted rows only). Its step time is vLLM's path's within noise (the rejection
-sampler's phase at 16 sequences: 7.1 vs 6.5 ms at k = 1, 11.5 vs 12.7 at k = 3,
-``bench_step_cost.py --sampling fast,eager``); what it changes is the padded-draft
-verdict.
+emitted rows only). Its step time is vLLM's path's within noise (``bench_step_cost.py --sampling fast,eager``);
+what it changes is the padded-draft verdict.
 And an EAGLE-3 draft with a reduced vocabulary is sampled in it
 (``SpecDecodeBaseProposer._sample_draft_tokens`` -> ``draft_vocab_sample_draft_tokens``):
 vLLM spreads its 8k logits over the target's 49k with ``-inf`` and takes the softmax

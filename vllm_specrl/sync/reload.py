@@ -45,7 +45,7 @@ def refresh_tied_lm_head(model: Any) -> bool:
     checkpoint has no ``lm_head.weight``, so a layerwise reload updates the
     shared embedding but never re-runs the head's processing: the engine keeps
     computing logits with the *old* embedding matrix while embedding inputs
-    with the new one. Repro: scripts/repro_cpu_tied_head_reload.py.
+    with the new one. Repro: scripts/repro/repro_cpu_tied_head_reload.py.
     """
     from vllm.platforms import current_platform
 
@@ -114,7 +114,7 @@ def end_interrupted_reload(worker: Any, target: str) -> None:
     nothing and processes partly loaded ones, after which a full reload of a
     known good set works. A no-op when no reload is in progress. Checked on
     0.32.0 (cpu) (``model_loader.reload.layerwise``). Repro with vLLM alone:
-    scripts/repro_interrupted_reload.py.
+    scripts/repro/repro_interrupted_reload.py.
     """
     from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 

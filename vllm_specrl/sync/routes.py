@@ -41,15 +41,15 @@ def refused(error: str, problems: list[str] | None = None, status: int = 400) ->
     return JSONResponse({"ok": False, "error": error, "problems": problems or []}, status_code=status)
 
 
-async def rpc(engine: Any, method: str, *args: Any) -> list:
+async def answers_from_every_rank(engine: Any, method: str, *args: Any) -> list:
     """Every rank's answer (of every data-parallel engine core); ``EngineDied`` if an engine core
     dies meanwhile (never a hang)."""
     return await engine_rpc.collective_rpc_all_engines(engine, method, RPC_TIMEOUT_S, args)
 
 
-async def rpc_all(engine: Any, method: str, *args: Any) -> dict:
-    """Call a worker method on every rank; the first refusal wins, else rank 0's answer."""
-    results = await rpc(engine, method, *args)
+async def one_answer_from_every_rank(engine: Any, method: str, *args: Any) -> dict:
+    """A worker method on every rank, answered as one: the first refusal among them, else rank 0's answer."""
+    results = await answers_from_every_rank(engine, method, *args)
     for res in results:
         if not res.get("ok", False):
             return res
@@ -59,14 +59,14 @@ async def rpc_all(engine: Any, method: str, *args: Any) -> dict:
 async def commit_on_every_rank(engine: Any, update_id: str) -> dict:
     """Apply on every rank; if any rank failed (and restored itself), the ranks that applied go
     back too, so all ranks serve one version. Rank 0's record, or the first failure."""
-    results = await rpc(engine, "specrl_commit_update", update_id)
+    results = await answers_from_every_rank(engine, "specrl_commit_update", update_id)
     failed = [r for r in results if not r.get("ok")]
     if not failed:
-        await rpc(engine, "specrl_finalize_commit", update_id)
+        await answers_from_every_rank(engine, "specrl_finalize_commit", update_id)
         return results[0]
     res = dict(failed[0])
     if len(failed) < len(results):
-        undone = await rpc(engine, "specrl_rollback_commit", update_id)
+        undone = await answers_from_every_rank(engine, "specrl_rollback_commit", update_id)
         res["ranks_rolled_back"] = [i for i, r in enumerate(undone) if r.get("rolled_back")]
         bad = [r["error"] for r in undone if not r.get("ok")]
         if bad:
@@ -77,7 +77,7 @@ async def commit_on_every_rank(engine: Any, update_id: str) -> dict:
 
 async def commit_paused(engine: Any, state: Any, update_id: str, mode: str) -> dict:
     """Prepare on every rank; if all hold the whole update, pause as asked, apply everywhere, resume."""
-    prepared = await rpc_all(engine, "specrl_prepare_commit", update_id)
+    prepared = await one_answer_from_every_rank(engine, "specrl_prepare_commit", update_id)
     if not prepared.get("ok"):  # some rank lacks a valid, whole update: nobody applies
         return prepared
     t0 = time.perf_counter()
@@ -115,7 +115,7 @@ async def abort_abandoned(state: Any) -> None:
     later update."""
     for update_id, info, idle in abandoned_uploads(state):
         state.uploads.pop(update_id, None)
-        res = await rpc_all(state.engine_client, "specrl_abort_update", update_id)
+        res = await one_answer_from_every_rank(state.engine_client, "specrl_abort_update", update_id)
         state.abandoned_updates.append({"update_id": update_id, "target": info["target"],
                                         "version": info["version"], "idle_s": round(idle, 1),
                                         "aborted_at": time.time(), "aborted": bool(res.get("ok"))})
@@ -124,13 +124,13 @@ async def abort_abandoned(state: Any) -> None:
 
 
 async def begin_when_free(state: Any, begin_args: tuple, wait_s: float) -> dict:
-    """Begin on every rank (``specrl_begin_update(*begin_args)``); while another update is open, wait (up to ``wait_s``) for it to be
-    committed, aborted or abandoned, then try again. Waiting polls this process's own record of
+    """Begin on every rank (``specrl_begin_update(*begin_args)``); while another update is open, wait
+    (up to ``wait_s``) for it to be committed, aborted or abandoned, then try again. Waiting polls this process's own record of
     open uploads, so the engine is asked again only when that record says it is free."""
     deadline = time.monotonic() + wait_s
     while True:
         await abort_abandoned(state)
-        res = await rpc_all(state.engine_client, "specrl_begin_update", *begin_args)
+        res = await one_answer_from_every_rank(state.engine_client, "specrl_begin_update", *begin_args)
         if res.get("ok") or not res.get("busy") or time.monotonic() >= deadline:
             return res
         await asyncio.sleep(BEGIN_POLL_S)
@@ -177,7 +177,7 @@ def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
         state = get_state(request)
         body = await request.body()
         touch(state, update_id)
-        res = await rpc_all(state.engine_client, "specrl_stage_bytes", update_id, body)
+        res = await one_answer_from_every_rank(state.engine_client, "specrl_stage_bytes", update_id, body)
         touch(state, update_id)
         return answer(res)
 
@@ -190,7 +190,7 @@ def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
         except ValueError:
             return refused(f"shared-memory chunks must be {SHM_DIR}/specrl-*.safetensors; got {raw!r}")
         touch(state, update_id)
-        res = await rpc_all(state.engine_client, "specrl_stage_file", update_id, str(path))
+        res = await one_answer_from_every_rank(state.engine_client, "specrl_stage_file", update_id, str(path))
         touch(state, update_id)
         return answer(res)
 
@@ -200,7 +200,7 @@ def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
         valid update; nothing is applied. The commit runs it again."""
         state = get_state(request)
         touch(state, update_id)
-        res = await rpc_all(state.engine_client, "specrl_prepare_commit", update_id)
+        res = await one_answer_from_every_rank(state.engine_client, "specrl_prepare_commit", update_id)
         touch(state, update_id)
         return answer(res)
 
@@ -230,7 +230,7 @@ def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
     async def abort(update_id: str, request: Request) -> JSONResponse:
         state = get_state(request)
         state.uploads.pop(update_id, None)
-        return JSONResponse(await rpc_all(state.engine_client, "specrl_abort_update", update_id))
+        return JSONResponse(await one_answer_from_every_rank(state.engine_client, "specrl_abort_update", update_id))
 
     @router.post("/pause")
     async def pause(request: Request) -> JSONResponse:

@@ -1,0 +1,70 @@
+"""Calibration table: the trainer's acceptance estimate beside what vLLM serves, per position.
+
+One in-process engine (its own subprocess) serves a draft at T=1 with probabilistic
+drafting and reports ``vllm:spec_decode_num_accepted_tokens_per_pos``; the trainer
+then estimates those counters from the same rollouts (``trainer.calibration``): the
+served estimate (completion positions, vLLM's draft starts), the per-step chained
+mean, and the estimate with prompt positions counted. JSON, one row per run.
+
+    python scripts/bench/bench_calibration.py --target .fixtures/real/target \\
+        --draft .fixtures/real/drafts/warm-arithmetic --prompt-set arithmetic --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    from vllm_specrl.trainer.calibration import estimate_from_rollouts, serve_rollouts
+    from vllm_specrl.trainer.offline import default_prompts
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--prompt-set", default="arithmetic", choices=["chat", "arithmetic", "code", "explain"])
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--label", default=None)
+    ap.add_argument("--out", type=Path, default=Path("results/bench_calibration.json"))
+    args = ap.parse_args()
+
+    meta = Path(args.draft) / "trainer_meta.json"
+    trained = set(json.loads(meta.read_text()).get("warm_start", {}).get("train_prompt_texts", [])) \
+        if meta.is_file() else set()
+    if args.prompt_set == "code":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+        from prompts import code_prompts
+
+        prompts = code_prompts(300 + args.prompts)[300:]
+    else:
+        prompts = [p for p in default_prompts(4 * args.prompts + 64, 4321, args.prompt_set)
+                   if p not in trained][: args.prompts]
+    t0 = time.time()
+    served = serve_rollouts(args.target, args.draft, prompts, args.k, args.dtype, args.max_tokens,
+                            args.ignore_eos, chat=args.prompt_set != "code")
+    est = estimate_from_rollouts(args.target, args.draft, served["sequences"], served["prompt_lengths"], args.k)
+    sd = served["spec_decode"]
+    row = {"label": args.label or f"{Path(args.target).parent.name} {args.dtype}", "target": args.target,
+           "draft": args.draft, "dtype": args.dtype, "k": args.k, "temperature": 1.0,
+           "prompt_set": args.prompt_set, "prompts": len(prompts), "held_out_from_training": bool(trained),
+           "served": {"per_position": sd["per_position_acceptance"], "acceptance_length": sd["acceptance_length"],
+                      "num_drafts": sd["num_drafts"]},
+           "estimate": est, "seconds": round(time.time() - t0, 1),
+           "completion_tokens": sum(len(s) - n for s, n in zip(served["sequences"], served["prompt_lengths"]))}
+    rows = json.loads(args.out.read_text()) if args.out.is_file() else []
+    rows = [r for r in rows if r["label"] != row["label"]] + [row]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rows, indent=2) + "\n")
+    print(json.dumps(row, indent=2))
+
+
+if __name__ == "__main__":
+    main()

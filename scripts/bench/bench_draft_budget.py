@@ -1,0 +1,149 @@
+"""Held-out acceptance against training data, and training objectives compared on the same data.
+
+Reads the rollouts a warm start saved (``warm_start_rollouts.json`` in its draft
+directory), computes the target's features once, and trains fresh drafts:
+- budgets: the first N training prompts (all their rollouts) for several N, same
+  steps, same held-out prompts: held-out served acceptance vs completion tokens;
+- objectives (``--objectives``): soft CE, + TV term, acceptance-weighted TTT, both;
+- ``--init-from DRAFT``: every run fine-tunes that draft instead of a fresh one (what the online
+  trainer does to a warm-started draft), and the report starts with the draft's own held-out figure.
+Every figure is the trainer's estimate of vLLM's counters on held-out prompts
+(``served_accept_pos*``), which ``bench_calibration.py`` checks against the engine.
+JSON + PNG.
+
+    python scripts/bench/bench_draft_budget.py --target .fixtures/real/target \\
+        --rollouts .fixtures/real/drafts/warm-arithmetic/warm_start_rollouts.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+OBJECTIVES = {"ce": {}, "ce+tv": {"tv_weight": 1.0}, "ce+tv4": {"tv_weight": 4.0},
+              "ce+accept_weighted": {"accept_weighted": True},
+              "ce+tv+accept_weighted": {"tv_weight": 1.0, "accept_weighted": True}}
+
+
+def train_one(target: Path, features: list[dict], counts: torch.Tensor, train_idx: list[int],
+              eval_items: list[dict], args: argparse.Namespace, objective: dict) -> dict:
+    from vllm_specrl.proposer.checkpoint import init_draft, load_draft, target_lm_head
+    from vllm_specrl.trainer.core import DraftTrainer, TrainConfig, collate
+
+    draft = (load_draft(args.init_from, target) if args.init_from
+             else init_draft(target, None, args.draft_vocab_size, token_counts=counts, seed=0))
+    cfg = TrainConfig(lr=args.lr, ttt_steps=args.k, seed=0, mixed_precision=args.mixed_precision, **objective)
+    trainer = DraftTrainer(draft, target_lm_head(target), cfg)
+    rng = random.Random(0)
+    items = [features[i] for i in train_idx]
+    t0 = time.time()
+    for _ in range(args.steps):
+        trainer.step(collate(rng.sample(items, min(args.batch_size, len(items)))))
+    seconds = time.time() - t0
+    m = trainer.evaluate_many(eval_items)
+    return {"per_position": [m[f"served_accept_pos{j}"] for j in range(args.k)],
+            "acceptance_length": m["served_acceptance_length"], "train_seconds": round(seconds, 1),
+            "completion_tokens": sum(len(f["token_ids"]) - f["first_draft"] - 1 for f in items),
+            "rollouts": len(items)}
+
+
+def main() -> None:
+    from transformers import AutoModelForCausalLM
+
+    from vllm_specrl.proposer.checkpoint import load_draft, target_lm_head
+    from vllm_specrl.proposer.eagle3_config import default_aux_layer_ids, read_config
+    from vllm_specrl.trainer.core import DraftTrainer, TrainConfig
+    from vllm_specrl.trainer.features import sequence_features
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", type=Path, required=True)
+    ap.add_argument("--rollouts", type=Path, required=True)
+    ap.add_argument("--budgets", default="0.25,0.5,1.0", help="fractions of the training prompts")
+    ap.add_argument("--objectives", default="ce", help=f"comma list of {','.join(OBJECTIVES)} (full budget)")
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--draft-vocab-size", type=int, default=8192)
+    ap.add_argument("--mixed-precision", default="no", choices=["no", "bf16"])
+    ap.add_argument("--init-from", type=Path, default=None,
+                    help="fine-tune this draft in every run instead of training a fresh one")
+    ap.add_argument("--out", type=Path, default=Path("results/bench_draft_budget.json"))
+    args = ap.parse_args()
+
+    data = json.loads(args.rollouts.read_text())
+    seqs, lengths, index = data["sequences"], data["prompt_lengths"], data["prompt_index"]
+    eval_prompts = set(data["eval_prompts"])
+    train_prompts = sorted(set(index) - eval_prompts)
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    # A draft to fine-tune reads the target layers it was trained on; a fresh one the default ones.
+    initial = load_draft(args.init_from, args.target) if args.init_from else None
+    aux = (initial.shape.aux_layer_ids if initial is not None
+           else default_aux_layer_ids(read_config(args.target)["num_hidden_layers"]))
+    t0 = time.time()
+    features = sequence_features(target, seqs, aux, prompt_lengths=lengths)
+    feature_seconds = time.time() - t0
+    del target
+    eval_items = [f for f, i in zip(features, index) if i in eval_prompts]
+    vocab = read_config(args.target)["vocab_size"]
+    report = {"target": str(args.target), "rollouts": str(args.rollouts), "steps": args.steps,
+              "batch_size": args.batch_size, "lr": args.lr, "k": args.k, "eval_rollouts": len(eval_items),
+              "feature_seconds": round(feature_seconds, 1), "budgets": [], "objectives": []}
+    if initial is not None:
+        m = DraftTrainer(initial, target_lm_head(args.target), TrainConfig(ttt_steps=args.k)).evaluate_many(eval_items)
+        report["init_from"] = {"draft": str(args.init_from), "acceptance_length": m["served_acceptance_length"],
+                               "per_position": [m[f"served_accept_pos{j}"] for j in range(args.k)]}
+        print(json.dumps(report["init_from"]), flush=True)
+
+    def counts_for(prompt_ids: set[int]) -> torch.Tensor:
+        c = Counter(t for s, n, i in zip(seqs, lengths, index) if i in prompt_ids for t in s[n:])
+        out = torch.zeros(vocab)
+        for tok, n in c.items():
+            out[tok] = n
+        return out
+
+    for fraction in [float(x) for x in args.budgets.split(",") if x]:
+        chosen = set(train_prompts[: max(1, round(fraction * len(train_prompts)))])
+        idx = [j for j, i in enumerate(index) if i in chosen]
+        row = {"fraction": fraction, "prompts": len(chosen),
+               **train_one(args.target, features, counts_for(chosen), idx, eval_items, args, {})}
+        report["budgets"].append(row)
+        print(json.dumps(row), flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    all_idx = [j for j, i in enumerate(index) if i in set(train_prompts)]
+    for name in [o for o in args.objectives.split(",") if o]:
+        row = {"objective": name, **train_one(args.target, features, counts_for(set(train_prompts)), all_idx,
+                                              eval_items, args, OBJECTIVES[name])}
+        report["objectives"].append(row)
+        print(json.dumps(row), flush=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    if report["budgets"]:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        xs = [r["completion_tokens"] for r in report["budgets"]]
+        ax.plot(xs, [r["acceptance_length"] for r in report["budgets"]], "o-", label="acceptance length")
+        for j in range(args.k):
+            ax.plot(xs, [r["per_position"][j] for r in report["budgets"]], "--", label=f"accepted at pos {j}")
+        ax.set_xscale("log")
+        ax.set_xlabel("completion tokens in the training rollouts")
+        ax.set_title(f"held-out served estimate, k={args.k}, {args.steps} steps")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(args.out.with_suffix(".png"), dpi=110)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
