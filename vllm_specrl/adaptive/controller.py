@@ -170,8 +170,8 @@ class AcceptanceTracker:
 class RelativeCost:
     """Step time of each k relative to the k being served, per batch bucket, measured in pairs.
 
-    Absolute step times drift within a rollout (attention over a growing context made
-    a 16-sequence SmolLM2 step 50% slower over 150 tokens here), so a k measured early
+    Absolute step times drift within a rollout (attention over a growing context makes a
+    step slower token by token), so a k measured early
     cannot be compared with one measured late. Each steady step at a measured k is
     divided by the median of the served k's last few steady steps, taken just before:
     the drift cancels in the ratio. The served k has ratio 1; switching to k' rebases
@@ -319,10 +319,9 @@ class AdaptiveKController:
         measured, and unable to pay even with its acceptance and cost ``elimination_z`` standard
         errors in its favour (``_cannot_pay``). Acceptance is learnt from every bucket's drafts, so
         a draft that gets better (online training) makes a neighbour hopeful again and the burst
-        comes at the usual gap. Why: at 16 sequences on a CPU, k = 1 costs 1.6 k = 0 steps against
-        1.45-1.5 tokens; a burst every 256 steps was 3-4% of the steps, and each one made the
-        deferred drafter replay every held row of the batch (the draft-KV upkeep the deferral
-        saves for requests that finish without drafting again)."""
+        comes at the usual gap. Why: where no k pays (large batches on a CPU) every burst costs
+        steps that return less than they cost, and each one makes the deferred drafter replay
+        every held row of the batch (the draft-KV upkeep the deferral saves)."""
         gone = state.steps_since_burst
         if gone >= state.explore_gap:
             return True
@@ -340,8 +339,8 @@ class AdaptiveKController:
         slowly with batch size, so a bucket next to one calibrated on its own steps starts at that
         bucket's k, trusted at once, and climbs from there with its own bursts at the neighbours of
         the served k, instead of measuring every k first (with natural lengths each wave sweeps
-        through every bucket as sequences finish; calibrating each from nothing was 36-38% of a
-        benchmark cell's steps, many at k = 3, 2.3-2.9x a k = 0 step at 16 sequences).
+        through every bucket as sequences finish; calibrating each from nothing spent a large share
+        of a benchmark's steps at expensive k's).
 
         Donors: an adjacent bucket that calibrated on its own steps, or else the nearest such bucket
         at a *larger* batch size at any distance (a smaller batch pays at least the k a larger one

@@ -40,12 +40,12 @@ TOPK_BLOCK = 64
 
 
 def exact_topk(x: torch.Tensor, k: int, block: int = TOPK_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x.topk(k, dim=-1)`` (values exact, largest first) in about 60% of its time on a CPU.
+    """``x.topk(k, dim=-1)`` (values exact, largest first), cheaper than it on a CPU.
 
     The top-k of a row lies in the k blocks of ``block`` columns with the largest maxima (a block
     outside them has k maxima at least its own above it, so it holds nothing above the k-th value),
     so one cheap ``amax`` pass leaves ``k * block`` candidates for the real top-k instead of the whole
-    vocabulary (49152 -> 4096 for SmolLM2: 4.2 -> 2.7 ms for 48 rows on one core). Rows narrower than
+    vocabulary (49152 -> 4096 for SmolLM2). Rows narrower than
     that, or not a whole number of blocks, take ``torch.topk``."""
     rows, width = x.shape
     blocks = width // block
@@ -63,8 +63,7 @@ def sampled_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], t
                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Logprobs (T=1, before any sampling parameter: vLLM's ``raw_logprobs``) of the tokens sampled
     from logit rows ``rows``, and the target's top-k there: one softmax and one top-k for the
-    whole step. Per request, with top-64, they cost 5.5-8.3 ms of a 100-130 ms step at 16 sequences
-    on one core (2-3 committed rows each), in the engine's critical path; batched, 3.9-5.7 ms
+    whole step: batched rather than per request, as they sit in the engine's critical path
     (``bench_capture.py --tap-only``). ``raw_logprobs``: the step's log-softmax of ``logits`` when a
     sampler took one already (float32, same rows), read instead of a second one."""
     source = logits if raw_logprobs is None else raw_logprobs
@@ -84,9 +83,8 @@ def sampled_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], t
 class StepCapture:
     """One step's captured rows: what must be read now is copied (hidden states, the scored logit
     rows), and ``frames()`` does the rest (log-softmax, top-k, one frame per request) wherever it runs.
-    On a CPU engine that is the capture sender's thread, off the cores the forward runs on: with top-64
-    on one core, 2.5 ms of scoring and assembly at 16 sequences x 1 row (7.9 ms at 3 rows) against
-    0.2 ms (0.8 ms) of copies (``bench_capture.py --tap-only``)."""
+    On a CPU engine that is the capture sender's thread, off the cores the forward runs on: scoring
+    and assembly cost several times the copies (``bench_capture.py --tap-only``)."""
 
     headers: list[dict[str, Any]]  # per request, in row order
     counts: list[tuple[int, int]]  # per request: committed rows n, first row with a sampled next token

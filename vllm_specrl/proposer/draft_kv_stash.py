@@ -2,8 +2,8 @@
 
 An EAGLE-style drafter attends to its own KV cache, one entry per position, so vLLM
 runs its first pass on every step, also when the step drafts nothing (adaptive k or
-the batch-size table at k = 0), to keep that cache complete: 5-6% of a 16-sequence
-CPU step, for drafts that may never be asked for. Requests that finish before k
+the batch-size table at k = 0), to keep that cache complete: a pass for drafts that
+may never be asked for. Requests that finish before k
 returns never needed it. This stash keeps what that pass would have read (the
 drafter's input token, position, the target's hidden state and the KV slot, one row
 per request per decode step) and hands back, when drafting resumes, the rows of the

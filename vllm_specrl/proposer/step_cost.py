@@ -9,10 +9,8 @@ accepted with probability ``pi`` raises tokens per second only if
     pi > R * b / (F + R * b)          (the threshold for ``b`` sequences)
 
 On a GPU a verify pass is memory-bound and ``R`` is near zero: drafting pays at any acceptance.
-On a 2-core CPU serving SmolLM2 in float32 the fit read 3-5 ms a row against a 44-50 ms fixed
-part: a threshold of ~0.1 at one sequence, 0.1-0.3 at four and 0.55-0.7 at sixteen, where a
-fixed 0.25 drafts tokens that cannot pay at sixteen sequences and leaves acceptance unused at
-one.
+On a CPU ``R`` is a real share of a step, so the threshold grows with the batch, and a fixed one
+drafts tokens that cannot pay at large batches while leaving acceptance unused at small ones.
 
 ``StepCostModel`` fits ``seconds = F + R * rows + S * drafted`` (``drafted``: any row verified a
 draft, vLLM's speculative path then runs its rejection sampler) by least squares over the
@@ -27,7 +25,7 @@ The line is fitted twice: over all steps, and per batch size over the steps of a
 batch (half to twice it), which is the one used where it can be fitted and makes sense (a
 positive cost per row and fixed part). A row's cost depends on the batch wherever a step
 turns from memory-bound to compute-bound as rows are added (a GPU at large batches, a CPU
-in bf16 at a few rows); on the AVX2 VM above it stayed at 3-5 ms from one to sixteen.
+in bf16 at a few rows).
 """
 
 from __future__ import annotations

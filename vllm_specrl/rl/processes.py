@@ -2,10 +2,9 @@
 
 ``subprocess.Popen`` with a ``preexec_fn`` must ``fork()`` the calling process, and a fork
 write-protects every page of the parent for copy-on-write: a policy process holding a 10 GB
-heap then takes a page fault on the first write to each of its pages afterwards (measured in
-``make demo``: 1.2 million faults in the next log-prob pass and 2.3 million over the following
-steps, which made the policy phases of the run with a draft trainer 20-70% slower than the run
-without). Without ``preexec_fn`` Python spawns with ``vfork()``, which shares nothing to
+heap then takes a page fault on the first write to each of its pages afterwards (in ``make demo``
+it made the policy phases of the run with a draft trainer far slower than the run without).
+Without ``preexec_fn`` Python spawns with ``vfork()``, which shares nothing to
 protect; the niceness is set on the child right after it starts instead.
 """
 

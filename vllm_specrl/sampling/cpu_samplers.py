@@ -211,8 +211,7 @@ def one_pass_verify_applies(sampler, sampling_metadata) -> bool:
 # Draft distributions over a reduced draft vocabulary stay compact (``[rows, draft_vocab]``) from
 # the drafter through vLLM's runner (which only stacks and gathers their rows) to the one-pass
 # verify, which reads the drafted token's column and, at rejected rows, spreads them: where vLLM
-# writes every pass's row over the target's vocabulary, stacks and gathers those (at 16 sequences,
-# k = 3, ~2.5 ms of a CPU step). Only while ``one_pass_rejection_forward`` is what verifies; it
+# writes every pass's row over the target's vocabulary, stacks and gathers those. Only while ``one_pass_rejection_forward`` is what verifies; it
 # spreads them for vLLM's forward when it hands a batch on. ``VLLM_SPECRL_COMPACT_DRAFT_PROBS=0``
 # spreads them in the drafter, as before. Width -> (target ids, target vocabulary).
 COMPACT_DRAFT_PROBS_ENV = "VLLM_SPECRL_COMPACT_DRAFT_PROBS"

@@ -2,8 +2,8 @@
 
 vLLM samples draft tokens and rejection-recovered tokens with the exponential
 race (``argmax(p / q)``, ``q ~ Exp(1)`` over the whole vocabulary). On a CPU
-one exponential variate costs a random draw and a logarithm: at a 49k
-vocabulary that was 1.6 ms per row here, more than the drafter's forward.
+one exponential variate costs a random draw and a logarithm, per vocabulary
+entry per row: at a large vocabulary, more than the drafter's forward.
 Inverse-CDF sampling draws the same distribution from one uniform per row and
 costs a few passes of cheap arithmetic. It is done in two levels (block sums,
 then one block) so that the cumulative sums are short and accumulate in

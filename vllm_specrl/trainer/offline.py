@@ -274,9 +274,8 @@ def length_grouped_batches(items: list[dict[str, torch.Tensor]], batch_size: int
     random batches of the demo's task were 45% padding, which the draft's first layer and
     attention still compute; grouped, 1-2%. The token budget (more short sequences per batch,
     fewer long ones) keeps every token's weight in the step's mean loss what it is in a random
-    batch: with a fixed count of 8, batches of long answers diluted their tokens, and the demo
-    draft ended 0.055 lower in held-out acceptance length than with random batches; with the
-    budget, 0.03 lower, trained in 59% of the time.
+    batch: with a fixed count, batches of long answers diluted their tokens and the draft ended
+    lower in held-out acceptance (benchmarks/JOURNAL.md, "A better demo draft").
     """
     if not items:
         raise ValueError("no training sequences")

@@ -83,8 +83,8 @@ class OnlineConfig:
     # When the gate holds a candidate as no better than the served draft, go back to the served
     # draft's weights (fresh optimizer state) and rest, ingesting only, until the next policy version:
     # in `make demo` every candidate of a policy version was held (the warm start was not beaten on
-    # the next rollouts), and training on regardless cost ~9% of the rollouts' time on shared cores
-    # while drifting further from the draft being served.
+    # the next rollouts), and training on regardless took the rollouts' cores while drifting further
+    # from the draft being served.
     rest_after_hold: bool = True
     # A rest also ends once this many rollouts have been ingested since it began (0: only a new policy
     # version ends it). Without it, an engine serving between policy updates, or with none at all,
@@ -95,7 +95,7 @@ class OnlineConfig:
     # Back off: each hold in a row (no publish between them) doubles what the next rest spans, up to
     # this many policy versions (and as many times ``rest_sequences``); a published draft resets it
     # (1: every new policy version ends a rest). On shared cores a trainer that cannot beat the served
-    # draft, because the policy barely moved, took ~7% of `make demo`'s generation time for nothing;
+    # draft, because the policy barely moved, took generation time for nothing;
     # backing off keeps that cost to one version in ``rest_backoff_max`` while a policy that drifts,
     # and so lets candidates win again, is followed every version.
     rest_backoff_max: int = 8
