@@ -63,7 +63,6 @@ import torch
 
 from vllm_specrl import cpu_malloc, metrics
 from vllm_specrl.adaptive.calibrate import WARM_UP_TOKENS
-from vllm_specrl.bench_engine import ParentTurns, host_info
 from vllm_specrl.rl.draft_trainer import DraftTrainerProcess, DraftTrainerSettings, pause_file, trainer_cpus
 from vllm_specrl.rl.policy import Policy
 from vllm_specrl.rl.serving import serve_args
@@ -72,6 +71,8 @@ from vllm_specrl.rl.tasks import TASKS, make_tasks, reward
 from vllm_specrl.trainer.core import resolve_mixed_precision
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the demo's report, beside it
+sys.path.insert(0, str(Path(__file__).resolve().parent / "bench"))  # the benchmarks' engine processes
+from bench_engine import ParentTurns, host_info  # noqa: E402
 from demo_report import PROPOSERS, plot, print_table, summarize  # noqa: E402
 
 
@@ -378,7 +379,7 @@ def run_interleaved(modes: list[str], args: argparse.Namespace, target: Path, wo
     others wait on their stdin, their engines idle and their draft trainers paused."""
     from contextlib import ExitStack
 
-    from vllm_specrl.bench_engine import EngineProcess
+    from bench_engine import EngineProcess
 
     with ExitStack() as stack:
         procs = {}

@@ -10,6 +10,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE_ROOT = Path(os.environ.get("VLLM_SPECRL_FIXTURES", REPO / ".fixtures")).resolve()
+# The benchmarks' shared modules (engine processes, the speed-up projection) live beside them in
+# scripts/bench, not in the package: their tests import them from there.
+sys.path.insert(0, str(REPO / "scripts" / "bench"))
 
 # Without a KV-cache size vLLM reserves a share of RAM and fails.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

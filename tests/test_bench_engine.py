@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_specrl.bench_engine import EngineProcess, host_info
+from bench_engine import EngineProcess, host_info  # scripts/bench (conftest puts it on the path)
 
 CPUINFO = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -51,7 +51,7 @@ def test_a_completion_wave_sends_every_prompt_seeded_and_counts_its_tokens() -> 
     import time
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from vllm_specrl.bench_engine import completion_wave
+    from bench_engine import completion_wave
 
     bodies, lock, in_flight = [], threading.Lock(), {"now": 0, "most": 0}
 
@@ -95,7 +95,7 @@ def test_a_completion_wave_sends_every_prompt_seeded_and_counts_its_tokens() -> 
 # plumbing: commands in order, results back, the child's state kept between commands, failures named).
 CHILD = textwrap.dedent("""
     import json, sys, time
-    from vllm_specrl.bench_engine import serve_commands
+    from bench_engine import serve_commands
     cfg = json.loads(sys.argv[2])
     print("vLLM-style chatter on stdout before the engine is up", flush=True)
     if cfg.get("die_before_ready"):
@@ -116,7 +116,7 @@ CHILD = textwrap.dedent("""
 def _engine(tmp_path: Path, timeout_s: float = 30, **cfg) -> EngineProcess:
     script = tmp_path / "child.py"
     script.write_text(CHILD)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
     return EngineProcess(str(script), {"name": "e", **cfg}, env, str(tmp_path / "engine.log"), timeout_s)
 
 
@@ -144,7 +144,7 @@ def test_an_engine_that_dies_or_hangs_is_named_with_its_log(tmp_path: Path) -> N
 # A loop that keeps its own control flow (as the RL demo's runs do) and takes a turn per command.
 TURNS_CHILD = textwrap.dedent("""
     import sys
-    from vllm_specrl.bench_engine import ParentTurns
+    from bench_engine import ParentTurns
     name = sys.argv[1]
     print(f"{name}: setting up", flush=True)
     turns = ParentTurns()
@@ -166,7 +166,7 @@ def test_loops_that_own_their_control_flow_take_turns_and_their_output_is_shown(
     progress lines reach this process's stdout in the order the turns ran."""
     script = tmp_path / "loop.py"
     script.write_text(TURNS_CHILD)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
     with EngineProcess(str(script), None, env, None, 30, args=["a"]) as a, \
             EngineProcess(str(script), None, env, None, 30, args=["b"]) as b:
         for i in range(3):

@@ -86,7 +86,7 @@ def test_interleaved_slices_are_measured_in_rotating_order_and_compared_slice_by
     rotating), and each slice's cell against plain's cell of the same slice, not of another."""
     import argparse
 
-    import vllm_specrl.bench_engine as bench_engine
+    import bench_engine
 
     bench = _bench_rollout_module()
     started, asked = [], []

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_specrl.projection import StageTimes, project, rollout_speedup, step_cost
+from projection import StageTimes, project, rollout_speedup, step_cost  # scripts/bench
 
 REPO = Path(__file__).resolve().parents[1]
 

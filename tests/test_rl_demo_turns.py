@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_specrl import bench_engine
+import bench_engine  # scripts/bench (conftest puts it on the path)
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import requests
 
-from vllm_specrl.bench_engine import completion_wave, host_info
+from bench_engine import completion_wave, host_info
 
 HOG = ("import torch\ntorch.set_num_threads(1)\na = torch.randn(512, 512)\n"
        "while True:\n    (a @ a).sum()\n")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import requests
 
-from vllm_specrl.bench_engine import completion_wave, host_info
+from bench_engine import completion_wave, host_info
 
 
 def run_phase(srv, prompts: list[str], concurrency: int, max_tokens: int) -> dict:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_specrl.bench_engine import host_info
+from bench_engine import host_info
 
 # SmolLM2-135M: hidden 576, 9 query / 3 key-value heads of 64, MLP 1536 (gate and up fused).
 PROJECTIONS = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}

@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from vllm_specrl.bench_engine import host_info, report_result, run_engine_subprocess  # noqa: E402
+from bench_engine import host_info, report_result, run_engine_subprocess  # noqa: E402
 
 HISTORY = "vllm_specrl.proposer.history.HistoryProposer"
 # The history proposer's variants: the default (sampled drafts, cost-aware threshold), token-id
@@ -87,7 +87,7 @@ def _engine(cfg: dict) -> dict:
         return llm.collective_rpc("specrl_proposer_state")[0]
 
     if cfg.get("interleave"):  # the parent sends {"epoch": e} in turn with the other engines, then {"state": 1}
-        from vllm_specrl.bench_engine import serve_commands
+        from bench_engine import serve_commands
 
         def command(c: dict) -> dict | None:
             if "epoch" in c:  # after another engine's turn: a few tokens warm this one's caches, untimed
@@ -108,7 +108,7 @@ def run_interleaved(cfgs: dict[str, dict], env: dict[str, str], epochs: int, log
     """Every method's engine alive at once; epoch e runs on each in turn, the first rotating by one."""
     from contextlib import ExitStack
 
-    from vllm_specrl.bench_engine import EngineProcess
+    from bench_engine import EngineProcess
 
     runs: dict = {}
     with ExitStack() as stack:

@@ -37,7 +37,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vllm_specrl import metrics
-from vllm_specrl.bench_engine import host_info
+from bench_engine import host_info
 
 
 def shifted_policy(src: Path, dst: Path, scale: float, seed: int, keep_prefix: str | None = None

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import requests
 
-from vllm_specrl.bench_engine import completion_wave, host_info
+from bench_engine import completion_wave, host_info
 
 PHASES = ("off", "capture", "online")
 

@@ -48,7 +48,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from vllm_specrl.adaptive import SCHEDULER_CLS
-from vllm_specrl.bench_engine import host_info
+from bench_engine import host_info
 
 METHODS = ("plain", "ngram", "eagle3-random", "eagle3-warm", "eagle3-warm-adaptive", "mtp", "plain-mimo")
 # Methods served on the MTP target (--mtp-model: SmolLM2 re-labelled as MiMo with its own MTP layer;
@@ -106,7 +106,7 @@ def _drive(cfg: dict, run_cells) -> list[dict] | None:
     """Measure once and return the cells, or, with ``--interleave``, measure one slice per command
     from the parent until it says quit (``bench_engine.serve_commands``)."""
     if cfg.get("interleave"):
-        from vllm_specrl.bench_engine import serve_commands
+        from bench_engine import serve_commands
 
         serve_commands(run_cells)
         return None
@@ -345,7 +345,7 @@ def engine_env() -> dict[str, str]:
 
 
 def run_engine_in_subprocess(cfg: dict, timeout_s: float) -> list[dict] | str:
-    from vllm_specrl.bench_engine import run_engine_subprocess
+    from bench_engine import run_engine_subprocess
 
     return run_engine_subprocess(__file__, cfg, engine_env(), timeout_s)
 
@@ -357,7 +357,7 @@ def run_interleaved(engines: list[tuple], cfgs: list[dict], args: argparse.Names
     measured first or right after another's start-up)."""
     from contextlib import ExitStack
 
-    from vllm_specrl.bench_engine import EngineProcess
+    from bench_engine import EngineProcess
 
     with ExitStack() as stack:
         procs: list = []  # an EngineProcess, or why it did not start
@@ -583,7 +583,7 @@ def main() -> None:
         cfg = json.loads(args._engine)
         cells = (_engine_offline if cfg["mode"] == "offline" else _engine_server)(cfg)
         if cells is not None:
-            from vllm_specrl.bench_engine import report_result
+            from bench_engine import report_result
 
             report_result(cells)
         return

@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save
 
 from vllm_specrl.faults import FAULTS_ENV
 from vllm_specrl.fixtures import build_fixtures, fixture_target
-from vllm_specrl.bench_engine import host_info
+from bench_engine import host_info
 from vllm_specrl.proposer.checkpoint import init_draft
 from vllm_specrl.server import VLLMServer, cpu_env
 from vllm_specrl.sync import shm

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from vllm_specrl.adaptive import SCHEDULER_CLS
-from vllm_specrl.bench_engine import host_info
+from bench_engine import host_info
 
 PHASE_ORDER = ("wall", "target_forward", "target_logits", "sampler", "rejection_sampler", "draft_forward",
                "draft_logits_and_sampling", "draft_other", "other")
@@ -84,7 +84,7 @@ def _engine(cfg: dict) -> list[dict]:
 
 
 def run_engine(cfg: dict, env_extra: dict, timeout_s: float, iomp: bool = True) -> list[dict] | str:
-    from vllm_specrl.bench_engine import run_engine_subprocess
+    from bench_engine import run_engine_subprocess
     from vllm_specrl.server import with_intel_openmp
 
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
@@ -157,7 +157,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("results/bench_step_cost.json"))
     args = ap.parse_args()
     if args._engine:
-        from vllm_specrl.bench_engine import report_result
+        from bench_engine import report_result
 
         report_result(_engine(json.loads(args._engine)))
         return

@@ -25,7 +25,7 @@ import requests
 import torch
 from safetensors.torch import load_file
 
-from vllm_specrl.bench_engine import host_info
+from bench_engine import host_info
 
 
 def memcpy_bytes_per_s(tensors: dict[str, torch.Tensor], repeats: int) -> float:

@@ -24,7 +24,7 @@ import argparse
 import json
 from pathlib import Path
 
-from vllm_specrl.bench_engine import completion_wave, host_info
+from bench_engine import completion_wave, host_info
 from vllm_specrl.server import VLLMServer, cpu_env
 
 RESERVED_CPU_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"  # vLLM's own knob (vllm/utils/ompmultiprocessing.py)

@@ -1,6 +1,6 @@
 """Project end-to-end RL step speedup from stage times and speculative rollout figures.
 
-Formulas: ``vllm_specrl/projection.py``. Inputs either measured (``--from-json``
+Formulas: ``scripts/bench/projection.py``. Inputs either measured (``--from-json``
 with an RL demo's per-step records: generation_s, training_s, logprob_s,
 sync_s) or given (``--rollout-share``). The rollout speedup is either given
 (``--rollout-speedup``) or built from acceptance length and step cost
@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from vllm_specrl.projection import StageTimes, project, rollout_speedup, step_cost  # noqa: E402
+from projection import StageTimes, project, rollout_speedup, step_cost  # noqa: E402
 
 PAPER = {"rollout_speedup": 1.77, "rollout_share": (0.65, 0.72), "reported_step_speedup": "about 1.4x"}
 

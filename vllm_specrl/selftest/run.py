@@ -209,7 +209,7 @@ def as_json(checks: list[Check], settings: Settings, seconds: float | None = Non
     import vllm
 
     from vllm_specrl._version import __version__
-    from vllm_specrl.bench_engine import host_info
+    from vllm_specrl.host import host_info
 
     return {"selftest": "vllm-specrl", "vllm_specrl": __version__, "vllm": vllm.__version__, "host": host_info(),
             "date": time.strftime("%Y-%m-%d"), "seconds": seconds, "model": str(settings.model),
