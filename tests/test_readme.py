@@ -79,3 +79,15 @@ def test_the_rl_loop_example_runs(readme_server, tiny_model, tmp_path):
     status = readme_server.status()
     assert status["versions"]["policy"] == 3 and "num_drafts" in status["spec_decode"], status
     assert status["ineffective_switches"] == []
+
+
+def test_every_import_the_readme_shows_resolves():
+    """The TRL line and the example's imports name what the package has (a rename would break users)."""
+    import importlib
+
+    shown = re.findall(r"from (vllm_specrl[\w.]*) import ([\w, ]+)", README)
+    assert any(module == "vllm_specrl.integrations.trl" for module, _ in shown)
+    for module, names in shown:
+        imported = importlib.import_module(module)
+        missing = [n.strip() for n in names.split(",") if not hasattr(imported, n.strip())]
+        assert not missing, (module, missing)
