@@ -2,8 +2,8 @@
 
 Starts ``vllm serve`` as ``make demo``'s speculative run does (EAGLE-3, k = 3 with adaptive k
 calibrated, ``capture_topk`` 64, the demo's dtype rule) and ``vllm-specrl train-draft --capture``
-beside it exactly as the demo starts it (``rl_demo.start_draft_trainer``: nice 19, SCHED_IDLE, one
-thread, its pause file), then sends phases of ``--concurrency`` seeded T = 1 requests of the demo's
+beside it exactly as the demo starts it (``vllm_specrl.rl.draft_trainer.DraftTrainerProcess``: nice 19,
+SCHED_IDLE, one thread, its pause file), then sends phases of ``--concurrency`` seeded T = 1 requests of the demo's
 task, ``--max-tokens`` each (``ignore_eos``: every phase generates the same number of tokens):
 
 - ``off``: capture off (the trainer has nothing to read and idles);
@@ -52,6 +52,7 @@ def main() -> None:
 
     from vllm_specrl.adaptive import SCHEDULER_CLS
     from vllm_specrl.fixtures import fixture_target
+    from vllm_specrl.rl.draft_trainer import DraftTrainerProcess, pause_file, trainer_cpus
     from vllm_specrl.rl.tasks import make_tasks
     from vllm_specrl.server import VLLMServer, free_port
     from vllm_specrl.sync.client import EngineClient
@@ -73,7 +74,7 @@ def main() -> None:
                    "--speculative-config", json.dumps(spec), "--scheduler-cls", SCHEDULER_CLS,
                    "--additional-config", json.dumps({"specrl": {
                        "capture_topk": 64, "capture_sender_cpus": args.capture_sender_cpus}})]
-    pause = rl_demo.trainer_pause_file(work, "spec")
+    pause = pause_file(work, "spec")
     phases = []
     with VLLMServer(target, server_args, log_path=work / "serve.log") as srv:
         client = EngineClient(srv.url, progress=False)
@@ -81,9 +82,10 @@ def main() -> None:
         pause.touch()
         requests.post(srv.url + "/specrl/capture", json={"enabled": True, "address": capture},
                       timeout=60).raise_for_status()  # so that the status shows where the sender runs
-        trainer = rl_demo.start_draft_trainer(demo, work, "spec", capture, srv.url,
-                                              ["--draft", str(args.draft), "--target", str(target)],
-                                              cpus=rl_demo.trainer_cpus(args.draft_trainer_cpus, client.status()))
+        trainer = DraftTrainerProcess.start(capture, srv.url, args.draft, target, work,
+                                            rl_demo.draft_trainer_settings(demo),
+                                            cpus=trainer_cpus(args.draft_trainer_cpus, client.status()))
+        pause.touch()  # start() clears it; the phases below set it
         try:
             completion_wave(srv.url, srv.model, prompts[:4], 16, seeds=list(range(4)))  # warm-up
             for cycle in range(args.cycles):
@@ -109,8 +111,7 @@ def main() -> None:
                           f"mean k {res['mean_k']}", flush=True)
             status = client.status()
         finally:
-            trainer.terminate()
-            trainer.wait(30)
+            trainer.stop(30)
     ratios = {p: [next(x["tokens_per_s"] for x in phases if x["cycle"] == c and x["phase"] == p)
                   / next(x["tokens_per_s"] for x in phases if x["cycle"] == c and x["phase"] == "off")
                   for c in range(args.cycles)] for p in PHASES[1:]}
