@@ -251,3 +251,18 @@ def test_a_per_object_patch_goes_on_several_objects_once_each(registry):
     assert registry.is_installed("obj")
     registry.uninstall("obj", on=second)
     assert not registry.is_installed("obj") and "step" not in vars(second)
+
+
+def test_patches_that_work_only_together_install_all_or_none(registry):
+    original = Runner.__dict__["step"]
+    helper = MODULE.helper
+    pair = [(patch("first"), tagging("first")),
+            (patch("second", attribute="helper", signature=("other",)), lambda inner: lambda a: a)]
+    assert registry.install_all(pair).startswith("skipped: signature drift")  # the second does not apply
+    assert Runner.__dict__["step"] is original and MODULE.helper is helper  # so the first came off
+    assert not registry.is_installed("first")
+    pair[1] = (patch("second_ok", attribute="helper", signature=("a",)), lambda inner: lambda a: f"s[{inner(a)}]")
+    assert registry.install_all(pair) == "installed"
+    assert Runner().step(1, 2) == "first[step(1,2)]" and MODULE.helper(1) == "s[helper(1)]"
+    registry.uninstall("second_ok")
+    registry.uninstall("first")

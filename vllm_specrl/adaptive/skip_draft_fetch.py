@@ -59,11 +59,5 @@ def install_skip_empty_draft_fetch() -> str:
         return schedule
 
     # post_step skips only where schedule recorded k = 0: alone it changes nothing.
-    result = REGISTRY.install(SKIP_FETCH_POST_STEP_PATCH, wrap_post_step)
-    if result != "installed":
-        return result
-    scheduled = REGISTRY.install(SKIP_FETCH_SCHEDULE_PATCH, wrap_schedule)
-    if scheduled != "installed":
-        REGISTRY.uninstall(SKIP_FETCH_POST_STEP_PATCH.name)
-        return scheduled
-    return result
+    return REGISTRY.install_all([(SKIP_FETCH_POST_STEP_PATCH, wrap_post_step),
+                                 (SKIP_FETCH_SCHEDULE_PATCH, wrap_schedule)])

@@ -59,14 +59,7 @@ def install_runner_step_timer() -> str:
             return stamp(stock_sample(self, *args, **kwargs), start)
         return sample_tokens
 
-    result = REGISTRY.install(STEP_TIMER_EXECUTE_PATCH, wrap_execute)
-    if result != "installed":
-        return result
-    sampled = REGISTRY.install(STEP_TIMER_SAMPLE_PATCH, wrap_sample)
-    if sampled != "installed":
-        REGISTRY.uninstall(STEP_TIMER_EXECUTE_PATCH.name)
-        return sampled
-    return result
+    return REGISTRY.install_all([(STEP_TIMER_EXECUTE_PATCH, wrap_execute), (STEP_TIMER_SAMPLE_PATCH, wrap_sample)])
 
 
 def runner_seconds(model_runner_output: Any) -> float | None:

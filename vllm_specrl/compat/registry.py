@@ -207,6 +207,19 @@ class Registry:
         self._rebuild(slot)
         return self._set(patch, "installed", "")
 
+    def install_all(self, hooks: list[tuple[Patch, Callable[[Any], Any]]]) -> str:
+        """Install patches that only work together, in order: all of them, or none (the ones already
+        installed come off again when a later one does not apply); the state of the first that did not."""
+        done = []
+        for patch, wrap in hooks:
+            result = self.install(patch, wrap)
+            if result != "installed":
+                for installed in reversed(done):
+                    self.uninstall(installed.name)
+                return result
+            done.append(patch)
+        return "installed"
+
     def skip(self, patch: Patch, reason: str) -> str:
         """Record that an installer left ``patch`` out here (the fault it fixes is absent, the feature is
         off); ``report()`` lists the reason."""
