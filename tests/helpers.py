@@ -69,36 +69,13 @@ def perturbed_checkpoint(model_dir, out, seed: int, scale: float = 0.3):
     """A copy of ``model_dir`` whose matrices moved by ``scale`` of their std (an RL step, exaggerated)."""
     import shutil
 
-    import torch
     from safetensors.torch import load_file, save_file
 
+    from vllm_specrl.selftest.engine_job import perturbed
+
     shutil.copytree(model_dir, out)
-    gen = torch.Generator().manual_seed(seed)
-    weights = load_file(model_dir / "model.safetensors")
-    save_file({k: (v + scale * v.float().std() * torch.randn(v.shape, generator=gen)).to(v.dtype)
-               if v.is_floating_point() and v.dim() == 2 else v for k, v in weights.items()},
-              out / "model.safetensors")
+    save_file(perturbed(load_file(model_dir / "model.safetensors"), seed, scale), out / "model.safetensors")
     return out
-
-
-def capture_and_receive(address: str, send, wanted: int, timeout_s: float = 30.0) -> tuple[object, list[dict]]:
-    """Listen on ``address``, call ``send()`` (which makes the engine generate), and gather
-    the captured sequences until ``wanted`` requests are whole and the stream is quiet."""
-    import time
-
-    from vllm_specrl.capture.receiver import CaptureReceiver, SequenceAssembler
-
-    rx, asm = CaptureReceiver(address), SequenceAssembler()
-    try:
-        time.sleep(1.0)  # the engine's senders reconnect to the new receiver
-        result = send()
-        deadline = time.time() + timeout_s
-        while time.time() < deadline and (len(asm.requests) < wanted or rx.socket.poll(1000)):
-            for header, tensors in rx.receive(200):
-                asm.add(header, tensors)
-    finally:
-        rx.close()
-    return result, [asm.pop(rid) for rid in list(asm.requests)]
 
 
 def assert_captured_rows_match_hf(model_dir, tokens: list[list[int]], captured: list[dict],

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-ADAPTIVE_K_SCHEDULER = "vllm_specrl.adaptive.scheduler.AdaptiveKScheduler"
+from vllm_specrl.adaptive import SCHEDULER_CLS as ADAPTIVE_K_SCHEDULER
+
 HISTORY_PROPOSER = "vllm_specrl.proposer.history.HistoryProposer"
 
 

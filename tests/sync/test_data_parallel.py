@@ -24,7 +24,8 @@ import requests
 from safetensors.torch import load_file
 
 from conftest import PARALLEL_MAX_TOKENS, WARM_DRAFT_VOCAB
-from helpers import assert_captured_rows_match_hf, capture_and_receive
+from helpers import assert_captured_rows_match_hf
+from vllm_specrl.capture.receiver import receive_while
 from vllm_specrl.faults import FAULTS_ENV
 from vllm_specrl.proposer.checkpoint import init_draft
 from vllm_specrl.server import VLLMServer, cpu_env, free_port
@@ -144,6 +145,6 @@ def test_both_cores_capture_to_one_trainer_address(server, tiny_model, capture_a
         assert all(after[core] > before.get(core, 0) for core in ("0", "1")), (before, after)
         return choices
 
-    choices, captured = capture_and_receive(capture_address, send, wanted=4)
+    choices, captured = receive_while(capture_address, send, wanted=4)
     assert_captured_rows_match_hf(tiny_model, [c["prompt_token_ids"] + c["token_ids"] for c in choices], captured,
                                   keys=("final_hidden",))

@@ -18,7 +18,8 @@ import requests
 from safetensors.torch import load_file
 
 from conftest import PARALLEL_MAX_TOKENS, WARM_DRAFT_VOCAB
-from helpers import assert_captured_rows_match_hf, capture_and_receive
+from helpers import assert_captured_rows_match_hf
+from vllm_specrl.capture.receiver import receive_while
 from vllm_specrl.adaptive import SCHEDULER_CLS
 from vllm_specrl.faults import FAULTS_ENV
 from vllm_specrl.proposer.checkpoint import init_draft
@@ -122,7 +123,7 @@ def test_capture_streams_full_states_from_rank_0(server, tiny_model, capture_add
         r.raise_for_status()
         return sorted(r.json()["choices"], key=lambda c: c["index"])
 
-    choices, captured = capture_and_receive(capture_address, send, wanted=2)
+    choices, captured = receive_while(capture_address, send, wanted=2)
     # One stream per request, not one per rank (hidden states are replicated under TP).
     assert_captured_rows_match_hf(tiny_model, [c["prompt_token_ids"] + c["token_ids"] for c in choices], captured)
 

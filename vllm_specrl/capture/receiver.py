@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -164,3 +165,23 @@ class SequenceAssembler:
     def pop(self, request_id: str, version: Any = None) -> dict[str, Any]:
         """A finished request's trainable rows (``RequestRows.sequence``)."""
         return self.requests.pop(request_id).sequence(version)
+
+
+def receive_while(address: str, send: Callable[[], Any], wanted: int, timeout_s: float = 30.0,
+                  settle_s: float = 1.0) -> tuple[Any, list[dict[str, Any]]]:
+    """Listen on ``address``, call ``send()`` (which makes the engine generate) once ``settle_s`` gave
+    the engine's sender time to connect, then gather captured sequences until ``wanted`` requests are
+    whole and the stream is quiet (or ``timeout_s``): ``send``'s result and every request's sequence."""
+    import time
+
+    receiver, assembler = CaptureReceiver(address), SequenceAssembler()
+    try:
+        time.sleep(settle_s)
+        result = send()
+        deadline = time.time() + timeout_s
+        while time.time() < deadline and (len(assembler.requests) < wanted or receiver.socket.poll(1000)):
+            for header, tensors in receiver.receive(200):
+                assembler.add(header, tensors)
+    finally:
+        receiver.close()
+    return result, [assembler.pop(rid) for rid in list(assembler.requests)]

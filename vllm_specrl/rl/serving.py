@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_specrl.server import WORKER_EXTENSION
 from vllm_specrl.switches import ADAPTIVE_K_SCHEDULER, HISTORY_PROPOSER
 
 PROPOSERS = ("eagle3", "mtp", "history", "plain")
-WORKER_EXTENSION = "vllm_specrl.sync.SpecRLWorkerExtension"
-PLUGINS = "specrl,specrl_http"
 
 
 @dataclass(frozen=True)

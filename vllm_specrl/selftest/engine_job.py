@@ -38,7 +38,7 @@ def _spec_decode(llm: Any) -> dict[str, float]:
     return metrics.from_llm_metrics(llm.get_metrics()).summary()
 
 
-def _perturbed(weights: dict, seed: int, scale: float = 0.3) -> dict:
+def perturbed(weights: dict, seed: int, scale: float = 0.3) -> dict:
     """The same tensors, every matrix moved by ``scale`` of its std (an RL step, exaggerated)."""
     import torch
 
@@ -74,7 +74,7 @@ def _updates(llm: Any, job: dict, prompts: list[str], max_tokens: int) -> dict:
 
     policy = load_file(str(Path(job["model"]) / "model.safetensors"))
     out: dict[str, Any] = {"before": _greedy(llm, prompts, max_tokens)}
-    out["perturbed"] = commit("policy", _perturbed(policy, seed=7), 1)
+    out["perturbed"] = commit("policy", perturbed(policy, seed=7), 1)
     out["after_perturbed"] = _greedy(llm, prompts, max_tokens)
     out["restored"] = commit("policy", policy, 2)
     out["after_restored"] = _greedy(llm, prompts, max_tokens)
@@ -96,27 +96,23 @@ def _capture(llm: Any, address: str, prompts: list[str], max_tokens: int) -> dic
     captured rows carry, against the prompt and output tokens the engine returned."""
     from vllm import SamplingParams
 
-    from vllm_specrl.capture.receiver import CaptureReceiver, SequenceAssembler
+    from vllm_specrl.capture.receiver import receive_while
 
-    receiver, assembler = CaptureReceiver(address), SequenceAssembler()
-    try:
+    def generate() -> dict:
         started = llm.collective_rpc("specrl_capture_start", args=(address,))[0]
         if not started.get("ok"):
             return {"started": started}
         time.sleep(1.0)  # the sender connects
         outs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True),
                             use_tqdm=False)
-        expected = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
-        deadline = time.time() + 30
-        while time.time() < deadline and (len(assembler.requests) < len(prompts) or receiver.socket.poll(1000)):
-            for header, tensors in receiver.receive(200):
-                assembler.add(header, tensors)
-        stopped = llm.collective_rpc("specrl_capture_stop")[0]
-    finally:
-        receiver.close()
-    captured = [assembler.pop(rid)["token_ids"].tolist() for rid in list(assembler.requests)]
-    return {"started": {"ok": True}, "expected": expected, "captured": captured,
-            "sender": stopped.get("final", {})}
+        return {"started": {"ok": True},
+                "expected": [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]}
+
+    found, sequences = receive_while(address, generate, len(prompts), settle_s=0.0)
+    if not found["started"].get("ok"):
+        return found
+    stopped = llm.collective_rpc("specrl_capture_stop")[0]
+    return {**found, "captured": [s["token_ids"].tolist() for s in sequences], "sender": stopped.get("final", {})}
 
 
 def run_job(job: dict) -> dict:

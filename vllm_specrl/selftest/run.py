@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,8 +29,6 @@ GROUPS = ("eagle3", "history", "updates", "capture", "status")
 ALPHA = 1e-3
 SAMPLE_PROMPT = "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2, 3]\nw = [1, 2, 3]\nv ="
 GREEDY_PROMPTS = ["def fibonacci(n):", "The capital of France is", "import os\nimport sys\n", "1, 2, 3, 4,"]
-HISTORY = {"method": "custom_class", "model": "vllm_specrl.proposer.history.HistoryProposer",
-           "num_speculative_tokens": 3}
 
 
 @dataclass
@@ -61,12 +58,6 @@ def default_model() -> Path:
     root = Path(os.environ.get("VLLM_SPECRL_FIXTURES", Path.home() / ".cache" / "vllm-specrl" / "fixtures"))
     build_fixtures(root, ("tiny",))
     return target_dir(root, "tiny")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_engine(job: dict, plugin: bool, timeout_s: float, env: dict[str, str] | None = None) -> dict:
@@ -152,6 +143,8 @@ def _status_check(found: dict) -> Check:
 def selftest(settings: Settings, progress: Callable[[str], None] = print) -> list[Check]:
     """Run the checks of ``settings.groups``; one ``Check`` per promise."""
     from vllm_specrl.proposer.checkpoint import init_draft
+    from vllm_specrl.rl.serving import serve_args
+    from vllm_specrl.server import free_port
 
     model, groups, checks = str(settings.model), settings.groups, []
     greedy = {"prompts": GREEDY_PROMPTS, "max_tokens": settings.greedy_tokens}
@@ -169,11 +162,9 @@ def selftest(settings: Settings, progress: Callable[[str], None] = print) -> lis
             vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
             init_draft(model, draft, draft_vocab_size=vocab // 2, seed=0)
             init_draft(model, fresh, draft_vocab_size=vocab // 2, seed=1)
-            spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3,
-                    "draft_sample_method": "probabilistic"}
-            job = {**base, "speculative_config": spec, "plugin": True, "seed": 5, "fresh_draft": str(fresh),
+            job = {**base, "speculative_config": serve_args("eagle3", draft=draft).speculative_config, "plugin": True, "seed": 5, "fresh_draft": str(fresh),
                    "samples": samples if "eagle3" in groups else None, "updates": "updates" in groups,
-                   "capture": f"tcp://127.0.0.1:{_free_port()}" if "capture" in groups else None}
+                   "capture": f"tcp://127.0.0.1:{free_port()}" if "capture" in groups else None}
             progress(f"[selftest] EAGLE-3, random draft ({time.time() - t0:.0f} s so far)")
             found = run_engine(job, plugin=True, timeout_s=settings.timeout_s, env=settings.env)
             if "eagle3" in groups:
@@ -187,7 +178,8 @@ def selftest(settings: Settings, progress: Callable[[str], None] = print) -> lis
                 checks += [_status_check(found)] if "status" in groups else []
         if "history" in groups:
             progress(f"[selftest] history proposer ({time.time() - t0:.0f} s so far)")
-            found = run_engine({**base, "samples": samples, "speculative_config": HISTORY, "plugin": True,
+            history = serve_args("history").speculative_config
+            found = run_engine({**base, "samples": samples, "speculative_config": history, "plugin": True,
                                 "seed": 8}, plugin=True, timeout_s=settings.timeout_s, env=settings.env)
             checks += [_greedy("history greedy = plain", plain["greedy"], found),
                        _distribution("history T=1 distribution = plain", plain["samples"], found)]
