@@ -179,3 +179,31 @@ def test_loops_that_own_their_control_flow_take_turns_and_their_output_is_shown(
     lines = [line for line in capsys.readouterr().out.splitlines() if ": " in line]
     assert lines == ["a: setting up", "b: setting up", "a: step 0", "b: step 0", "b: step 1", "a: step 1",
                      "a: step 2", "b: step 2"]
+
+
+def test_engines_take_turns_the_first_rotating_and_a_failed_engine_is_named_not_asked_again(tmp_path: Path) -> None:
+    """``engines_alive`` + ``in_turns``, the helper the interleaved benchmarks and the RL demo share:
+    round r starts with engine r mod n; an engine that cannot start, or dies on a command, yields its
+    error in each of its turns and gets no more commands; the others go on."""
+    from bench_engine import engines_alive, in_turns
+
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
+
+    def start(name: str, **cfg):
+        return lambda: EngineProcess(str(script), {"name": name, **cfg}, env, str(tmp_path / f"{name}.log"), 30)
+
+    starts = {"a": start("a"), "b": start("b"), "dead": start("dead", die_before_ready=True), "c": start("c")}
+    with engines_alive(starts) as procs:
+        assert isinstance(procs["dead"], str) and "ENGINE_READY" in procs["dead"]
+        turns = [(name, rnd, result if isinstance(result, str) else result["slices_so_far"])
+                 for name, rnd, result in in_turns(
+                     procs, 3, lambda name, rnd: {"slice": rnd, "die": name == "c" and rnd == 1})]
+    order = [(name, rnd) for name, rnd, _ in turns]
+    assert order == [("a", 0), ("b", 0), ("dead", 0), ("c", 0), ("b", 1), ("dead", 1), ("c", 1), ("a", 1),
+                     ("dead", 2), ("c", 2), ("a", 2), ("b", 2)]
+    results = {(name, rnd): result for name, rnd, result in turns}
+    assert results["a", 2] == [0, 1, 2] and results["b", 2] == [0, 1, 2]
+    assert results["c", 0] == [0] and "rc=4" in results["c", 1] and results["c", 2] == results["c", 1]
+    assert all(procs[name].proc.returncode == 0 for name in ("a", "b"))

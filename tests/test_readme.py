@@ -43,7 +43,7 @@ def test_every_switch_is_in_the_readme_table():
 
 
 def test_every_linked_page_exists():
-    links = re.findall(r"\]\(((?:docs|benchmarks)/[^)#]+)\)", README)
+    links = re.findall(r"\]\(((?:docs|benchmarks|examples)/[^)#]+)\)", README)
     assert len(links) >= 10
     assert [link for link in links if not (REPO / link).exists()] == []
 

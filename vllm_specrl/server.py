@@ -125,6 +125,8 @@ class VLLMServer:
     def launch(self) -> VLLMServer:
         """Start ``vllm serve`` without waiting for it (``wait_ready``): servers launched together start
         side by side, each mostly one core's worth of imports."""
+        if self.log_path:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True)

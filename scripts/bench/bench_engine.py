@@ -3,8 +3,10 @@
 A script re-runs itself with ``--_engine <json config>``; the child prints one
 ``ENGINE_RESULT <json>`` line, which the parent reads back. ``EngineProcess`` keeps such a
 child alive and sends it one JSON command per measurement (``serve_commands`` in the child),
-so a benchmark can measure several engines in turn, slice by slice; ``ParentTurns`` is the
-child's side for a loop that keeps its own control flow (the RL demo's runs, step by step).
+so a benchmark can measure several engines in turn, slice by slice (``engines_alive`` starts them,
+``in_turns`` takes the turns: the shared helper of ``bench_rollout``, ``bench_history`` and the RL demo);
+``ParentTurns`` is the child's side for a loop that keeps its own control flow (the RL demo's runs,
+step by step).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -184,3 +187,40 @@ class EngineProcess:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+@contextmanager
+def engines_alive(starts: Mapping[str, Callable[[], EngineProcess]],
+                  announce: Callable[[str], None] = lambda name: None) -> Iterator[dict[str, EngineProcess | str]]:
+    """Starts every engine, one after another (each start alone on the cores), and keeps them all
+    alive until the block ends; an engine that fails to start is its error message instead."""
+    with ExitStack() as stack:
+        procs: dict[str, EngineProcess | str] = {}
+        for name, start in starts.items():
+            announce(name)
+            try:
+                procs[name] = stack.enter_context(start())
+            except RuntimeError as e:
+                procs[name] = str(e)
+        yield procs
+
+
+def in_turns(procs: dict[str, EngineProcess | str], rounds: int,
+             command: Callable[[str, int], dict]) -> Iterator[tuple[str, int, Any]]:
+    """Round r sends ``command(name, r)`` to every engine in turn, the first rotating by one each round
+    (no engine always measured first, or right after another's turn), and yields (name, r, its result).
+    An engine that failed (to start, or on a command) yields its error message and is asked no more;
+    ``procs`` then holds that message in its place."""
+    names = list(procs)
+    for rnd in range(rounds):
+        for i in range(len(names)):
+            name = names[(i + rnd) % len(names)]
+            proc = procs[name]
+            if isinstance(proc, str):
+                yield name, rnd, proc
+                continue
+            try:
+                yield name, rnd, proc.request(command(name, rnd))
+            except RuntimeError as e:
+                procs[name] = str(e)
+                yield name, rnd, procs[name]

@@ -106,37 +106,26 @@ REWARM_TOKENS = 16
 
 def run_interleaved(cfgs: dict[str, dict], env: dict[str, str], epochs: int, log_dir: Path) -> dict:
     """Every method's engine alive at once; epoch e runs on each in turn, the first rotating by one."""
-    from contextlib import ExitStack
+    from bench_engine import EngineProcess, engines_alive, in_turns
 
-    from bench_engine import EngineProcess
+    def start(method: str):
+        return lambda: EngineProcess(__file__, dict(cfgs[method], interleave=True), env,
+                                     str(log_dir / f"engine_{method}.log"), 1800)
 
     runs: dict = {}
-    with ExitStack() as stack:
-        procs: dict = {}
-        for method, cfg in cfgs.items():
-            print(f"[bench] starting {method}", file=sys.stderr, flush=True)
-            try:
-                procs[method] = stack.enter_context(EngineProcess(
-                    __file__, dict(cfg, interleave=True), env, str(log_dir / f"engine_{method}.log"), 1800))
-                runs[method] = {"epochs": []}
-            except RuntimeError as e:
-                runs[method] = str(e)
-        live = [m for m in cfgs if m in procs]
-        for epoch in range(epochs):
-            for i in range(len(live)):
-                method = live[(i + epoch) % len(live)]
-                if isinstance(runs[method], str):
-                    continue
-                t0 = time.perf_counter()
-                try:
-                    runs[method]["epochs"].append(procs[method].request({"epoch": epoch}))
-                except RuntimeError as e:
-                    runs[method] = str(e)
-                    continue
-                print(f"[bench] epoch {epoch} {method}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-        for method in live:
-            if not isinstance(runs[method], str):
-                runs[method]["proposer"] = procs[method].request({"state": 1})
+    announce = lambda method: print(f"[bench] starting {method}", file=sys.stderr, flush=True)  # noqa: E731
+    with engines_alive({method: start(method) for method in cfgs}, announce) as procs:
+        t0 = time.perf_counter()
+        for method, epoch, result in in_turns(procs, epochs, lambda method, epoch: {"epoch": epoch}):
+            if isinstance(result, str):
+                runs[method] = result
+                continue
+            runs.setdefault(method, {"epochs": []})["epochs"].append(result)
+            print(f"[bench] epoch {epoch} {method}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
+        for method, proc in procs.items():
+            if not isinstance(proc, str):
+                runs[method]["proposer"] = proc.request({"state": 1})
     return runs
 
 

@@ -355,34 +355,26 @@ def run_interleaved(engines: list[tuple], cfgs: list[dict], args: argparse.Names
     """``--interleave``: the round's engines started one after another and kept alive, then every
     slice measured on each in turn, the order rotating by one each slice (no engine always
     measured first or right after another's start-up)."""
-    from contextlib import ExitStack
+    from bench_engine import EngineProcess, engines_alive, in_turns
 
-    from bench_engine import EngineProcess
+    by_name = {cfg["name"]: (engine, cfg) for engine, cfg in zip(engines, cfgs)}
 
-    with ExitStack() as stack:
-        procs: list = []  # an EngineProcess, or why it did not start
-        for cfg in cfgs:
-            print(f"[bench] starting {cfg['name']} (round {rnd + 1}/{args.rounds}, interleaved): "
-                  f"{json.dumps(cfg['speculative_config']) if cfg['speculative_config'] else 'no speculation'}",
-                  flush=True)
-            log = Path(cfg["log_dir"]) / f"engine_{cfg['name']}_r{rnd}.log"
-            try:
-                procs.append(stack.enter_context(EngineProcess(__file__, dict(cfg, interleave=True), engine_env(),
-                                                               str(log), args.engine_timeout)))
-            except RuntimeError as e:
-                procs.append(str(e))
-        for slice_index in range(args.interleave):
-            for i in range(len(engines)):
-                j = (i + slice_index) % len(engines)
-                print(f"[bench] {cfgs[j]['name']} slice {slice_index + 1}/{args.interleave}", flush=True)
-                if isinstance(procs[j], str):
-                    yield engines[j], slice_index, procs[j]
-                    continue
-                try:
-                    yield engines[j], slice_index, procs[j].request({"slice": slice_index, "rewarm": True})
-                except RuntimeError as e:
-                    procs[j] = str(e)
-                    yield engines[j], slice_index, procs[j]
+    def start(cfg: dict):
+        log = Path(cfg["log_dir"]) / f"engine_{cfg['name']}_r{rnd}.log"
+        return lambda: EngineProcess(__file__, dict(cfg, interleave=True), engine_env(), str(log), args.engine_timeout)
+
+    def announce(name: str) -> None:
+        spec = by_name[name][1]["speculative_config"]
+        print(f"[bench] starting {name} (round {rnd + 1}/{args.rounds}, interleaved): "
+              f"{json.dumps(spec) if spec else 'no speculation'}", flush=True)
+
+    def command(name: str, slice_index: int) -> dict:
+        print(f"[bench] {name} slice {slice_index + 1}/{args.interleave}", flush=True)
+        return {"slice": slice_index, "rewarm": True}
+
+    with engines_alive({cfg["name"]: start(cfg) for cfg in cfgs}, announce) as procs:
+        for name, slice_index, result in in_turns(procs, args.interleave, command):
+            yield by_name[name][0], slice_index, result
 
 
 # --- drafts, ratios, plot ------------------------------------------------------------
