@@ -32,6 +32,7 @@ from vllm_specrl._log import logger
 from vllm_specrl._version import __version__
 from vllm_specrl.adaptive import state as adaptive_state
 from vllm_specrl.sync.guard import StaleDraftGuard
+from vllm_specrl.sync.native_api import watch_engine_client
 from vllm_specrl.sync.routes import build_sync_router, stamp_versions
 
 _GAUGES: dict[str, Any] = {}
@@ -58,9 +59,11 @@ def update_capture_gauges(capture: dict | None) -> None:
         _gauge(f"specrl_capture_{key}", f"capture {key.replace('_', ' ')}").set(float(capture.get(key) or 0))
 
 
-def update_gauges(state: SpecRLHttpState) -> dict:
+def update_gauges(state: SpecRLHttpState, extra_reasons: list[str] = ()) -> dict:
     """Prometheus gauges on vLLM's /metrics: versions and the stale-draft flag."""
     stale = state.stale_draft()
+    if extra_reasons:
+        stale = dict(stale, stale=True, reasons=[*stale["reasons"], *extra_reasons])
     _gauge("specrl_policy_version", "policy weight version being served").set(state.versions["policy"])
     _gauge("specrl_draft_version", "draft weight version being served").set(state.versions["draft"])
     _gauge("specrl_draft_stale", "1 when the draft no longer helps (see /specrl/status)").set(
@@ -221,8 +224,6 @@ async def gather_status(state: SpecRLHttpState) -> dict[str, Any]:
     out["speculative_config"] = engine_config.speculative_config_summary(engine.vllm_config)
     out["ineffective_switches"] = ineffective_switches(engine.vllm_config)
     out["logprobs_mode"] = str(engine.vllm_config.model_config.logprobs_mode)
-    out["versions"] = dict(state.versions)
-    out["stale_draft"] = update_gauges(state)
     out["updates_in_progress"] = state.uploads
     out["update_idle_timeout_s"] = state.update_idle_timeout_s
     out["abandoned_updates"] = state.abandoned_updates[-10:]
@@ -235,12 +236,22 @@ async def gather_status(state: SpecRLHttpState) -> dict[str, Any]:
             engine_rpc.collective_rpc_all_engines(engine, "specrl_status", WORKER_RPC_TIMEOUT_S),
             WORKER_RPC_TIMEOUT_S + 5,
         )
+        state.versions.update(out["workers"][0]["sync"]["versions"])  # a native update may have moved them
         captures = [w["capture"] for w in out["workers"] if w.get("capture")]
         out["capture"] = captures[0] if captures else None
         update_capture_gauges(out["capture"])
     except Exception as exc:  # noqa: BLE001 - status must answer even when workers cannot
         out["workers_error"] = f"{type(exc).__name__}: {exc} ({EXTENSION_HINT})"
+    out["versions"] = dict(state.versions)
+    out["stale_draft"] = update_gauges(state, draft_mismatches(out["workers"]))
     return out
+
+
+def draft_mismatches(workers: list[dict] | None) -> list[str]:
+    """Workers whose drafter's weights changed without a draft update (``sync.weight_watch``)."""
+    return [f"the draft's weights changed without a draft update (after {m['after']}, rank {w.get('rank')}): "
+            "publish a draft to replace them" for w in workers or []
+            if (m := (w.get("weight_watch") or {}).get("draft_mismatch"))]
 
 
 def build_router() -> APIRouter:
@@ -306,6 +317,7 @@ class SpecRLEndpointPlugin:
             bool(specrl_cfg.get("allow_unauthenticated_remote", False))),
             update_idle_timeout_s=float(specrl_cfg.get("update_idle_timeout_s", 300.0)))
         update_gauges(state.specrl)
+        watch_engine_client(state.specrl)
         register_adaptive_k_metrics()
         for problem in ineffective_switches(engine_client.vllm_config):
             logger.warning("vllm-specrl: a switch without effect: %s", problem)

@@ -27,6 +27,10 @@ from vllm_specrl.proposer.eagle3_config import register_eagle3_architecture
 from vllm_specrl.sampling.cpu_patches import (FAST_SAMPLING_PATCHES, ZERO_DRAFT_PATCH, install_cpu_fast_sampling,
                                               install_zero_draft_plain_sampler)
 from vllm_specrl.sync.registration import register_shm_weight_transfer_backend
+from vllm_specrl.sync.weight_events import LABEL_PATCH, RPC_PATCH, WAKE_PATCH, install_weight_events
+from vllm_specrl.sync.weight_watch import (FINISH_PATCH, LOAD_MODEL_PATCH, RELOAD_PATCH, START_DRAFT_PATCH,
+                                           START_PATCH, UPDATE_PATCH, install_weight_watch)
+from vllm_specrl.sync import native_api  # noqa: F401 - declares the API server's per-client patches
 
 
 class Step(NamedTuple):
@@ -77,4 +81,9 @@ WORKER = (
          (SKIP_FETCH_POST_STEP_PATCH.name, SKIP_FETCH_SCHEDULE_PATCH.name)),
     Step("custom_proposer_binding", "runner batch for custom_class proposers (history)",
          install_custom_proposer_binding, (CUSTOM_BINDING_PATCH.name,)),
+    Step("weight_watch", "every load into the served models watched (worker)", install_weight_watch,
+         tuple(p.name for p in (START_PATCH, START_DRAFT_PATCH, UPDATE_PATCH, FINISH_PATCH, RELOAD_PATCH,
+                                LOAD_MODEL_PATCH))),
+    Step("weight_events", "weight changes turned into versions (engine core)", install_weight_events,
+         (RPC_PATCH.name, LABEL_PATCH.name, WAKE_PATCH.name)),
 )

@@ -43,6 +43,8 @@ SWITCHES: tuple[Switch, ...] = (
            f"{ADAPTIVE_K_SCHEDULER}`"),
     Switch("history", CONFIG, "defaults", f"the history proposer's index knobs (`HistoryConfig`); needs "
                                           f"`\"method\": \"custom_class\", \"model\": \"{HISTORY_PROPOSER}\"`"),
+    Switch("VLLM_SPECRL_WEIGHT_WATCH", ENV, "unset", "`0` leaves loads through vLLM's native weight-transfer API, "
+           "`reload_weights` and worker extensions unwatched (no versions, draft validation or repair there)"),
     Switch("VLLM_SPECRL_MAX_DRAFT_LAG", ENV, "2", "policy versions a draft may lag before the stale-draft guard warns"),
     Switch("VLLM_SPECRL_STALE_MIN_DRAFTS", ENV, "64", "drafts the guard waits for before it judges acceptance"),
     # Capture

@@ -32,6 +32,7 @@ from vllm_specrl.sync import reload
 from vllm_specrl._version import __version__
 from vllm_specrl.sync.staging import UpdateBusy, UpdateStager
 from vllm_specrl.sync.validate import WeightUpdateError, checkpoint_specs
+from vllm_specrl.sync.weight_watch import WeightWatchRPCs, own_load, watch_of
 
 
 # Top-K logprobs of the target sent with every sampled row: the online trainer's soft targets,
@@ -44,7 +45,7 @@ def _refusal(exc: Exception) -> dict[str, Any]:
             "busy": isinstance(exc, UpdateBusy)}
 
 
-class SpecRLWorkerExtension:
+class SpecRLWorkerExtension(WeightWatchRPCs):
     """Mixin for vLLM workers; see the module docstring."""
 
     def _specrl_stager(self) -> UpdateStager:
@@ -99,6 +100,7 @@ class SpecRLWorkerExtension:
             "vllm_specrl": __version__,
             "plugin": plugin.state(),
             "sync": self.specrl_sync_state(),
+            "weight_watch": watch_of(self).state(),
             "capture": self.specrl_capture_state(),
             "proposer": self.specrl_proposer_state(),
             "deferred_draft_kv": deferred_kv.deferred_draft_kv_counters(self),
@@ -171,23 +173,19 @@ class SpecRLWorkerExtension:
             return _refusal(exc)
 
     def _specrl_apply(self, target: str, named: Any) -> None:
-        if target == "policy":
-            reload.apply_policy_weights(self, named)
-        else:
-            reload.apply_draft_weights(self, named)
+        with own_load(self):
+            if target == "policy":
+                reload.apply_policy_weights(self, named)
+            else:
+                reload.apply_draft_weights(self, named)
 
     def _specrl_restore(self, target: str, tensors: dict | None) -> str | None:
         """Re-apply a known good set (``None``: the served checkpoint's files); the error, if any."""
         try:
-            reload.end_interrupted_reload(self, target)
+            with own_load(self):
+                reload.end_interrupted_reload(self, target)
             if tensors is None:
-                from safetensors.torch import load_file
-
-                directory = Path(engine_config.policy_checkpoint_dir(self) if target == "policy"
-                                 else engine_config.draft_checkpoint_dir(self))
-                tensors = {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()
-                           if target == "policy" or not self._specrl_drafts_with_mtp()
-                           or engine_config.is_mtp_tensor(self, k)}
+                tensors = self._specrl_checkpoint_tensors(target)
             self._specrl_apply(target, sorted(tensors.items()))
             return None
         except Exception as exc:  # noqa: BLE001 - reported; the engine must say it is inconsistent
@@ -218,7 +216,17 @@ class SpecRLWorkerExtension:
                              f"version stays {serving}, update {update_id} closed"}
         finished = stager.finish(session, time.perf_counter() - t0)
         self._specrl_tell_proposer()
+        self._specrl_own_commit(session.target)
         return {"ok": True, **finished}
+
+    def _specrl_own_commit(self, target: str) -> None:
+        """After the plugin's own commit (or rollback) of ``target``: its set is the known good one."""
+        watch = watch_of(self)
+        if target == "policy":
+            watch.policy_restorable = True
+        else:
+            watch.draft_last_good = None  # the stager's last good set is the newer one
+        self._specrl_after_change(target, f"{target} update")
 
     def specrl_finalize_commit(self, update_id: str) -> dict:
         """Phase three: every rank applied; the previous weights are no longer needed."""
@@ -239,6 +247,7 @@ class SpecRLWorkerExtension:
         target, version, tensors = undo
         error = self._specrl_restore(target, tensors)
         self._specrl_tell_proposer()
+        self._specrl_own_commit(target)
         return {"ok": error is None, "rolled_back": error is None, "target": target, "version": version,
                 **({"error": f"COULD NOT RESTORE {target} v{version} ({error}): restart the engine"}
                    if error else {})}

