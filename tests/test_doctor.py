@@ -39,10 +39,11 @@ def test_doctor_lists_every_patch_installed_where_it_applies():
     assert set(rows) == {patch.name for patch in REGISTRY.patches()}
     assert found["ok"] and found["supported"] and found["platform"]["is_cpu"]
     assert found["touch_points"]["checked"] == len(REGISTRY.touch_points()) and not found["touch_points"]["failing"]
-    per_runner = {"capture_tap", "capture_tap.sample_tokens", "capture_tap.compute_logprobs", "draft_recorder",
-                  "deferred_draft_kv.propose"}
+    per_object = {"capture_tap", "capture_tap.sample_tokens", "capture_tap.compute_logprobs", "draft_recorder",
+                  "deferred_draft_kv.propose", "weight_watch.load_weights", "native_api.collective_rpc",
+                  "native_api.update_weight_version", "native_api.wake_up"}
     for name, row in rows.items():
-        if name in per_runner:  # installed per runner or drafter, when capture, the recorder or a drafter asks
+        if name in per_object:  # installed per runner, drafter, served model or engine client, once one exists
             assert row["state"] == "declared", row
         elif name == "cpu_start_method":  # the suite's engines fork (conftest); a user's spawn unless asked
             forked = os.environ.get("VLLM_SPECRL_CPU_START_METHOD") == "fork"
