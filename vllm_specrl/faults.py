@@ -7,7 +7,10 @@ rank, or only in that data-parallel engine core)
 after applying ``n`` tensors: kind ``apply`` raises, exactly as a failure inside
 vLLM's weight loader would; kind ``kill`` SIGKILLs the worker's process, as an
 out-of-memory kill or a lost host would. Versions pick the faulty update, so a
-test can arm a server once and still run every other update normally.
+test can arm a server once and still run every other update normally. Kind ``refuse`` acts in the
+``specrl_gloo`` backend, where a round has no version until it is applied: its "version" is the
+round's number on that engine (1, 2, ...), and the engine refuses that round after receiving it, as
+a validation failure would.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ class InjectedFault(RuntimeError):
     """Raised by a failpoint (never in normal operation)."""
 
 
-KINDS = ("apply", "kill")
+KINDS = ("apply", "kill", "refuse")
 
 
 def armed_fault(target: str, version: int, rank: int | None = None,

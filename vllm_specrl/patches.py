@@ -26,7 +26,7 @@ from vllm_specrl.proposer.deferred_kv import DEFERRED_KV_PATCH, install_deferred
 from vllm_specrl.proposer.eagle3_config import register_eagle3_architecture
 from vllm_specrl.sampling.cpu_patches import (FAST_SAMPLING_PATCHES, ZERO_DRAFT_PATCH, install_cpu_fast_sampling,
                                               install_zero_draft_plain_sampler)
-from vllm_specrl.sync.registration import register_shm_weight_transfer_backend
+from vllm_specrl.sync.registration import register_gloo_weight_transfer_backend, register_shm_weight_transfer_backend
 from vllm_specrl.sync.weight_events import LABEL_PATCH, RPC_PATCH, WAKE_PATCH, install_weight_events
 from vllm_specrl.sync.weight_watch import (FINISH_PATCH, LOAD_MODEL_PATCH, RELOAD_PATCH, START_DRAFT_PATCH,
                                            START_PATCH, UPDATE_PATCH, install_weight_watch)
@@ -63,6 +63,8 @@ EVERY_PROCESS = (
     Step("model_architecture", "EAGLE-3 draft architecture", register_eagle3_architecture),
     Step("cpu_expand_kernel_fix", "CPU expand-kernel fix", install_cpu_expand_fix, (EXPAND_KERNEL_PATCH.name,)),
     Step("weight_transfer_backend", "specrl_shm weight-transfer backend", register_shm_weight_transfer_backend),
+    Step("gloo_weight_transfer_backend", "specrl_gloo weight-transfer backend (worker and trainer)",
+         register_gloo_weight_transfer_backend),
     Step("cpu_start_method", "engine start method on CPU", install_cpu_start_method, (START_METHOD_PATCH.name,)),
 )
 # Processes that run a model (engine core, workers, or an in-process engine).

@@ -98,6 +98,29 @@ class EngineClient:
         local = host in LOCAL_HOSTS or host == socket.gethostname()
         return "shm" if local and shm.shm_available() else "http"
 
+    def _native(self, path: str, **body: Any) -> None:
+        """One of vLLM's own weight-transfer routes (``VLLM_SERVER_DEV_MODE=1``); a refusal raises with
+        the engine's reason."""
+        r = self.session.post(self.url + path, json=body or None, timeout=self.timeout)
+        if r.status_code != 200:
+            raise WeightSyncError(f"{path}: HTTP {r.status_code}: {r.text[:2000]}")
+
+    # -- vLLM's native weight-transfer API (the VLLMWeightSyncClient protocol its trainer engines drive) --
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._native("/init_weight_transfer_engine", init_info=init_info)
+
+    def start_weight_update(self) -> None:
+        self._native("/start_weight_update")
+
+    def start_draft_weight_update(self) -> None:
+        self._native("/start_draft_weight_update")
+
+    def update_weights(self, update_info: dict | list) -> None:
+        self._native("/update_weights", update_info=update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._native("/finish_weight_update", **({"weight_version": weight_version} if weight_version else {}))
+
     # -- public API ----------------------------------------------------------------------------
     def status(self) -> dict:
         r = self.session.get(self.url + "/specrl/status", timeout=self.timeout)

@@ -14,3 +14,20 @@ def register_shm_weight_transfer_backend() -> str:
         WeightTransferEngineFactory.register_engine(
             SHM_BACKEND, "vllm_specrl.sync.shm_engine", "SpecRLShmWeightTransferEngine")
     return SHM_BACKEND
+
+
+GLOO_BACKEND = "specrl_gloo"
+
+
+def register_gloo_weight_transfer_backend() -> str:
+    """Register ``specrl_gloo`` in vLLM's worker and trainer factories (one trainer rank broadcasting to
+    every worker of every engine over gloo)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    if GLOO_BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            GLOO_BACKEND, "vllm_specrl.sync.gloo_engine", "SpecRLGlooWeightTransferEngine")
+    if GLOO_BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(
+            GLOO_BACKEND, "vllm_specrl.sync.gloo_engine", "SpecRLGlooTrainerWeightTransferEngine")
+    return GLOO_BACKEND

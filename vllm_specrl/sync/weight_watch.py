@@ -75,6 +75,7 @@ class WeightWatch:
     loads: dict[str, int] = field(default_factory=lambda: {"policy": 0, "draft": 0})
     session: str | None = None       # the target of an open native session or reload
     session_kind: str | None = None  # "native" | "reload_weights"
+    session_loads: int = 0           # load_weights calls in the open session (none: nothing applied)
     own: int = 0                     # > 0 inside the plugin's own apply or restore
     seen_draft: dict[str, Any] = field(default_factory=dict)  # this session's draft tensors (CPU copies)
     draft_last_good: dict[str, Any] | None = None  # the last complete draft set loaded from outside
@@ -141,12 +142,17 @@ def check_fingerprint(worker: Any, event: str) -> dict | None:
 
 # --- repair --------------------------------------------------------------------------------
 
-def repair(worker: Any, target: str, error: BaseException) -> None:
+def repair(worker: Any, target: str, error: BaseException, loaded_any: bool = True) -> None:
     """A native session or reload of ``target`` failed part way: finish vLLM's interrupted layerwise
-    reload and put the last complete set back (the draft's; the policy's where the plugin knows it)."""
+    reload and put the last complete set back (the draft's; the policy's where the plugin knows it).
+    Nothing loaded yet (``loaded_any`` false): finishing the reload puts every layer back as it was."""
     watch = watch_of(worker)
     stager = worker._specrl_stager()
-    if target == "draft":
+    if not loaded_any:
+        with own_load(worker):
+            reload.end_interrupted_reload(worker, target)
+        restore_error = None
+    elif target == "draft":
         tensors = watch.draft_last_good if watch.draft_last_good is not None else stager.last_good["draft"]
         restore_error = worker._specrl_restore("draft", tensors)
     elif watch.policy_restorable:
@@ -170,7 +176,7 @@ def _session_hook(target_of: Any) -> Any:
             if watched(self):
                 watch = watch_of(self)
                 watch.session, watch.session_kind = target_of, "native"
-                watch.seen_draft = {}
+                watch.seen_draft, watch.session_loads = {}, 0
         return start
     return wrap
 
@@ -183,7 +189,7 @@ def _update_weights(inner: Any) -> Any:
             watch = watch_of(self)
             if watched(self) and watch.session_kind == "native":
                 target, watch.session, watch.session_kind = watch.session, None, None
-                repair(self, target, exc)
+                repair(self, target, exc, loaded_any=watch.session_loads > 0)
             raise
     return update_weights
 
@@ -197,11 +203,12 @@ def _finish_weight_update(inner: Any) -> Any:
         except BaseException as exc:
             if target is not None:
                 watch.session = watch.session_kind = None
-                repair(self, target, exc)
+                repair(self, target, exc, loaded_any=watch.session_loads > 0)
             raise
         if target is not None:
             watch.session = watch.session_kind = None
-            loaded(self, target, "native weight transfer")
+            if watch.session_loads:  # an aborted round (specrl_gloo) applies nothing: no new version
+                loaded(self, target, "native weight transfer")
     return finish_weight_update
 
 
@@ -210,12 +217,12 @@ def _reload_weights(inner: Any) -> Any:
         if not watched(self) or watch_of(self).own:
             return inner(self, *args, **kwargs)
         watch = watch_of(self)
-        watch.session, watch.session_kind = "policy", "reload_weights"
+        watch.session, watch.session_kind, watch.session_loads = "policy", "reload_weights", 0
         try:
             result = inner(self, *args, **kwargs)
         except BaseException as exc:
             watch.session = watch.session_kind = None
-            repair(self, "policy", exc)
+            repair(self, "policy", exc, loaded_any=watch.session_loads > 0)
             raise
         watch.session = watch.session_kind = None
         loaded(self, "policy", "reload_weights")
@@ -262,6 +269,8 @@ def _watch_load_weights(worker: Any, target: str) -> Any:
                 return inner(*args, **kwargs)
             weights, rest, extra = _split_weights(args, kwargs)
             bare = watch.session is None  # a user's extension loading directly: complete by itself
+            if not bare:
+                watch.session_loads += 1
             try:
                 if target == "draft":
                     weights = list(weights)
