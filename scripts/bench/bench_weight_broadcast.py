@@ -12,9 +12,12 @@ engines, timed from the trainer's call to every engine serving the new version. 
 - ``shm``: ``FleetClient(transport="shm")``: every replica reads the trainer's shared-memory chunks
   (same host only).
 
-Per method, a least-squares line time = a + b * N gives the cost of one engine more; the projection
-multiplies by the bytes of an 8B policy in bf16 and 64 replicas, as a bound with the caveats in the
-JSON (one host's loopback here; NICs, NCCL and real networks differ).
+Each update is split into its transfer (until every engine holds the whole update, validated) and its
+apply (every engine loading it, in parallel). On one 2-core host the engines' applies share the cores,
+so the apply grows with N here and would not on a cluster; the transfer is what one trainer's link
+carries. Per method, a least-squares line transfer = a + b * N gives the cost of one engine more; the
+projection scales it to the bytes of an 8B policy in bf16 and 64 replicas, plus one apply, with the
+caveats in the JSON.
 
     python scripts/bench/bench_weight_broadcast.py --out benchmarks/cpu/bench_weight_broadcast.json
 """
@@ -45,12 +48,15 @@ def fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
     return my - b * mx, b
 
 
-def projection(a: float, b: float, model_bytes: int) -> dict:
+def projection(a: float, b: float, apply_one_s: float, model_bytes: int) -> dict:
     scale = EIGHT_B_BF16_BYTES / model_bytes
-    return {"seconds_8b_bf16_64_replicas": round((a + b * REPLICAS_PROJECTED) * scale, 1),
-            "fixed_s_per_update_here": round(a, 3), "s_per_engine_more_here": round(b, 3),
-            "how": "(a + b * 64) * (8B bf16 bytes / this model's bytes): the fit's fixed and per-engine costs "
-                   "scaled by bytes"}
+    transfer = (a + b * REPLICAS_PROJECTED) * scale
+    return {"transfer_s_8b_bf16_64_replicas": round(transfer, 1),
+            "apply_s_8b_bf16_one_engine_this_cpu": round(apply_one_s * scale, 1),
+            "transfer_fixed_s_here": round(a, 3), "transfer_s_per_engine_more_here": round(b, 3),
+            "transfer_bandwidth_one_engine_bytes_per_s": round(model_bytes / max(a + b, 1e-9)),
+            "how": "transfer: (a + b * 64) * (8B bf16 bytes / this model's bytes); apply (in parallel on every "
+                   "replica of a cluster): one engine's apply here, scaled by bytes"}
 
 
 def main() -> None:
@@ -84,6 +90,30 @@ def main() -> None:
                for k, v in load_file(f).items()}
     model_bytes = sum(t.numel() * t.element_size() for t in weights.values())
 
+    class TimedGroup(EngineGroup):
+        """The round's transfer (every engine received and validated) and apply (every engine loaded it)."""
+
+        def update_weights(self, update_info: dict) -> None:
+            t0 = time.perf_counter()
+            super().update_weights(update_info)
+            self.phases["transfer"] = time.perf_counter() - t0
+
+        def finish_weight_update(self, weight_version: str | None = None) -> None:
+            t0 = time.perf_counter()
+            super().finish_weight_update(weight_version)
+            self.phases["apply"] = time.perf_counter() - t0
+
+    class TimedFleet(FleetClient):
+        """Each phase's wall time on every replica at once: stage, prepare, commit."""
+
+        times: list
+
+        def _each(self, fn, clients):
+            t0 = time.perf_counter()
+            out = super()._each(fn, clients)
+            self.times = [*getattr(self, "times", []), time.perf_counter() - t0]
+            return out
+
     class Source(WeightSource):
         """The checkpoint's tensors, as a trainer's ``ModuleSource`` would give them."""
 
@@ -108,9 +138,9 @@ def main() -> None:
         for n in counts:
             urls = [s.url for s in servers[:n]]
             for method in args.methods.split(","):
-                times = []
+                times, transfers, applies = [], [], []
                 if method == "gloo":
-                    group = EngineGroup([EngineClient(u, progress=False) for u in urls])
+                    group = TimedGroup([EngineClient(u, progress=False) for u in urls])
                     trainer = SpecRLGlooTrainerWeightTransferEngine.trainer_init(
                         GlooTrainerInitInfo("127.0.0.1", free_port(), group.world_size, rank=0),
                         client=group, source=Source())
@@ -118,27 +148,38 @@ def main() -> None:
                     version += 1
                     t0 = time.perf_counter()
                     if method == "gloo":
+                        group.phases = {}
                         trainer.send_weights(weight_version=str(version))
+                        phases = group.phases
                     else:
-                        FleetClient(urls, transport=method, progress=False).update_policy(weights, version=version)
+                        fleet = TimedFleet(urls, transport=method, progress=False)
+                        fleet.update_policy(weights, version=version)
+                        phases = {"transfer": fleet.times[0] + fleet.times[1], "apply": fleet.times[2]}
                     if i >= args.warm_up:
                         times.append(time.perf_counter() - t0)
+                        transfers.append(phases["transfer"])
+                        applies.append(phases["apply"])
                 served = [EngineClient(u, progress=False).status()["versions"]["policy"] for u in urls]
                 assert served == [version] * n, served
                 cell = {"engines": n, "method": method, "seconds": [round(t, 3) for t in times],
                         "median_s": round(statistics.median(times), 3),
-                        "bytes_per_engine_per_s": round(model_bytes / statistics.median(times))}
+                        "transfer_s": [round(t, 3) for t in transfers], "median_transfer_s":
+                        round(statistics.median(transfers), 3), "apply_s": [round(t, 3) for t in applies],
+                        "median_apply_s": round(statistics.median(applies), 3)}
                 report["cells"].append(cell)
-                print(f"[bench] {n} engines, {method}: {cell['median_s']:.2f} s per update "
-                      f"({cell['seconds']})", flush=True)
+                print(f"[bench] {n} engines, {method}: {cell['median_s']:.2f} s per update (transfer "
+                      f"{cell['median_transfer_s']:.2f}, apply {cell['median_apply_s']:.2f}; {cell['seconds']})",
+                      flush=True)
                 args.out.write_text(json.dumps(report, indent=2))
     report["scaling"] = {}
     for method in args.methods.split(","):
-        points = [(c["engines"], c["median_s"]) for c in report["cells"] if c["method"] == method]
+        cells = [c for c in report["cells"] if c["method"] == method]
+        points = [(c["engines"], c["median_transfer_s"]) for c in cells]
         a, b = fit_line(points)
-        report["scaling"][method] = {"points": points, **projection(a, b, model_bytes)}
-        print(f"[bench] {method}: {a:.2f} s + {b:.2f} s per engine here; 8B bf16 on 64 replicas: "
-              f"~{report['scaling'][method]['seconds_8b_bf16_64_replicas']} s", flush=True)
+        apply_one = next(c["median_apply_s"] for c in cells if c["engines"] == min(counts))
+        report["scaling"][method] = {"transfer_points": points, **projection(a, b, apply_one, model_bytes)}
+        print(f"[bench] {method}: transfer {a:.2f} s + {b:.2f} s per engine here; 8B bf16 to 64 replicas: "
+              f"transfer ~{report['scaling'][method]['transfer_s_8b_bf16_64_replicas']} s", flush=True)
     report["caveats"] = ("one 2-core host: every engine and the trainer share the cores and the loopback, so "
                          "per-engine costs include CPU contention a cluster does not have; a GPU fleet would "
                          "broadcast with NCCL over NVLink/InfiniBand, not gloo over TCP")
