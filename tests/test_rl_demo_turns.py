@@ -1,19 +1,26 @@
-"""``rl_demo.run_interleaved``: the order in which the parent starts the runs' processes, times their
-steps and finishes them (a stand-in for each run's process; the real processes are driven end to
-end by tests/test_rl_demo_mtp.py)."""
+"""``demo_harness.run_interleaved`` (the RL demo's harness): the order in which the parent starts the runs'
+processes, times their steps and finishes them (a stand-in for each run's process; the real processes
+are driven end to end by tests/test_rl_demo_mtp.py)."""
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-import bench_engine  # scripts/bench (conftest puts it on the path)
-
 REPO = Path(__file__).resolve().parents[1]
+
+
+def _harness_module():
+    import sys
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    spec = importlib.util.spec_from_file_location("demo_harness", REPO / "scripts" / "demo_harness.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _rl_demo_module():
@@ -24,7 +31,7 @@ def _rl_demo_module():
 
 
 def test_runs_start_one_by_one_step_in_rotating_turns_and_proposers_finish_first(tmp_path, monkeypatch):
-    demo = _rl_demo_module()
+    harness = _harness_module()
     events = []
 
     class FakeRun:
@@ -48,13 +55,12 @@ def test_runs_start_one_by_one_step_in_rotating_turns_and_proposers_finish_first
         def __exit__(self, *exc):
             events.append(("closed", self.mode))
 
-    monkeypatch.setattr(bench_engine, "EngineProcess", FakeRun)
+    monkeypatch.setattr(harness, "EngineProcess", FakeRun)
     monkeypatch.setattr("sys.argv", ["rl_demo.py", "--steps", "3"])
     finished = {}
-    args = argparse.Namespace(warm_up_steps=1, steps=3)
-    demo.run_interleaved(["plain", "spec"], args, Path("/target"), tmp_path,
-                         lambda m: [r for r in finished if r.startswith("spec")] if m == "plain" else [],
-                         lambda m, run: finished.__setitem__(m, run))
+    harness.run_interleaved("rl_demo.py", ["plain", "spec"], 4, Path("/target"), tmp_path,
+                            lambda m: [r for r in finished if r.startswith("spec")] if m == "plain" else [],
+                            lambda m, run: finished.__setitem__(m, run))
     steps = [(m, c["step"]) for m, c in events if isinstance(c, dict) and "step" in c]
     assert events[:2] == [("start", "plain"), ("start", "spec")]
     assert steps == [("plain", 0), ("spec", 0), ("spec", 1), ("plain", 1), ("plain", 2), ("spec", 2),
