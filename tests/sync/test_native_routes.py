@@ -149,3 +149,24 @@ def test_native_routes_keep_versions_guard_and_capture_and_refuse_a_bad_draft(se
     assert s["stale_draft"]["version_lag"] == 0, s["stale_draft"]
     assert not [reason for reason in s["stale_draft"]["reasons"] if "lags" in reason], s["stale_draft"]
     assert complete(server)[0] == after  # a draft never changes what is sampled
+
+
+def test_an_engine_group_sends_through_specrl_shm_whole_or_not_at_all(server, tiny_model, tmp_path):
+    """``FleetClient.native().send_shm``: every chunk staged and validated before anything applies, so a
+    bad later chunk leaves the earlier ones unapplied too; a good update lands with its label."""
+    from vllm_specrl.sync.engine_group import EngineGroupError
+    from vllm_specrl.sync.fleet import FleetClient
+
+    group = FleetClient([server.url]).native()
+    before, _ = complete(server)
+    version = status(server)["versions"]["policy"]
+    moved = load_file(perturbed_checkpoint(tiny_model, tmp_path / "moved", seed=21) / "model.safetensors")
+    items = sorted(moved.items())
+    bad = dict(items[:5] + [(items[5][0], items[5][1][:-1])] + items[6:])  # one tensor a row short
+    with pytest.raises(EngineGroupError) as err:
+        group.send_shm(bad, weight_version=str(version + 5), chunk_bytes=1)  # one tensor per chunk
+    assert "shape" in str(err.value.engines[0]), err.value.engines
+    assert complete(server)[0] == before and status(server)["versions"]["policy"] == version
+    group.send_shm(moved, weight_version=str(version + 5))
+    after, r = complete(server)
+    assert after != before and r.headers["x-specrl-policy-version"] == str(version + 5)

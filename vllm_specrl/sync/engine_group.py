@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from vllm_specrl.sync.client import WeightSyncError
+from vllm_specrl.sync.client import DEFAULT_CHUNK_BYTES, WeightSyncError, chunked
 
 
 class EngineGroupError(WeightSyncError):
@@ -67,7 +67,7 @@ class EngineGroup:
         tensors dropped, their session closed without applying anything)."""
         errors = self._on_all(lambda i, c: c.update_weights(update_info))
         if any(e is not None for e in errors):
-            abort = dict(update_info, names=[], dtype_names=[], shapes=[], abort=True)
+            abort = {"abort": True}  # every specrl backend's update info: drop what was staged
 
             def close(i: int, client: Any) -> None:
                 if errors[i] is None:  # a refusing engine's session already ended in vLLM
@@ -78,3 +78,22 @@ class EngineGroup:
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._check(self._on_all(lambda i, c: c.finish_weight_update(weight_version)), "finish_weight_update")
+
+    def send_shm(self, named_tensors: Any, weight_version: str | None = None, draft: bool = False,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        """One update through every engine's ``specrl_shm`` backend (engines on this host): the chunks are
+        written to shared memory once, every engine stages and validates all of them, then every engine
+        applies, or none does."""
+        from vllm_specrl.sync.shm import write_chunk
+
+        items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
+        paths = []
+        try:
+            for chunk, _ in chunked(((name, tensor.detach()) for name, tensor in items), chunk_bytes):
+                paths.append(write_chunk(chunk))
+            (self.start_draft_weight_update if draft else self.start_weight_update)()
+            self.update_weights({"paths": [str(p) for p in paths]})
+            self.finish_weight_update(weight_version)
+        finally:
+            for path in paths:
+                path.unlink(missing_ok=True)

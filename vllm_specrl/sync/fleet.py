@@ -18,9 +18,12 @@ left a version behind; ``readmit`` takes it back once it has been brought up to 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_specrl.sync.client import EngineClient, WeightSyncError
+
+if TYPE_CHECKING:
+    from vllm_specrl.sync.engine_group import EngineGroup
 
 
 class FleetUpdateError(WeightSyncError):
@@ -94,6 +97,13 @@ class FleetClient:
                 "committed": sorted(url for url, (ok, _) in committed.items() if ok),
                 "quarantined": {url: self.quarantined[url] for url in failed},
                 "replicas": {url: res for url, (ok, res) in committed.items() if ok}}
+
+    def native(self) -> "EngineGroup":
+        """The active replicas as one client of vLLM's native weight-transfer API (``EngineGroup``: a
+        ``specrl_gloo`` broadcast, or ``send_shm`` on one host), all or none, as this fleet's updates."""
+        from vllm_specrl.sync.engine_group import EngineGroup
+
+        return EngineGroup(list(self.active.values()))
 
     def readmit(self, url: str) -> None:
         """Take a quarantined replica back (after updating it directly, e.g. ``replicas[url].update_policy``)."""

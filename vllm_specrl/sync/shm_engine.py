@@ -6,9 +6,10 @@ chunks through shared memory (safetensors files on /dev/shm, as
 in-place reload, so ``--weight-transfer-config '{"backend":"specrl_shm"}'``
 makes ``init_weight_transfer_engine`` / ``start_weight_update`` /
 ``update_weights({"paths": [...]})`` / ``finish_weight_update`` work on CPU
-(offline ``LLM`` or the dev-mode HTTP routes). Each chunk is validated before
-it is loaded; unlike ``/specrl/update`` the native protocol applies chunks as
-they come, so it is not atomic across chunks.
+(offline ``LLM`` or the dev-mode HTTP routes). Every chunk is validated and staged as it
+arrives; nothing is applied until ``finish_weight_update``, so a refused chunk leaves the
+engine serving what it served (an update is whole or not at all, as on ``/specrl/update``;
+``EngineGroup`` extends that across engines).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class ShmInitInfo(WeightTransferInitInfo):
 @dataclass
 class ShmUpdateInfo(WeightTransferUpdateInfo):
     paths: list[str] = field(default_factory=list)
+    abort: bool = False
 
 
 class SpecRLShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
@@ -45,8 +47,13 @@ class SpecRLShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateI
     update_info_cls = ShmUpdateInfo
     supports_draft_weight_update = True
 
-    def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self._specs: dict[str, dict] = {}
+        self.staged: dict | None = None
+
+    def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
+        self._specs = {}
 
     def _checkpoint_specs(self) -> dict:
         directory = str(self.model_config.model)
@@ -55,28 +62,37 @@ class SpecRLShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateI
         return self._specs[directory]
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model)
+        self.staged = {}
 
     def receive_weights(self, update_info: ShmUpdateInfo) -> None:
+        if update_info.abort:  # another engine refused the round (``EngineGroup``): apply nothing
+            self.staged = None
+            return
         specs = self._checkpoint_specs()
         for path in update_info.paths:
             try:
                 path = confined_file(path, SHM_DIR, "specrl-", ".safetensors")
             except ValueError as exc:
+                self.staged = None
                 raise WeightUpdateError(str(exc)) from None
             tensors = load_file(path)
             problems = [p for name, t in tensors.items() for p in tensor_problems(name, t, specs)]
             if problems:
-                raise WeightUpdateError(f"chunk {path} rejected", problems)
-            self.model.load_weights(weights=tensors.items())
+                self.staged = None
+                raise WeightUpdateError(f"chunk {path} rejected, nothing applied", problems)
+            self.staged = {**(self.staged or {}), **tensors}
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        staged, self.staged = self.staged, None
+        if not staged:
+            return
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+        initialize_layerwise_reload(self.model)
+        self.model.load_weights(weights=sorted(staged.items()))
         finalize_layerwise_reload(self.model, self.model_config)
         reload.refresh_tied_lm_head(self.model)
 
     def shutdown(self) -> None:
         self._specs = {}
+        self.staged = None
