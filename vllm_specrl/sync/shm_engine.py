@@ -86,12 +86,7 @@ class SpecRLShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateI
         staged, self.staged = self.staged, None
         if not staged:
             return
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model)
-        self.model.load_weights(weights=sorted(staged.items()))
-        finalize_layerwise_reload(self.model, self.model_config)
-        reload.refresh_tied_lm_head(self.model)
+        reload.apply_staged(self.model, self.model_config, staged)
 
     def shutdown(self) -> None:
         self._specs = {}
