@@ -32,7 +32,8 @@ from vllm_specrl.sync import reload
 from vllm_specrl._version import __version__
 from vllm_specrl.sync.staging import UpdateBusy, UpdateStager
 from vllm_specrl.sync.validate import WeightUpdateError, checkpoint_specs
-from vllm_specrl.sync.weight_watch import WeightWatchRPCs, own_load, watch_of
+from vllm_specrl.sync.weight_watch import own_load, watch_of
+from vllm_specrl.sync.weight_watch_rpcs import WeightWatchRPCs
 
 
 # Top-K logprobs of the target sent with every sampled row: the online trainer's soft targets,
