@@ -81,18 +81,11 @@ class Trainer:
     def publish_draft(self, version: int) -> None:
         """The draft's own tensors (a stand-in for an online trainer's), as a draft round."""
         from safetensors.torch import load_file
-        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+        from vllm_specrl.sync.gloo_engine import TensorSource
 
         tensors = load_file(str(Path(self.draft) / "model.safetensors"))
-
-        class DraftSource(WeightSource):
-            def metadata(self):
-                return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
-
-            def __iter__(self):
-                return iter(tensors.items())
-
-        self._sender(DraftSource()).send_weights(weight_version=str(version), draft=True)
+        self._sender(TensorSource(tensors)).send_weights(weight_version=str(version), draft=True)
 
     def captured(self) -> dict[str, int]:
         """Frames received so far, by the policy version they were captured under."""

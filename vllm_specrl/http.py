@@ -32,7 +32,7 @@ from vllm_specrl._log import logger
 from vllm_specrl._version import __version__
 from vllm_specrl.adaptive import state as adaptive_state
 from vllm_specrl.sync.guard import StaleDraftGuard
-from vllm_specrl.sync.native_api import watch_engine_client
+from vllm_specrl.sync.native_api import adopt_versions, watch_engine_client
 from vllm_specrl.sync.routes import build_sync_router, stamp_versions
 
 _GAUGES: dict[str, Any] = {}
@@ -236,7 +236,7 @@ async def gather_status(state: SpecRLHttpState) -> dict[str, Any]:
             engine_rpc.collective_rpc_all_engines(engine, "specrl_status", WORKER_RPC_TIMEOUT_S),
             WORKER_RPC_TIMEOUT_S + 5,
         )
-        state.versions.update(out["workers"][0]["sync"]["versions"])  # a native update may have moved them
+        adopt_versions(state, out["workers"][0]["sync"]["versions"])  # a native update may have moved them
         captures = [w["capture"] for w in out["workers"] if w.get("capture")]
         out["capture"] = captures[0] if captures else None
         update_capture_gauges(out["capture"])

@@ -74,14 +74,14 @@ def main() -> None:
     args = ap.parse_args()
 
     from safetensors.torch import load_file
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
     from vllm_specrl.fixtures import build_fixtures, fixture_target
     from vllm_specrl.server import VLLMServer, cpu_env, free_port, started
     from vllm_specrl.sync.client import EngineClient
     from vllm_specrl.sync.engine_group import EngineGroup
     from vllm_specrl.sync.fleet import FleetClient
-    from vllm_specrl.sync.gloo_engine import GlooTrainerInitInfo, SpecRLGlooTrainerWeightTransferEngine
+    from vllm_specrl.sync.gloo_engine import (GlooTrainerInitInfo, SpecRLGlooTrainerWeightTransferEngine,
+                                              TensorSource)
 
     if args.model is None:
         build_fixtures(args.fixtures, ("real",))
@@ -114,15 +114,6 @@ def main() -> None:
             self.times = [*getattr(self, "times", []), time.perf_counter() - t0]
             return out
 
-    class Source(WeightSource):
-        """The checkpoint's tensors, as a trainer's ``ModuleSource`` would give them."""
-
-        def metadata(self) -> list[ParamMeta]:
-            return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in weights.items()]
-
-        def __iter__(self):
-            return iter(weights.items())
-
     counts = [int(c) for c in args.counts.split(",")]
     work = args.out.parent / (args.out.stem + "_work")
     work.mkdir(parents=True, exist_ok=True)
@@ -143,7 +134,7 @@ def main() -> None:
                     group = TimedGroup([EngineClient(u, progress=False) for u in urls])
                     trainer = SpecRLGlooTrainerWeightTransferEngine.trainer_init(
                         GlooTrainerInitInfo("127.0.0.1", free_port(), group.world_size, rank=0),
-                        client=group, source=Source())
+                        client=group, source=TensorSource(weights))
                 for i in range(args.warm_up + args.repeats):
                     version += 1
                     t0 = time.perf_counter()

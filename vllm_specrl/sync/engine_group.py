@@ -89,7 +89,7 @@ class EngineGroup:
         items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
         paths = []
         try:
-            for chunk, _ in chunked(((name, tensor.detach()) for name, tensor in items), chunk_bytes):
+            for chunk, _ in chunked(items, chunk_bytes):  # detached there
                 paths.append(write_chunk(chunk))
             (self.start_draft_weight_update if draft else self.start_weight_update)()
             self.update_weights({"paths": [str(p) for p in paths]})

@@ -23,16 +23,18 @@ from typing import Any, ClassVar
 
 import torch
 from vllm.distributed.weight_transfer.base import (
+    ParamMeta,
     TrainerInitInfo,
     TrainerWeightTransferEngine,
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
+    WeightSource,
 )
 
 from vllm_specrl import faults
-from vllm_specrl.sync import reload
-from vllm_specrl.sync.validate import WeightUpdateError, checkpoint_specs, tensor_problems
+from vllm_specrl.sync.staged_engine import StagingWeightTransferEngine
+from vllm_specrl.sync.validate import tensor_problems
 
 BACKEND_NAME = "specrl_gloo"
 
@@ -69,42 +71,34 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     abort: bool = False  # another engine refused this round: drop what was staged, apply nothing
 
 
-class SpecRLGlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
+class SpecRLGlooWeightTransferEngine(StagingWeightTransferEngine,
+                                     WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
     """The inference worker's side: receive, stage, validate; apply at ``finish_weight_update``."""
 
     init_info_cls = GlooInitInfo
     update_info_cls = GlooUpdateInfo
-    supports_draft_weight_update = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.group, self.staged, self.rounds = None, None, 0  # rounds: this engine's, for failpoints
+        self.group, self.rounds = None, 0  # rounds: this engine's, for failpoints
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         parallel = self.parallel_config
         rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + init_info.rank_offset
         self.group = gloo_group(init_info.master_address, init_info.master_port, rank, init_info.world_size,
                                 init_info.timeout_s)
-        self.staged: dict[str, torch.Tensor] | None = None
-        self._specs: dict[str, dict] = {}
-
-    def _target_specs(self) -> dict:
-        directory = str(self.model_config.model)  # the draft's own config during a draft session
-        if directory not in self._specs:
-            self._specs[directory] = checkpoint_specs(directory)
-        return self._specs[directory]
+        self.staged = None
 
     def start_weight_update(self) -> None:
-        self.staged = {}
+        super().start_weight_update()
         self.rounds += 1
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-        if update_info.abort:
-            self.staged = None
+        if self.aborted(update_info):
             return
         if self.group is None:
             raise RuntimeError("specrl_gloo: init_weight_transfer_engine first")
-        specs, problems, staged = self._target_specs(), [], {}
+        specs, problems, staged = self.target_specs(), [], {}
         for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
             tensor = torch.empty(shape, dtype=getattr(torch, dtype_name))
             broadcast(self.group, tensor)  # every rank takes every tensor, refused or not: a collective
@@ -113,20 +107,25 @@ class SpecRLGlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpda
         target = "policy" if self.model is self._default_model else "draft"
         if (faults.armed_fault(target, self.rounds, self.parallel_config.rank) or ("",))[0] == "refuse":
             problems.append(f"injected refusal ({faults.FAULTS_ENV}): {target} round {self.rounds}")
-        if problems:
-            self.staged = None
-            raise WeightUpdateError("specrl_gloo: update refused, nothing applied", problems)
-        self.staged = {**(self.staged or {}), **staged}
-
-    def finish_weight_update(self) -> None:
-        staged, self.staged = self.staged, None
-        if not staged:  # aborted, or nothing sent
-            return
-        reload.apply_staged(self.model, self.model_config, staged)
+        self.stage(staged, problems, "specrl_gloo: update refused")
 
     def shutdown(self) -> None:
+        super().shutdown()
         self.group = None
-        self.staged = None
+
+
+class TensorSource(WeightSource):
+    """A ``WeightSource`` over named tensors (a checkpoint's, a draft's), where vLLM's ``ModuleSource``
+    takes a module."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self.tensors.items()]
+
+    def __iter__(self):
+        return iter(self.tensors.items())
 
 
 @dataclass

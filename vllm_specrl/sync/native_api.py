@@ -32,14 +32,19 @@ WAKE_PATCH = REGISTRY.declare(Patch(
     checked_on=_CHECKED))
 
 
-async def refresh_versions(state: Any) -> dict[str, int]:
-    """The versions rank 0 serves, adopted; a policy change starts the guard's new window."""
-    answers = await engine_rpc.collective_rpc_all_engines(state.engine_client, "specrl_sync_state", 30.0)
-    served = answers[0]["versions"]
+def adopt_versions(state: Any, served: dict[str, int]) -> None:
+    """What the workers serve becomes what the API server reports; a policy change starts the guard's
+    new acceptance window."""
     if served["policy"] != state.versions["policy"]:
         state.guard.policy_updated(metrics.from_prometheus_registry())
     state.versions.update(served)
-    return served
+
+
+async def refresh_versions(state: Any) -> dict[str, int]:
+    """The versions rank 0 serves, adopted."""
+    answers = await engine_rpc.collective_rpc_all_engines(state.engine_client, "specrl_sync_state", 30.0)
+    adopt_versions(state, answers[0]["versions"])
+    return answers[0]["versions"]
 
 
 def _refreshing(state: Any, skip_own: bool) -> Any:

@@ -23,10 +23,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from vllm_specrl.sync import reload
 from vllm_specrl.security import confined_file
 from vllm_specrl.sync.shm import SHM_DIR
-from vllm_specrl.sync.validate import WeightUpdateError, checkpoint_specs, tensor_problems
+from vllm_specrl.sync.staged_engine import StagingWeightTransferEngine
+from vllm_specrl.sync.validate import WeightUpdateError, tensor_problems
 
 BACKEND_NAME = "specrl_shm"
 
@@ -42,33 +42,17 @@ class ShmUpdateInfo(WeightTransferUpdateInfo):
     abort: bool = False
 
 
-class SpecRLShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
+class SpecRLShmWeightTransferEngine(StagingWeightTransferEngine, WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     init_info_cls = ShmInitInfo
     update_info_cls = ShmUpdateInfo
-    supports_draft_weight_update = True
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._specs: dict[str, dict] = {}
-        self.staged: dict | None = None
 
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
-        self._specs = {}
-
-    def _checkpoint_specs(self) -> dict:
-        directory = str(self.model_config.model)
-        if directory not in self._specs:
-            self._specs[directory] = checkpoint_specs(directory)
-        return self._specs[directory]
-
-    def start_weight_update(self) -> None:
-        self.staged = {}
+        pass  # nothing to connect: the chunks are files
 
     def receive_weights(self, update_info: ShmUpdateInfo) -> None:
-        if update_info.abort:  # another engine refused the round (``EngineGroup``): apply nothing
-            self.staged = None
+        if self.aborted(update_info):
             return
-        specs = self._checkpoint_specs()
+        specs = self.target_specs()
         for path in update_info.paths:
             try:
                 path = confined_file(path, SHM_DIR, "specrl-", ".safetensors")
@@ -76,18 +60,5 @@ class SpecRLShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateI
                 self.staged = None
                 raise WeightUpdateError(str(exc)) from None
             tensors = load_file(path)
-            problems = [p for name, t in tensors.items() for p in tensor_problems(name, t, specs)]
-            if problems:
-                self.staged = None
-                raise WeightUpdateError(f"chunk {path} rejected, nothing applied", problems)
-            self.staged = {**(self.staged or {}), **tensors}
-
-    def finish_weight_update(self) -> None:
-        staged, self.staged = self.staged, None
-        if not staged:
-            return
-        reload.apply_staged(self.model, self.model_config, staged)
-
-    def shutdown(self) -> None:
-        self._specs = {}
-        self.staged = None
+            self.stage(tensors, [p for name, t in tensors.items() for p in tensor_problems(name, t, specs)],
+                       f"chunk {path} rejected")

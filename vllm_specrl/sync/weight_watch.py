@@ -167,6 +167,13 @@ def repair(worker: Any, target: str, error: BaseException, loaded_any: bool = Tr
                    "the last complete set serves again" if restore_error is None else restore_error)
 
 
+def fail_session(worker: Any, target: str, error: BaseException) -> None:
+    """The open native session or reload of ``target`` raised: it is over, and repaired."""
+    watch = watch_of(worker)
+    watch.session = watch.session_kind = None
+    repair(worker, target, error, loaded_any=watch.session_loads > 0)
+
+
 # --- the hooks -----------------------------------------------------------------------------
 
 def _session_hook(target_of: Any) -> Any:
@@ -188,8 +195,7 @@ def _update_weights(inner: Any) -> Any:
         except BaseException as exc:
             watch = watch_of(self)
             if watched(self) and watch.session_kind == "native":
-                target, watch.session, watch.session_kind = watch.session, None, None
-                repair(self, target, exc, loaded_any=watch.session_loads > 0)
+                fail_session(self, watch.session, exc)
             raise
     return update_weights
 
@@ -202,8 +208,7 @@ def _finish_weight_update(inner: Any) -> Any:
             inner(self)
         except BaseException as exc:
             if target is not None:
-                watch.session = watch.session_kind = None
-                repair(self, target, exc, loaded_any=watch.session_loads > 0)
+                fail_session(self, target, exc)
             raise
         if target is not None:
             watch.session = watch.session_kind = None
@@ -221,8 +226,7 @@ def _reload_weights(inner: Any) -> Any:
         try:
             result = inner(self, *args, **kwargs)
         except BaseException as exc:
-            watch.session = watch.session_kind = None
-            repair(self, "policy", exc, loaded_any=watch.session_loads > 0)
+            fail_session(self, "policy", exc)
             raise
         watch.session = watch.session_kind = None
         loaded(self, "policy", "reload_weights")
@@ -304,13 +308,13 @@ def served_models(worker: Any) -> dict[str, list[Any]]:
 
 def watch_models(worker: Any) -> list[str]:
     """Wrap each served model instance's ``load_weights`` (once per instance)."""
-    states = []
-    for target, models in served_models(worker).items():
-        for model in models:
+    states, models = [], served_models(worker)
+    for target, instances in models.items():
+        for model in instances:
             if not getattr(model, "_specrl_watched", False):
                 states.append(REGISTRY.install(LOAD_WEIGHTS_PATCH, _watch_load_weights(worker, target), on=model))
                 model._specrl_watched = True
-    if served_models(worker)["draft"]:
+    if models["draft"]:
         publish_fingerprint(worker)
     return states
 
