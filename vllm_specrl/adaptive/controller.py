@@ -47,11 +47,11 @@ rollouts, at 1.3-2.2 plain steps per step of k = 1..3 at 16 sequences).
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
 
 
 def batch_bucket(batch: int) -> int:
@@ -119,18 +119,24 @@ class AdaptiveKConfig:
 
 @dataclass
 class AcceptanceTracker:
-    """Decayed per-position counts: drafts that reached position j, and were accepted there."""
+    """Decayed per-position counts: drafts that reached position j, and were accepted there.
+
+    Plain Python floats, not numpy: the engine core updates these for every verifying request and
+    reads them at every step, on ``max_k`` (a handful of) positions, where numpy's per-call cost is
+    most of the work."""
 
     max_k: int
     decay: float = 0.998
     prior_accept: float = 0.5
     prior_weight: float = 2.0
-    reached: np.ndarray = field(init=False)
-    accepted: np.ndarray = field(init=False)
+    reached: list[float] = field(init=False)
+    accepted: list[float] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.reached = np.zeros(self.max_k)
-        self.accepted = np.zeros(self.max_k)
+        self.reached = [0.0] * self.max_k
+        self.accepted = [0.0] * self.max_k
+        self.version = 0  # bumped by every observation: the cached estimates below are for it
+        self._cache: dict[float, tuple[int, list[float]]] = {}
 
     def observe(self, num_drafts: int, num_accepted: int) -> None:
         """One request's verify: ``num_drafts`` proposed, the first ``num_accepted`` accepted."""
@@ -139,32 +145,39 @@ class AcceptanceTracker:
         reached = min(num_drafts, num_accepted + 1, self.max_k)
         # Decay only the positions this verify reached: each position's estimate covers its own
         # last ~1/(1 - decay) samples, however rarely drafts are that long.
-        self.reached[:reached] *= self.decay
-        self.accepted[:reached] *= self.decay
-        self.reached[:reached] += 1.0
-        self.accepted[:min(num_accepted, self.max_k)] += 1.0
+        decay, accepted = self.decay, min(num_accepted, self.max_k)
+        for j in range(reached):
+            self.reached[j] = self.reached[j] * decay + 1.0
+            self.accepted[j] = self.accepted[j] * decay + (j < accepted)
+        self.version += 1
 
-    def conditional(self) -> np.ndarray:
+    def conditional(self) -> list[float]:
         """Acceptance of position j given positions < j were accepted. The prior of position 0 is
         ``prior_accept``; that of position j > 0 is position j - 1's estimate (later positions
         rarely accept more often than earlier ones), so a position that is never reached because
         the one before it is never accepted does not promise ``prior_accept``."""
-        c = np.empty(self.max_k)
-        prior = self.prior_accept
-        for j in range(self.max_k):
-            c[j] = (self.accepted[j] + prior * self.prior_weight) / (self.reached[j] + self.prior_weight)
-            prior = c[j]
+        c, prior, weight = [], self.prior_accept, self.prior_weight
+        for reached, accepted in zip(self.reached, self.accepted):
+            prior = (accepted + prior * weight) / (reached + weight)
+            c.append(prior)
         return c
 
-    def expected_tokens(self, optimism: float = 0.0) -> np.ndarray:
+    def expected_tokens(self, optimism: float = 0.0) -> list[float]:
         """``E[tokens per request and step | k]`` for k = 0..max_k; with ``optimism`` z, each
         position's acceptance is raised by z standard errors (few samples: a larger bonus), so
         a position that was unlucky in its first few drafts gets drafted again and measured
-        (a negative z: lowered, a pessimistic bound)."""
-        c = self.conditional()
-        if optimism:
-            c = np.clip(c + optimism * np.sqrt(c * (1 - c) / (self.reached + self.prior_weight)), 0.0, 1.0)
-        return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(c))])
+        (a negative z: lowered, a pessimistic bound). Cached until the next observation."""
+        cached = self._cache.get(optimism)
+        if cached is not None and cached[0] == self.version:
+            return cached[1]
+        tokens, chain = [1.0], 1.0
+        for c, reached in zip(self.conditional(), self.reached):
+            if optimism:
+                c = min(max(c + optimism * math.sqrt(c * (1 - c) / (reached + self.prior_weight)), 0.0), 1.0)
+            chain *= c
+            tokens.append(tokens[-1] + chain)
+        self._cache[optimism] = (self.version, tokens)
+        return tokens
 
 
 class RelativeCost:
@@ -183,6 +196,7 @@ class RelativeCost:
         self.ratios = [deque(maxlen=window) for _ in range(max_k + 1)]
         self.reference = deque(maxlen=reference)
         self.served_seconds = float("nan")
+        self._medians: dict[int, float] = {}  # ratio(k) until k's next sample: read at every step
 
     def observe(self, k: int, seconds: float) -> None:
         if k == self.served:
@@ -190,6 +204,7 @@ class RelativeCost:
             self.served_seconds = statistics.median(self.reference)
         elif len(self.reference) >= 3:
             self.ratios[k].append(seconds / self.served_seconds)
+            self._medians.pop(k, None)
 
     def ratio(self, k: int) -> float:
         # statistics.median, not np.median: the same value (the middle element, or the mean of the
@@ -197,7 +212,10 @@ class RelativeCost:
         # in the engine core on every step (np.median made it ~250 us a step).
         if k == self.served:
             return 1.0
-        return statistics.median(self.ratios[k]) if self.ratios[k] else float("nan")
+        median = self._medians.get(k)
+        if median is None:
+            median = self._medians[k] = statistics.median(self.ratios[k]) if self.ratios[k] else math.nan
+        return median
 
     def samples(self, k: int) -> int:
         return len(self.reference) if k == self.served else len(self.ratios[k])
@@ -206,15 +224,18 @@ class RelativeCost:
         """Standard error of ``ratio(k)``, a median (1.25 x that of a mean); 0 for the served k."""
         if k == self.served or len(self.ratios[k]) < 2:
             return 0.0
-        samples = np.asarray(self.ratios[k])
-        return float(1.2533 * samples.std(ddof=1) / np.sqrt(len(samples)))
+        samples = self.ratios[k]
+        n = len(samples)
+        mean = sum(samples) / n
+        variance = sum((r - mean) ** 2 for r in samples) / (n - 1)  # statistics.stdev: exact, 20x slower
+        return 1.2533 * math.sqrt(variance / n)
 
     def envelope(self, k: int) -> float:
         """``ratio(k)`` made monotone in k: no larger k cheaper than a smaller one, none below the
         served k's 1.0 above it, none above it below."""
         lo, hi = sorted((k, self.served))
         ratios = [self.ratio(j) for j in range(lo, hi + 1)]
-        ratios = [r for r in ratios if not np.isnan(r)]
+        ratios = [r for r in ratios if not math.isnan(r)]
         return max(ratios) if k > self.served else min(ratios)
 
     def serve(self, k: int) -> None:
@@ -228,6 +249,7 @@ class RelativeCost:
                 self.ratios[j] = deque((r / base for r in old), maxlen=self.ratios[j].maxlen)
         self.ratios[k].clear()
         self.reference.clear()
+        self._medians.clear()
         self.served, self.served_seconds = k, float("nan")
 
 
@@ -264,6 +286,7 @@ class AdaptiveKController:
         self.acceptance = AcceptanceTracker(max_k, self.cfg.decay, self.cfg.prior_accept,
                                             self.cfg.prior_weight)
         self.num_buckets = batch_bucket(max_batch) + 1
+        self._bucket_of = [batch_bucket(b) for b in range(max_batch + 1)]  # by batch size, every step
         # Every bucket starts without speculation (never worse than plain while it measures).
         self.buckets = [_Bucket(RelativeCost(max_k, 0, self.cfg.cost_window), explore_gap=self.cfg.explore_first)
                         for _ in range(self.num_buckets)]
@@ -274,6 +297,7 @@ class AdaptiveKController:
         self.chosen_counts = [0] * (max_k + 1)
         self.last_choice = 0
         self.overheads: deque[float] = deque(maxlen=256)  # seconds of each interval outside the runner
+        self._overhead_sum = 0.0
         self._overhead_mean = float("nan")
 
     # --- choice ---------------------------------------------------------------------
@@ -314,18 +338,20 @@ class AdaptiveKController:
         return [self.choices[i] for i in (at - 1, at + 1) if 0 <= i < len(self.choices)]
 
     def _exploration_due(self, state: _Bucket) -> bool:
-        """A calibrated bucket's next burst is due every ``explore_every`` steps (the gap doubling up
-        to it), and only every ``explore_max`` while each neighbour of the served k is hopeless:
-        measured, and unable to pay even with its acceptance and cost ``elimination_z`` standard
-        errors in its favour (``_cannot_pay``). Acceptance is learnt from every bucket's drafts, so
-        a draft that gets better (online training) makes a neighbour hopeful again and the burst
-        comes at the usual gap. Why: where no k pays (large batches on a CPU) every burst costs
-        steps that return less than they cost, and each one makes the deferred drafter replay
-        every held row of the batch (the draft-KV upkeep the deferral saves)."""
+        """A calibrated bucket's next burst is due at its gap (doubling from ``explore_first`` up to
+        ``explore_every``), and only every ``explore_max`` steps while each neighbour of the served k
+        is hopeless: measured, and unable to pay even with its acceptance and cost ``elimination_z``
+        standard errors in its favour (``_cannot_pay``), also before the gap has grown. Acceptance is
+        learnt from every bucket's drafts, so a draft that gets better (online training) makes a
+        neighbour hopeful again and the burst comes at the usual gap. Why: where no k pays (large
+        batches on a CPU, a small fast model) every burst costs steps that return less than they
+        cost, and each one makes the deferred drafter replay every held row of the batch (the
+        draft-KV upkeep the deferral saves); the doubling gaps alone spent 5 bursts in a bucket's
+        first 500 steps on a draft already measured hopeless."""
         gone = state.steps_since_burst
-        if gone >= state.explore_gap:
+        if gone >= max(state.explore_gap, self.cfg.explore_max):
             return True
-        if gone < self.cfg.explore_every:
+        if gone < min(state.explore_gap, self.cfg.explore_every):
             return False
         if 0 <= state.hopeless_checked_at and gone - state.hopeless_checked_at < self.cfg.burst:
             return False  # checked a few steps ago: the estimates move slowly, the check is not free
@@ -375,12 +401,12 @@ class AdaptiveKController:
         """The batch-size -> k table for the next schedule (index 0 unused); ``calibrating``: the
         batch holds only start-up calibration requests."""
         by_bucket = [self.k_for_bucket(b, calibrating) for b in range(self.num_buckets)]
-        return [by_bucket[0]] + [by_bucket[batch_bucket(b)] for b in range(1, self.max_batch + 1)]
+        return [by_bucket[bucket] for bucket in self._bucket_of]
 
     def record_choice(self, batch: int, k: int, calibrating: bool = False) -> None:
         """The step vLLM scheduled: ``batch`` requests, ``k`` drafts to propose for the next."""
         self.steps += 1
-        bucket = batch_bucket(min(batch, self.max_batch))
+        bucket = self._bucket_of[min(batch, self.max_batch)]
         state = self.buckets[bucket]
         if calibrating:
             self.calibration_steps += 1
@@ -397,7 +423,7 @@ class AdaptiveKController:
 
     def k_for(self, batch: int) -> int:
         """The k served at this batch size outside measurement bursts."""
-        return self.buckets[batch_bucket(min(batch, self.max_batch))].best
+        return self.buckets[self._bucket_of[min(batch, self.max_batch)]].best
 
     # --- observation -----------------------------------------------------------------
 
@@ -418,10 +444,13 @@ class AdaptiveKController:
         if seconds is None or seconds <= 0 or k_verify != k_draft or batch < 1:
             return
         if runner_seconds is not None and 0 < runner_seconds <= seconds:
+            if len(self.overheads) == self.overheads.maxlen:
+                self._overhead_sum -= self.overheads[0]
             self.overheads.append(seconds - runner_seconds)
-            self._overhead_mean = float(np.mean(self.overheads))  # read for every k of every choice
+            self._overhead_sum += seconds - runner_seconds  # a running mean: read for every k of every choice
+            self._overhead_mean = self._overhead_sum / len(self.overheads)
             seconds = runner_seconds
-        bucket = batch_bucket(min(batch, self.max_batch))
+        bucket = self._bucket_of[min(batch, self.max_batch)]
         self.buckets[bucket].cost.observe(k_verify, seconds)
         self.steady_steps += 1
         if self.buckets[bucket].calibrated and not calibrating:
@@ -445,12 +474,12 @@ class AdaptiveKController:
         ratios = [self._step_ratio(state.cost, k) if measured[k] else float("nan") for k in range(self.max_k + 1)]
         if self.cfg.optimism_where_paying and measured[0]:
             mean = self.acceptance.expected_tokens()
-            tokens = np.array([mean[k] if k > 0 and measured[k] and mean[k] / ratios[k] < 1.0 / ratios[0]
-                               else tokens[k] for k in range(self.max_k + 1)])
+            tokens = ([mean[k] if k > 0 and measured[k] and mean[k] / ratios[k] < 1.0 / ratios[0]
+                       else tokens[k] for k in range(self.max_k + 1)])
         rates = [tokens[k] / ratios[k] if measured[k] and k in self.choices else -1.0
                  for k in range(self.max_k + 1)]
         rates[state.best] = tokens[state.best]
-        best = int(np.argmax(rates))
+        best = max(range(self.max_k + 1), key=rates.__getitem__)  # the first of equals
         # Down needs no margin, only the candidate's own noise: where two k's are that close, the
         # smaller one is the safer (costs a step's timing does not see, prefills and k switches,
         # grow with k; a margin on the way down once held a losing k for a whole run).
@@ -472,7 +501,7 @@ class AdaptiveKController:
             return False
         high, low = self.acceptance.expected_tokens(z), self.acceptance.expected_tokens(-z)
 
-        def rate(j: int, tokens: np.ndarray, sign: float) -> float:
+        def rate(j: int, tokens: list[float], sign: float) -> float:
             ratio = state.cost.ratio(j) + sign * z * state.cost.ratio_stderr(j)
             return float(tokens[j] / self._with_outside(state.cost, max(ratio, 1e-6)))
 
@@ -488,7 +517,7 @@ class AdaptiveKController:
     def _with_outside(self, cost: RelativeCost, ratio: float) -> float:
         """A runner-time ratio as a whole-step ratio: the time outside the runner is paid by both."""
         served = cost.served_seconds
-        if not self.overheads or np.isnan(served):
+        if not self.overheads or math.isnan(served):
             return ratio
         outside = self._overhead_mean
         return (ratio * served + outside) / (served + outside)
@@ -508,13 +537,13 @@ class AdaptiveKController:
                 "acceptance_accepted": [round(float(n), 3) for n in self.acceptance.accepted],
                 "expected_tokens_per_step": [round(float(t), 4) for t in tokens],
                 "calibrated": any(b.calibrated for b in self.buckets),
-                "step_overhead_ms": round(1e3 * float(np.mean(self.overheads)), 3) if self.overheads else None,
+                "step_overhead_ms": round(1e3 * self._overhead_mean, 3) if self.overheads else None,
                 "buckets": {f"{bucket_bounds(i)[0]}-{min(bucket_bounds(i)[1], self.max_batch)}": {
                     "best_k": b.best, "calibrated": b.calibrated, "from_neighbour": b.inherited,
                     "swept": b.swept,
-                    "served_step_ms": None if np.isnan(b.cost.served_seconds)
+                    "served_step_ms": None if math.isnan(b.cost.served_seconds)
                     else round(1e3 * b.cost.served_seconds, 3),
-                    "step_time_vs_served": [None if np.isnan(b.cost.ratio(k)) else round(b.cost.ratio(k), 4)
+                    "step_time_vs_served": [None if math.isnan(b.cost.ratio(k)) else round(b.cost.ratio(k), 4)
                                             for k in range(self.max_k + 1)],
                     "samples": [b.cost.samples(k) for k in range(self.max_k + 1)]}
                     for i, b in enumerate(self.buckets)}}
