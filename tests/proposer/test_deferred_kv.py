@@ -143,9 +143,13 @@ def test_requests_joining_at_k0_leave_the_held_rows_held(tiny_model, drafter, jo
     assert joined["tokens"] == joining_stock["tokens"] and joined["sampled"] == joining_stock["sampled"]
 
 
-# A stash of 32 rows (the drafter's buffers: max_num_batched_tokens) fills in the joining waves: it
-# first forgets the rows of the requests that left the batch, then replays if still full.
+# A stash of 32 rows (the drafter's buffers: max_num_batched_tokens, one pass) fills in the joining
+# waves: it first forgets the rows of the requests that left the batch, then replays if still full.
 SMALL_STASH = 32
+ONE_PASS_STASH = """
+from vllm_specrl.proposer import deferred_kv
+deferred_kv.STASH_PASSES = 1
+"""
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +161,7 @@ def small_stash_stock(tiny_model, warm_draft):
 def test_a_full_stash_forgets_requests_that_left_and_the_drafts_stay_vllms(tiny_model, warm_draft, small_stash_stock):
     """Planted: forgetting every held row, not only the absent requests' -> tail drafts differ."""
     run = tail_run(tiny_model, str(warm_draft), greedy_waves=JOINING_WAVES, max_num_seqs=2,
-                   max_num_batched_tokens=SMALL_STASH)
+                   max_num_batched_tokens=SMALL_STASH, plant=ONE_PASS_STASH)
     c = run["counters"]
     assert c["forgets"] >= 2 and c["rows_dropped"] > 0, c
     assert c["rows_deferred"] == c["rows_replayed"] + c["rows_dropped"] + c["rows_held"], c
@@ -165,6 +169,35 @@ def test_a_full_stash_forgets_requests_that_left_and_the_drafts_stay_vllms(tiny_
     assert compared >= 2 * 15 and compared == len(small_stash_stock["drafts"]), compared
     assert same == compared, f"{compared - same} of {compared} tail drafts differ from vLLM's own KV sync"
     assert run["tokens"] == small_stash_stock["tokens"] and run["sampled"] == small_stash_stock["sampled"]
+
+
+# Two requests decode together at k = 0 for 70 steps, then the survivor alone at k = 3: its 70 held rows
+# are more than one drafter pass carries (32 rows; the stash holds STASH_PASSES passes), so the replay
+# runs in passes, the survivor cut between them.
+LONG_HOLD_WAVES = [[70, 100]]
+
+
+@pytest.fixture(scope="module")
+def long_hold_stock(tiny_model, drafter):
+    draft, parallel = drafter
+    return tail_run(tiny_model, draft, env={DEFER_DRAFT_KV_ENV: "0"}, parallel=parallel, greedy_waves=LONG_HOLD_WAVES,
+                    max_num_seqs=2, max_num_batched_tokens=SMALL_STASH)
+
+
+def test_a_replay_of_more_rows_than_a_pass_runs_in_passes_and_the_drafts_stay_vllms(tiny_model, drafter,
+                                                                                     long_hold_stock):
+    """Planted (the last pass not run) -> tail drafts differ. A pass's KV lengths are not seen here: a
+    one-layer drafter's KV entries do not depend on its attention (``test_draft_kv_stash`` checks them)."""
+    draft, parallel = drafter
+    run = tail_run(tiny_model, draft, parallel=parallel, greedy_waves=LONG_HOLD_WAVES, max_num_seqs=2,
+                   max_num_batched_tokens=SMALL_STASH)
+    c = run["counters"]
+    assert c["replay_passes"] >= c["replays"] + 2 and c["forgets"] == 0, c
+    assert c["rows_deferred"] == c["rows_replayed"] + c["rows_dropped"] + c["rows_held"], c
+    same, compared = same_drafts(run, long_hold_stock)
+    assert compared >= 10 and compared == len(long_hold_stock["drafts"]), compared
+    assert same == compared, f"{compared - same} of {compared} tail drafts differ from vLLM's own KV sync"
+    assert run["tokens"] == long_hold_stock["tokens"] and run["sampled"] == long_hold_stock["sampled"]
 
 
 def test_holes_in_the_draft_kv_would_be_seen(tiny_model, drafter, stock):

@@ -93,3 +93,30 @@ def test_forgetting_requests_that_left_frees_their_rows_and_keeps_the_rest_repla
     assert stash.counters.rows_replayed == 5 and stash.counters.rows_dropped == 4
     assert stash.counters.rows_deferred == 9
     assert stash.forget_absent([]) == 0 and stash.rows == 0
+
+
+@pytest.mark.parametrize("max_rows", [1, 2, 3, 4, 5, 7, 20])
+def test_a_replay_larger_than_a_pass_is_cut_into_passes_in_position_order(max_rows):
+    """Each pass carries at most ``max_rows`` rows; a request cut between passes writes its first part
+    first (its KV length after that pass is the part's end), and the passes together are the plan,
+    row for row. Planted (a cut request's first part ending at its full length) -> the seq_lens fail."""
+    stash, reference = DraftKVStash(max_rows=64), {}
+    for step in range(5):
+        add(stash, reference, ["a", "b", "c"], [10 + step, 40 + step, 70 + step])
+    plan = stash.take(["c", "a", "b"], [75, 15, 45])
+    passes = plan.passes(max_rows)
+    assert all(p.num_rows <= max_rows for p in passes)
+    assert len(passes) == -(-15 // max_rows)
+    for name in ("token_ids", "positions", "hidden_states", "slots"):
+        assert torch.equal(torch.cat([getattr(p, name) for p in passes]), getattr(plan, name)), name
+    covered = {}
+    for p in passes:
+        at = 0
+        for batch_row, rows, seq_len in zip(p.batch_rows, p.query_lens, p.seq_lens):
+            # each piece is a run of one request's positions ending right before its KV length
+            assert p.positions[at:at + rows].tolist() == list(range(seq_len - rows, seq_len))
+            covered.setdefault(batch_row, []).extend(range(seq_len - rows, seq_len))
+            at += rows
+    assert covered == {0: list(range(70, 75)), 1: list(range(10, 15)), 2: list(range(40, 45))}
+    with pytest.raises(ValueError):
+        plan.passes(0)

@@ -11,10 +11,11 @@ and returns the same empty draft tensor. A k = 0 step that mixes prompt chunks w
 one-token decodes (a request joining a running batch, which in a refilled rollout batch happens every
 few steps) holds the
 decodes' rows too and passes the prompt chunks alone (the prompt's draft KV is written at
-once). A full stash (``drafter.max_num_tokens`` rows) first forgets the rows of requests
-that left the batch. Before any other call (k > 0, a resumed request,
+once). The stash holds ``STASH_PASSES`` drafter passes' worth of rows (``drafter.max_num_tokens``
+each); a full one first forgets the rows of requests that left the batch. Before any other call (k > 0, a resumed request,
 or the stash still full) the held rows of the
-requests still in the batch are written by one stock ``propose(0, ...)`` over a
+requests still in the batch are written by stock ``propose(0, ...)`` passes (at most
+``drafter.max_num_tokens`` rows each, in position order), each over a
 ``CommonAttentionMetadata`` of just those rows (query = the held positions,
 ``seq_lens`` = the current step's first position, block-table rows of the batch,
 the held KV slots). Inputs are passed so that ``set_inputs_first_pass``'s shift
@@ -58,6 +59,12 @@ def _signature_names(fn: Any) -> list[str]:
     return list(inspect.signature(fn).parameters)
 
 
+# Drafter passes' worth of rows the stash holds before a full stash replays. A replay is the draft-KV
+# upkeep for requests still running; a request that finishes before drafting resumes never pays it, so
+# the larger the stash, the more of it is skipped where k stays at 0 (long answers at a batch size where
+# no k pays). Memory: rows x (3 x hidden for EAGLE-3) x dtype, e.g. 8 x 2048 rows of SmolLM2 in bf16 ~ 57 MiB.
+STASH_PASSES = 8
+
 _RUNNER_PROPOSE_PARAMETERS = ["self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
                               "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata",
                               "common_attn_metadata", "slot_mappings"]
@@ -75,7 +82,8 @@ class DeferredDraftKV:
         self.holds_early = (not config.disable_padded_drafter_batch
                             and getattr(runner, "valid_sampled_token_count_event", None) is None
                             and not hasattr(runner.get_model(), "get_mtp_target_hidden_states"))
-        self.stash = DraftKVStash(self.stash_rows(drafter))
+        self.pass_rows = self.stash_rows(drafter)
+        self.stash = DraftKVStash(self.pass_rows * STASH_PASSES)
 
     @classmethod
     def attach(cls, runner: Any, drafter: Any) -> DeferredDraftKV | None:
@@ -93,7 +101,8 @@ class DeferredDraftKV:
 
     @staticmethod
     def stash_rows(drafter: Any) -> int:
-        """Rows one replay pass may carry: the drafter's buffers hold ``max_num_tokens`` rows, and a
+        """Rows one replay pass may carry (the stash holds ``STASH_PASSES`` times as many): the drafter's
+        buffers hold ``max_num_tokens`` rows, and a
         parallel drafter's pass also carries its mask slots after each request's rows."""
         mask_slots = (int(drafter.net_num_new_slots_per_request) * int(drafter.max_batch_size)
                       if drafter.needs_extra_input_slots else 0)
@@ -242,13 +251,19 @@ class DeferredDraftKV:
             slot_mapping=slots.to(device), causal=True)
 
     def replay(self, attention: Any, req_ids: list[str], kw: dict[str, Any]) -> None:
-        """Write the held rows of the batch's requests into the draft KV cache (one stock pass)."""
-        import torch
-
+        """Write the held rows of the batch's requests into the draft KV cache (stock passes of at
+        most one pass's rows each, in order)."""
         starts = kw["target_positions"][attention.query_start_loc_cpu[:-1].long()].tolist()
         plan = self.stash.take(list(req_ids), starts)
         if plan is None:
             return
+        for part in plan.passes(self.pass_rows):
+            self._replay_pass(part, attention, kw)
+            self.stash.counters.replay_passes += 1
+
+    def _replay_pass(self, plan: Any, attention: Any, kw: dict[str, Any]) -> None:
+        import torch
+
         device = kw["next_token_ids"].device
         replay_cam = self._sub_batch_metadata(attention, plan.batch_rows, plan.query_lens, plan.seq_lens,
                                               plan.slots, device)

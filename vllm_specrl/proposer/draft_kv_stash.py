@@ -13,7 +13,8 @@ writes exactly the entries the skipped passes would have written.
 Only one-token decode rows are held (a prompt's draft KV may be shared through the
 prefix cache with a request that outlives the one that wrote it, so prefills are
 never deferred); memory is bounded by ``max_rows`` (when full, the caller first forgets
-the rows of requests that left the batch, then replays). Pure torch and Python: the
+the rows of requests that left the batch, then replays), which may be more than one drafter
+pass carries: ``ReplayPlan.passes`` cuts a replay into passes. Pure torch and Python: the
 vLLM side is ``proposer.deferred_kv``.
 """
 
@@ -52,6 +53,38 @@ class ReplayPlan:
     def num_rows(self) -> int:
         return int(self.token_ids.shape[0])
 
+    def passes(self, max_rows: int) -> list["ReplayPlan"]:
+        """This plan as passes of at most ``max_rows`` rows each, to run in order (what one drafter
+        pass can carry). A request whose rows do not fit the current pass is cut at a position: its
+        first part's KV is written by that pass, and the next pass's attention reads it (a pass
+        ends at KV length ``seq_len``, as a chunked prefill does)."""
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        if self.num_rows <= max_rows:
+            return [self]
+        passes, pieces, room, offset = [], [], max_rows, 0
+        for batch_row, rows, seq_len in zip(self.batch_rows, self.query_lens, self.seq_lens):
+            first = seq_len - rows
+            done = 0
+            while done < rows:
+                take = min(rows - done, room)
+                pieces.append((batch_row, offset + done, take, first + done + take))
+                done, room = done + take, room - take
+                if room == 0:
+                    passes.append(self._subplan(pieces))
+                    pieces, room = [], max_rows
+            offset += rows
+        if pieces:
+            passes.append(self._subplan(pieces))
+        return passes
+
+    def _subplan(self, pieces: list[tuple[int, int, int, int]]) -> "ReplayPlan":
+        """Pieces (batch row, first row in this plan, rows, KV length after them) as one pass."""
+        index = torch.cat([torch.arange(start, start + rows) for _, start, rows, _ in pieces])
+        rows = (t.index_select(0, index.to(t.device))
+                for t in (self.token_ids, self.positions, self.hidden_states, self.slots))
+        return ReplayPlan([p[0] for p in pieces], [p[2] for p in pieces], [p[3] for p in pieces], *rows)
+
 
 @dataclass
 class StashCounters:
@@ -60,6 +93,7 @@ class StashCounters:
     rows_replayed: int = 0
     rows_dropped: int = 0        # held for requests that finished, were preempted or skipped a step
     replays: int = 0
+    replay_passes: int = 0       # drafter passes the replays took (more than one where a replay's rows do not fit one)
     prompt_passes: int = 0       # k = 0 steps whose prompt chunks were passed alone, their decodes held
     forgets: int = 0             # times a full stash made room by dropping requests that left the batch
     held_early: int = 0          # steps held before vLLM gathered the drafter's inputs (of steps_deferred)
