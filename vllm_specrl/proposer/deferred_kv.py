@@ -82,6 +82,7 @@ class DeferredDraftKV:
         self.holds_early = (not config.disable_padded_drafter_batch
                             and getattr(runner, "valid_sampled_token_count_event", None) is None
                             and not hasattr(runner.get_model(), "get_mtp_target_hidden_states"))
+        self._empty_drafts: dict[tuple[int, Any], Any] = {}
         self.pass_rows = self.stash_rows(drafter)
         self.stash = DraftKVStash(self.pass_rows * STASH_PASSES)
 
@@ -158,7 +159,8 @@ class DeferredDraftKV:
         hidden = (torch.cat([h[:n] for h in aux_hidden_states], dim=-1) if runner.use_aux_hidden_state_outputs
                   else hidden_states[:n])
         self.stash.add_step(list(runner.input_batch.req_ids[:n]), positions.tolist(),
-                            sampled_token_ids[:n, 0].to(torch.int32), positions, hidden, attention.slot_mapping)
+                            sampled_token_ids[:n, 0].to(torch.int32), positions, hidden, attention.slot_mapping,
+                            hidden_states_owned=runner.use_aux_hidden_state_outputs)
         self.stash.counters.held_early += 1
         runner._draft_probs = runner._draft_prob_req_ids = None
         return self._no_drafts(n, sampled_token_ids.device)
@@ -177,7 +179,11 @@ class DeferredDraftKV:
 
         self.drafter.num_speculative_tokens = 0
         self.drafter._last_draft_probs = None
-        return torch.empty(n, 0, dtype=torch.int64, device=device)
+        key = (n, device)
+        empty = self._empty_drafts.get(key)  # an (n, 0) tensor has nothing to write into: shared
+        if empty is None:
+            empty = self._empty_drafts[key] = torch.empty(n, 0, dtype=torch.int64, device=device)
+        return empty
 
     def _defer_decodes_beside_prefills(self, attention: Any, req_ids: list[str], kw: dict[str, Any]) -> bool:
         """A k = 0 step that mixes prompt chunks with one-token decodes (a request joining a running

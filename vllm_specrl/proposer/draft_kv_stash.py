@@ -121,14 +121,17 @@ class DraftKVStash:
         return self.rows + num_rows <= self.max_rows
 
     def add_step(self, req_ids: list[str], positions: list[int], token_ids: torch.Tensor,
-                 position_tensor: torch.Tensor, hidden_states: torch.Tensor, slots: torch.Tensor) -> None:
-        """Hold one decode step: row i is request ``req_ids[i]`` at ``positions[i]``."""
+                 position_tensor: torch.Tensor, hidden_states: torch.Tensor, slots: torch.Tensor,
+                 hidden_states_owned: bool = False) -> None:
+        """Hold one decode step: row i is request ``req_ids[i]`` at ``positions[i]``. The tensors are
+        copied (they are the runner's buffers), but ``hidden_states`` where the caller made it for
+        the stash (``hidden_states_owned``: exactly these rows, nothing else holds it)."""
         n = len(req_ids)
         if not self.fits(n):
             raise ValueError(f"{n} rows do not fit ({self.rows} of {self.max_rows} held): flush first")
         step = len(self._steps)
-        self._steps.append((token_ids[:n].clone(), position_tensor[:n].clone(),
-                            hidden_states[:n].clone(), slots[:n].clone()))
+        hidden = hidden_states if hidden_states_owned and hidden_states.shape[0] == n else hidden_states[:n].clone()
+        self._steps.append((token_ids[:n].clone(), position_tensor[:n].clone(), hidden, slots[:n].clone()))
         for row, (rid, pos) in enumerate(zip(req_ids, positions)):
             held = self._requests.get(rid)
             if held is None or held.end_position != pos:
