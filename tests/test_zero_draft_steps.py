@@ -1,5 +1,5 @@
-"""Steps without drafts take the plain sampler (``cpu_patches.install_zero_draft_plain_sampler``)
-and are followed by no draft fetch (``skip_draft_fetch.install_skip_empty_draft_fetch``).
+"""Steps without drafts take the plain sampler and a short spec-decode metadata path
+(``cpu_patches.install_zero_draft_plain_sampler``) and are followed by no draft fetch (``skip_draft_fetch.install_skip_empty_draft_fetch``).
 
 An EAGLE-3 engine held at k = 0 by vLLM's own batch-size table drafts nothing, so with
 the plugin every decode step skips the rejection sampler. Its seeded temperature-1
@@ -33,12 +33,13 @@ def seeded_run(model, speculative_config: dict | None, env: dict | None = None) 
                   for i in range({len(PROMPTS)})]
         outs = llm.generate({PROMPTS!r}, params, use_tqdm=False)
         routed = llm.collective_rpc(lambda w: getattr(w.model_runner, "_specrl_zero_draft_steps", 0))[0]
+        short = llm.collective_rpc(lambda w: getattr(w.model_runner, "_specrl_zero_draft_metadata", 0))[0]
         skipped = getattr(llm.llm_engine.engine_core.engine_core, "_specrl_skipped_draft_fetches", 0)
         print("RESULT " + json.dumps({{"skipped": skipped,
             "tokens": [list(o.outputs[0].token_ids) for o in outs],
             "logprobs": [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
                          for o in outs],
-            "routed": routed}}))
+            "routed": routed, "short_metadata": short}}))
     """, env={"VLLM_PLUGINS": "specrl", **(env or {})})
     return result_json(out)
 
@@ -66,6 +67,7 @@ def spec_at_zero(tiny_model, held_at_zero):
 def test_zero_draft_steps_sample_exactly_as_plain_vllm(spec_at_zero, plain):
     spec = spec_at_zero
     assert spec["routed"] >= 23, spec["routed"]  # every decode step of the wave had no drafts
+    assert spec["short_metadata"] >= 23, spec["short_metadata"]
     assert spec["tokens"] == plain["tokens"]
     flat = lambda rows: [x for row in rows for x in row]  # noqa: E731
     assert flat(spec["logprobs"]) == pytest.approx(flat(plain["logprobs"]), abs=1e-5)
@@ -73,7 +75,7 @@ def test_zero_draft_steps_sample_exactly_as_plain_vllm(spec_at_zero, plain):
 
 def test_vllm_rejection_path_gives_the_same_tokens(tiny_model, held_at_zero, plain):
     stock = seeded_run(tiny_model, held_at_zero, env={ZERO_DRAFT_ENV: "0"})
-    assert stock["routed"] == 0
+    assert stock["routed"] == stock["short_metadata"] == 0
     assert stock["tokens"] == plain["tokens"]
 
 

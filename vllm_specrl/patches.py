@@ -24,8 +24,8 @@ from vllm_specrl.compat.registry import REGISTRY
 from vllm_specrl.proposer.custom_binding import CUSTOM_BINDING_PATCH, install_custom_proposer_binding
 from vllm_specrl.proposer.deferred_kv import DEFERRED_KV_PATCH, install_deferred_draft_kv
 from vllm_specrl.proposer.eagle3_config import register_eagle3_architecture
-from vllm_specrl.sampling.cpu_patches import (FAST_SAMPLING_PATCHES, ZERO_DRAFT_PATCH, install_cpu_fast_sampling,
-                                              install_zero_draft_plain_sampler)
+from vllm_specrl.sampling.cpu_patches import (FAST_SAMPLING_PATCHES, ZERO_DRAFT_METADATA_PATCH, ZERO_DRAFT_PATCH,
+                                              install_cpu_fast_sampling, install_zero_draft_plain_sampler)
 from vllm_specrl.sync.registration import register_gloo_weight_transfer_backend, register_shm_weight_transfer_backend
 from vllm_specrl.sync.weight_events import LABEL_PATCH, RPC_PATCH, WAKE_PATCH, install_weight_events
 from vllm_specrl.sync.weight_watch import (FINISH_PATCH, LOAD_MODEL_PATCH, RELOAD_PATCH, START_DRAFT_PATCH,
@@ -74,8 +74,8 @@ WORKER = (
          (SEEDED_REWIND_PATCH.name,)),
     Step("cpu_fast_sampling", "CPU inverse-CDF spec-decode sampling", install_cpu_fast_sampling,
          tuple(patch.name for patch, _ in FAST_SAMPLING_PATCHES)),
-    Step("zero_draft_plain_sampler", "plain sampler for steps without drafts", install_zero_draft_plain_sampler,
-         (ZERO_DRAFT_PATCH.name,)),
+    Step("zero_draft_plain_sampler", "plain sampler and metadata for steps without drafts",
+         install_zero_draft_plain_sampler, (ZERO_DRAFT_PATCH.name, ZERO_DRAFT_METADATA_PATCH.name)),
     Step("runner_step_timer", "model-runner step timer (adaptive k)", install_runner_step_timer,
          (STEP_TIMER_EXECUTE_PATCH.name, STEP_TIMER_SAMPLE_PATCH.name)),
     Step("deferred_draft_kv", "deferred draft-KV sync at k = 0", install_deferred_draft_kv, (DEFERRED_KV_PATCH.name,)),
