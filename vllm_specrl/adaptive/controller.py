@@ -287,6 +287,8 @@ class AdaptiveKController:
                                             self.cfg.prior_weight)
         self.num_buckets = batch_bucket(max_batch) + 1
         self._bucket_of = [batch_bucket(b) for b in range(max_batch + 1)]  # by batch size, every step
+        self._last_by_bucket: list[int] = []
+        self._last_table: list[int] = []
         # Every bucket starts without speculation (never worse than plain while it measures).
         self.buckets = [_Bucket(RelativeCost(max_k, 0, self.cfg.cost_window), explore_gap=self.cfg.explore_first)
                         for _ in range(self.num_buckets)]
@@ -401,7 +403,9 @@ class AdaptiveKController:
         """The batch-size -> k table for the next schedule (index 0 unused); ``calibrating``: the
         batch holds only start-up calibration requests."""
         by_bucket = [self.k_for_bucket(b, calibrating) for b in range(self.num_buckets)]
-        return [by_bucket[bucket] for bucket in self._bucket_of]
+        if by_bucket != self._last_by_bucket:  # the table changes a few times a run: built only then
+            self._last_by_bucket, self._last_table = by_bucket, [by_bucket[bucket] for bucket in self._bucket_of]
+        return self._last_table
 
     def record_choice(self, batch: int, k: int, calibrating: bool = False) -> None:
         """The step vLLM scheduled: ``batch`` requests, ``k`` drafts to propose for the next."""

@@ -95,21 +95,24 @@ def adaptive_k_scheduler_class(vllm_config: Any) -> type:
             # Read before vLLM's own update: a request that stops mid-verify (max_tokens, EOS, a stop
             # token) has its list of sampled tokens trimmed in place there (``del new_token_ids[n:]``),
             # which would count its accepted drafts past the stop as rejected.
-            verified = verified_drafts(scheduler_output, model_runner_output) if controller is not None else []
+            spec = scheduler_output.scheduled_spec_decode_tokens
+            verified = verified_drafts(scheduler_output, model_runner_output) if controller and spec else []
             result = super().update_from_output(scheduler_output, model_runner_output)
-            if controller is None or not scheduler_output.num_scheduled_tokens:
+            scheduled = scheduler_output.num_scheduled_tokens
+            if controller is None or not scheduled:
                 return result
             now = time.perf_counter()
-            spec = scheduler_output.scheduled_spec_decode_tokens
-            scheduled = scheduler_output.num_scheduled_tokens
-            k_verify = {len(spec.get(rid, ())) for rid in scheduled}
-            clean = (len(k_verify) == 1 and not scheduler_output.scheduled_new_reqs
-                     and all(n == 1 + len(spec.get(rid, ())) for rid, n in scheduled.items()))
+            if spec:  # a clean step: every request verified the same k drafts, nothing else scheduled
+                k_verify = {len(spec.get(rid, ())) for rid in scheduled}
+                k = k_verify.pop() if len(k_verify) == 1 else None
+                clean = k is not None and all(n == 1 + k for n in scheduled.values())
+            else:  # no drafts (every step at k = 0): one token per request
+                k, clean = 0, scheduler_output.total_num_scheduled_tokens == len(scheduled)
+            clean = clean and not scheduler_output.scheduled_new_reqs
             calibrating = only_calibration(scheduled)
             seconds = now - self._specrl_last_output if (clean and self._specrl_last_output) else None
-            controller.observe_step(len(scheduled), k_verify.pop() if len(k_verify) == 1 else 0,
-                             scheduler_output.num_spec_tokens_to_schedule, seconds, verified,
-                             runner_seconds(model_runner_output), calibrating=calibrating)
+            controller.observe_step(len(scheduled), k or 0, scheduler_output.num_spec_tokens_to_schedule, seconds,
+                                    verified, runner_seconds(model_runner_output), calibrating=calibrating)
             # An idle engine makes no outputs: the next interval would count the idle time.
             busy = bool(self.get_num_unfinished_requests())
             self._specrl_last_output = now if busy else None
