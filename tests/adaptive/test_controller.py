@@ -461,3 +461,23 @@ def test_bursts_space_out_while_no_neighbour_could_pay_and_come_back_when_one_co
     simulate(ctl, 16, 0.45, sixteen_sequence_cost, 1000, seed=3)
     assert ctl.k_for(16) == 0
     assert (ctl.explored_steps - before) / ctl.cfg.burst >= 3, ctl.state()["buckets"]["16-16"]
+
+
+def test_no_k_pays_is_reported_only_where_every_measured_bucket_is_hopeless():
+    """A draft accepted 20% of the time at sixteen sequences (k = 1: 1.46 k = 0 steps for 1.2 tokens) is
+    hopeless there: reported, in the state the API server serves. At acceptance 0.45, where k = 1 nearly
+    ties, k = 0 is served but not reported hopeless; where a bucket serves k > 0 (one sequence, a good
+    draft), never. Planted (reported whenever every bucket serves k = 0) -> the tie case fails."""
+    hopeless = AdaptiveKController(3, 16)
+    assert not hopeless.no_k_pays()  # nothing measured yet
+    simulate(hopeless, 16, 0.2, sixteen_sequence_cost, 800, seed=0)
+    assert hopeless.k_for(16) == 0 and hopeless.no_k_pays() and hopeless.state()["no_k_pays"]
+
+    tie = AdaptiveKController(3, 16)
+    simulate(tie, 16, 0.45, sixteen_sequence_cost, 800, seed=0)
+    assert tie.k_for(16) == 0 and not tie.no_k_pays(), tie.state()["buckets"]["16-16"]
+
+    paying = AdaptiveKController(3, 16)
+    simulate(paying, 1, 0.8, lambda b, kv, kd: 0.01 * (1 + 0.1 * kv + 0.05 * kd), 400, seed=0)
+    simulate(paying, 16, 0.2, sixteen_sequence_cost, 800, seed=1)
+    assert paying.k_for(1) > 0 and not paying.no_k_pays()

@@ -24,6 +24,7 @@ def test_publish_read_and_metrics():
         text = generate_latest(registry).decode()
         assert 'specrl_adaptive_k_steps_total{k="2"} 5.0' in text
         assert "specrl_adaptive_k 0.0" in text
+        assert "specrl_adaptive_k_no_k_pays 0.0" in text and got["no_k_pays"] is False
     finally:
         state.state_path(pid).unlink(missing_ok=True)
 

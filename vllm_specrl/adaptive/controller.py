@@ -526,6 +526,19 @@ class AdaptiveKController:
         outside = self._overhead_mean
         return (ratio * served + outside) / (served + outside)
 
+    def no_k_pays(self) -> bool:
+        """True when every bucket that measured its own steps serves k = 0 and no neighbour of it could
+        pay even with its acceptance and cost ``elimination_z`` standard errors in its favour, and no
+        bucket serves k > 0: the engine then pays a drafter's per-step bookkeeping (target hidden
+        states kept, drafter inputs held, the spec-decode bookkeeping of vLLM and of this controller)
+        for nothing. On a small, fast model that was 5-10% of a plain step, which k = 0 cannot win
+        back; the user is told (``state()``, the scheduler's log) to serve without speculation or
+        with a better draft."""
+        own = [b for b in self.buckets if b.calibrated and not b.inherited]
+        if not own or any(b.best > 0 for b in self.buckets if b.calibrated):
+            return False
+        return all(self._cannot_pay(b, k) for b in own for k in self._neighbours(b))
+
     # --- reporting -------------------------------------------------------------------
 
     def state(self) -> dict:
@@ -541,6 +554,7 @@ class AdaptiveKController:
                 "acceptance_accepted": [round(float(n), 3) for n in self.acceptance.accepted],
                 "expected_tokens_per_step": [round(float(t), 4) for t in tokens],
                 "calibrated": any(b.calibrated for b in self.buckets),
+                "no_k_pays": self.no_k_pays(),
                 "step_overhead_ms": round(1e3 * self._overhead_mean, 3) if self.overheads else None,
                 "buckets": {f"{bucket_bounds(i)[0]}-{min(bucket_bounds(i)[1], self.max_batch)}": {
                     "best_k": b.best, "calibrated": b.calibrated, "from_neighbour": b.inherited,

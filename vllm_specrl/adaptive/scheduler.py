@@ -31,8 +31,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from vllm_specrl._log import logger
 from vllm_specrl.adaptive.step_timer import runner_seconds
 from vllm_specrl.compat.engine_config import process_role, specrl_additional_config
+
+
+NO_K_PAYS_WARNING = (
+    "adaptive k: no k pays at any batch size measured (first-draft acceptance %.2f; step time of each k "
+    "against the served k = 0, by batch size: %s). The engine serves k = 0 and still pays the drafter's "
+    "per-step bookkeeping (5-10%% of a step on a small model): serve without --speculative-config, or "
+    "with a better draft (vllm-specrl train-draft). /specrl/status says so while it holds (no_k_pays).")
 
 
 class AdaptiveKScheduler:
@@ -76,6 +84,7 @@ def adaptive_k_scheduler_class(vllm_config: Any) -> type:
             self.dynamic_sd_lookup = [self.num_spec_tokens] * (max_batch + 1)
             self._specrl_last_output = None
             self._specrl_last_publish = 0.0
+            self._specrl_told_no_k_pays = False
             self._specrl_frontend_pid = os.getppid() if process_role() == "engine_core" else os.getpid()
             atexit.register(adaptive_state.remove, self._specrl_frontend_pid)
 
@@ -118,8 +127,14 @@ def adaptive_k_scheduler_class(vllm_config: Any) -> type:
             self._specrl_last_output = now if busy else None
             if now - self._specrl_last_publish > 0.5 or not busy:
                 self._specrl_last_publish = now
+                state = controller.state()
+                if state["no_k_pays"] and not self._specrl_told_no_k_pays:
+                    logger.warning(NO_K_PAYS_WARNING, state["conditional_acceptance"][0],
+                                   {name: b["step_time_vs_served"] for name, b in state["buckets"].items()
+                                    if b["calibrated"] and not b["from_neighbour"]})
+                self._specrl_told_no_k_pays = state["no_k_pays"]
                 try:
-                    adaptive_state.publish(controller.state(), self._specrl_frontend_pid)
+                    adaptive_state.publish(state, self._specrl_frontend_pid)
                 except OSError:
                     pass  # reporting must never break scheduling
             return result

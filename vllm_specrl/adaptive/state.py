@@ -64,5 +64,11 @@ def prometheus_collector(frontend_pid: int | None = None):
             for k, t in enumerate(state["expected_tokens_per_step"]):
                 expected.add_metric([str(k)], t)
             yield expected
+            if "no_k_pays" in state:
+                hopeless = GaugeMetricFamily("specrl_adaptive_k_no_k_pays",
+                                             "1 while no k pays at any batch size measured (speculation "
+                                             "costs its bookkeeping for nothing: serve without it)")
+                hopeless.add_metric([], int(state["no_k_pays"]))
+                yield hopeless
 
     return AdaptiveKCollector()
