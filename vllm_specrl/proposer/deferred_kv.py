@@ -286,12 +286,12 @@ class DeferredDraftKV:
 DEFERRED_KV_PATCH = REGISTRY.declare(Patch(
     name="deferred_draft_kv",
     target="vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids",
-    why="the drafter's k = 0 passes are held and replayed in one pass when drafts resume, drafts unchanged "
+    why="the drafter's k = 0 passes are held and replayed in a few passes when drafts resume, drafts unchanged "
         "(CPU step cost: benchmarks, bench_step_cost --held-at 0)",
     scope="cpu", switch=DEFER_DRAFT_KV_ENV, checked_on=("vLLM 0.32.0, CPU",), order=DEFERRED_KV_ORDER))
 DEFERRED_KV_PROPOSE_PATCH = REGISTRY.declare(Patch(
     name="deferred_draft_kv.propose", target="vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.propose",
-    why="on each eligible drafter: a k = 0 pass of one-token decodes held, the held rows replayed in one pass "
+    why="on each eligible drafter: a k = 0 pass of one-token decodes held, the held rows replayed in passes "
         "before the next pass that drafts (part of deferred_draft_kv)",
     scope="cpu", switch=DEFER_DRAFT_KV_ENV, checked_on=("vLLM 0.32.0, CPU",),
     signature=tuple(_PROPOSE_PARAMETERS[1:])))
