@@ -340,20 +340,18 @@ class AdaptiveKController:
         return [self.choices[i] for i in (at - 1, at + 1) if 0 <= i < len(self.choices)]
 
     def _exploration_due(self, state: _Bucket) -> bool:
-        """A calibrated bucket's next burst is due at its gap (doubling from ``explore_first`` up to
-        ``explore_every``), and only every ``explore_max`` steps while each neighbour of the served k
-        is hopeless: measured, and unable to pay even with its acceptance and cost ``elimination_z``
-        standard errors in its favour (``_cannot_pay``), also before the gap has grown. Acceptance is
-        learnt from every bucket's drafts, so a draft that gets better (online training) makes a
-        neighbour hopeful again and the burst comes at the usual gap. Why: where no k pays (large
-        batches on a CPU, a small fast model) every burst costs steps that return less than they
-        cost, and each one makes the deferred drafter replay every held row of the batch (the
-        draft-KV upkeep the deferral saves); the doubling gaps alone spent 5 bursts in a bucket's
-        first 500 steps on a draft already measured hopeless."""
+        """A calibrated bucket's next burst is due every ``explore_every`` steps (the gap doubling up
+        to it), and only every ``explore_max`` while each neighbour of the served k is hopeless:
+        measured, and unable to pay even with its acceptance and cost ``elimination_z`` standard
+        errors in its favour (``_cannot_pay``). Acceptance is learnt from every bucket's drafts, so
+        a draft that gets better (online training) makes a neighbour hopeful again and the burst
+        comes at the usual gap. Why: where no k pays (large batches on a CPU) every burst costs
+        steps that return less than they cost, and each one makes the deferred drafter replay
+        every held row of the batch (the draft-KV upkeep the deferral saves)."""
         gone = state.steps_since_burst
-        if gone >= max(state.explore_gap, self.cfg.explore_max):
+        if gone >= state.explore_gap:
             return True
-        if gone < min(state.explore_gap, self.cfg.explore_every):
+        if gone < self.cfg.explore_every:
             return False
         if 0 <= state.hopeless_checked_at and gone - state.hopeless_checked_at < self.cfg.burst:
             return False  # checked a few steps ago: the estimates move slowly, the check is not free
