@@ -54,6 +54,10 @@ from dataclasses import dataclass, field
 
 
 
+# Steady steps of the served k without verified drafts between two choices of a bucket (see observe_step).
+RECHOOSE_EVERY = 8
+
+
 def batch_bucket(batch: int) -> int:
     """0 for 1 sequence, 1 for 2, 2 for 3, 3 for 4-5, 4 for 6-7, 5 for 8-11, 6 for 12-15, ...
 
@@ -264,6 +268,7 @@ class _Bucket:
     inherited: bool = False  # started at a neighbour's k (never a donor itself)
     swept: bool = False      # every k measured by a start-up calibration sweep
     hopeless_checked_at: int = -1  # steps_since_burst when the neighbours were last found hopeless
+    unchosen_steps: int = 0        # steady steps since the last choice
 
     @property
     def best(self) -> int:
@@ -453,9 +458,16 @@ class AdaptiveKController:
             self._overhead_mean = self._overhead_sum / len(self.overheads)
             seconds = runner_seconds
         bucket = self._bucket_of[min(batch, self.max_batch)]
-        self.buckets[bucket].cost.observe(k_verify, seconds)
+        state = self.buckets[bucket]
+        state.cost.observe(k_verify, seconds)
         self.steady_steps += 1
-        if self.buckets[bucket].calibrated and not calibrating:
+        # A step of the served k with no verified drafts moves only the reference time, which every
+        # candidate's rate shares: re-choosing then can wait a few steps (in the engine core a choice
+        # is ~20 us of a small model's 3 ms step).
+        state.unchosen_steps += 1
+        if (state.calibrated and not calibrating
+                and (verified or k_verify != state.best or state.unchosen_steps >= RECHOOSE_EVERY)):
+            state.unchosen_steps = 0
             self._choose(bucket)
 
     def _choose(self, bucket: int) -> None:
