@@ -69,7 +69,7 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("VLLM_SPECRL_COMPACT_DRAFT_PROBS", ENV, "on", "`0` spreads draft probabilities over the target's "
                                                          "vocabulary in the drafter"),
     Switch("VLLM_SPECRL_ZERO_DRAFT_PLAIN_SAMPLER", ENV, "on (CPU)",
-           f"steps without drafts take the plain sampler; {PATCH_SWITCH}"),
+           f"steps without drafts take the plain sampler and a short metadata path; {PATCH_SWITCH}"),
     Switch("VLLM_SPECRL_DEFER_DRAFT_KV", ENV, "on (CPU)", f"the drafter's k = 0 passes deferred; {PATCH_SWITCH}"),
     Switch("VLLM_SPECRL_SKIP_EMPTY_DRAFT_FETCH", ENV, "on (CPU)",
            f"no draft fetch after a k = 0 step; {PATCH_SWITCH}"),
