@@ -1,5 +1,6 @@
 """Steps without drafts take the plain sampler and a short spec-decode metadata path
-(``cpu_patches.install_zero_draft_plain_sampler``) and are followed by no draft fetch (``skip_draft_fetch.install_skip_empty_draft_fetch``).
+(``cpu_patches.install_zero_draft_plain_sampler``) and are followed by no draft fetch
+(``skip_draft_fetch.install_skip_empty_draft_fetch``).
 
 An EAGLE-3 engine held at k = 0 by vLLM's own batch-size table drafts nothing, so with
 the plugin every decode step skips the rejection sampler. Its seeded temperature-1

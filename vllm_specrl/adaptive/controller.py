@@ -52,8 +52,6 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-
-
 # Steady steps of the served k without verified drafts between two choices of a bucket (see observe_step).
 RECHOOSE_EVERY = 8
 
@@ -462,8 +460,8 @@ class AdaptiveKController:
         state.cost.observe(k_verify, seconds)
         self.steady_steps += 1
         # A step of the served k with no verified drafts moves only the reference time, which every
-        # candidate's rate shares: re-choosing then can wait a few steps (in the engine core a choice
-        # is ~20 us of a small model's 3 ms step).
+        # candidate's rate shares: re-choosing then can wait a few steps (a choice runs in the engine
+        # core between a small model's steps; benchmarks/JOURNAL.md has its cost).
         state.unchosen_steps += 1
         if (state.calibrated and not calibrating
                 and (verified or k_verify != state.best or state.unchosen_steps >= RECHOOSE_EVERY)):
@@ -541,8 +539,8 @@ class AdaptiveKController:
         pay even with its acceptance and cost ``elimination_z`` standard errors in its favour, and no
         bucket serves k > 0: the engine then pays a drafter's per-step bookkeeping (target hidden
         states kept, drafter inputs held, the spec-decode bookkeeping of vLLM and of this controller)
-        for nothing. On a small, fast model that was 5-10% of a plain step, which k = 0 cannot win
-        back; the user is told (``state()``, the scheduler's log) to serve without speculation or
+        for nothing, a share of the step k = 0 cannot win back, largest on a small, fast model
+        (benchmarks/README.md); the user is told (``state()``, the scheduler's log) to serve without speculation or
         with a better draft."""
         own = [b for b in self.buckets if b.calibrated and not b.inherited]
         if not own or any(b.best > 0 for b in self.buckets if b.calibrated):

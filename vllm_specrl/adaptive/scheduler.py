@@ -39,7 +39,7 @@ from vllm_specrl.compat.engine_config import process_role, specrl_additional_con
 NO_K_PAYS_WARNING = (
     "adaptive k: no k pays at any batch size measured (first-draft acceptance %.2f; step time of each k "
     "against the served k = 0, by batch size: %s). The engine serves k = 0 and still pays the drafter's "
-    "per-step bookkeeping (5-10%% of a step on a small model): serve without --speculative-config, or "
+    "per-step bookkeeping, most visible on a small, fast model: serve without --speculative-config, or "
     "with a better draft (vllm-specrl train-draft). /specrl/status says so while it holds (no_k_pays).")
 
 

@@ -12,10 +12,10 @@ one-token decodes (a request joining a running batch, which in a refilled rollou
 few steps) holds the
 decodes' rows too and passes the prompt chunks alone (the prompt's draft KV is written at
 once). The stash holds ``STASH_PASSES`` drafter passes' worth of rows (``drafter.max_num_tokens``
-each); a full one first forgets the rows of requests that left the batch. Before any other call (k > 0, a resumed request,
-or the stash still full) the held rows of the
-requests still in the batch are written by stock ``propose(0, ...)`` passes (at most
-``drafter.max_num_tokens`` rows each, in position order), each over a
+each); a full one first forgets the rows of requests that left the batch. Before any other call
+(k > 0, a resumed request, or the stash still full) the held rows of the requests still in the
+batch are written by stock ``propose(0, ...)`` passes (at most ``drafter.max_num_tokens`` rows
+each, in position order), each over a
 ``CommonAttentionMetadata`` of just those rows (query = the held positions,
 ``seq_lens`` = the current step's first position, block-table rows of the batch,
 the held KV slots). Inputs are passed so that ``set_inputs_first_pass``'s shift
@@ -102,9 +102,9 @@ class DeferredDraftKV:
 
     @staticmethod
     def stash_rows(drafter: Any) -> int:
-        """Rows one replay pass may carry (the stash holds ``STASH_PASSES`` times as many): the drafter's
-        buffers hold ``max_num_tokens`` rows, and a
-        parallel drafter's pass also carries its mask slots after each request's rows."""
+        """Rows one replay pass may carry (the stash holds ``STASH_PASSES`` times as many): the
+        drafter's buffers hold ``max_num_tokens`` rows, and a parallel drafter's pass also carries its
+        mask slots after each request's rows."""
         mask_slots = (int(drafter.net_num_new_slots_per_request) * int(drafter.max_batch_size)
                       if drafter.needs_extra_input_slots else 0)
         return int(drafter.max_num_tokens) - mask_slots

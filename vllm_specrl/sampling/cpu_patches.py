@@ -108,8 +108,8 @@ ZERO_DRAFT_METADATA_PATCH = REGISTRY.declare(Patch(
     name="zero_draft_plain_sampler.metadata",
     target="vllm.v1.worker.gpu_model_runner:GPUModelRunner._calc_spec_decode_metadata",
     why="a step without drafts gets its spec-decode metadata (one logit per request, no draft) from the "
-        "query ends directly, not vLLM's cumsum/repeat/gather pipeline (CPU step cost: ~40 us of a 3 ms "
-        "k = 0 step of a small model, timed per method)",
+        "query ends directly, not vLLM's cumsum/repeat/gather pipeline (CPU step cost: per-method timers, "
+        "benchmarks/JOURNAL.md, issue 54's floor)",
     scope="cpu", switch=ZERO_DRAFT_ENV, checked_on=_CHECKED,
     signature=("self", "num_draft_tokens", "cu_num_scheduled_tokens")))
 
