@@ -28,9 +28,9 @@ DEMO_DRAFT_ARGS ?= $(DEMO_DRAFT_COMMON) --samples 4 --steps 600 --eval-every 150
 DEMO_DRAFT_FULL ?= $(FIXTURES)/real/drafts/demo-explain
 DEMO_DRAFT_FULL_ARGS ?= $(DEMO_DRAFT_COMMON) --samples 16 --steps 1800 --eval-every 300
 # Bumped when the draft recipe changes under the same arguments (2: warm-start rollouts seeded per
-# prompt; 3: from seed 2^30 up, apart from the RL loop's own seeds), so a cached draft built the old way
-# is rebuilt.
-DRAFT_RECIPE := 3
+# prompt; 3: from seed 2^30 up, apart from the RL loop's own seeds; 4: the draft's decoder layer starts
+# from the target's last layer), so a cached draft built the old way is rebuilt.
+DRAFT_RECIPE := 4
 TRAIN_DRAFT = VLLM_PLUGINS=specrl VLLM_CPU_KVCACHE_SPACE=2 $(VENV)/bin/vllm-specrl train-draft --offline \
 	--target $(FIXTURES)/real/target
 # $(call build_draft,DIR,ARGS): (re)build the draft at DIR unless its stamp says it was built with ARGS

@@ -6,6 +6,8 @@ Engines: one run of the installed console script: what a user types.
 import subprocess
 import sys
 
+import pytest
+
 from vllm_specrl import cli
 
 
@@ -38,3 +40,18 @@ def test_train_draft_offers_every_built_in_prompt_family():
     train_draft = cli.build_parser()._subparsers._group_actions[0].choices["train-draft"]
     task = next(a for a in train_draft._actions if a.dest == "task")
     assert tuple(task.choices) == TASKS
+
+
+@pytest.mark.parametrize(("argv", "want"), [([], -1), (["--target-layer", "last"], -1), (["--target-layer", "none"], None),
+                                            (["--target-layer", "12"], 12), (["--target-layer", "-2"], -2)])
+def test_train_draft_starts_a_new_draft_from_the_target_layer_asked(argv, want):
+    args = cli.build_parser().parse_args(["train-draft", "--offline", "--target", "t", "--draft", "d", *argv])
+    assert args.target_layer == want
+
+
+def test_init_draft_keeps_random_weights_unless_asked_and_refuses_a_bad_layer(capsys):
+    parser = cli.build_parser()
+    assert parser.parse_args(["init-draft", "--target", "t", "--out", "o"]).target_layer is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["init-draft", "--target", "t", "--out", "o", "--target-layer", "top"])
+    assert "expected last, none or a layer index" in capsys.readouterr().err

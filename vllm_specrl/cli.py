@@ -96,7 +96,8 @@ def _cmd_init_draft(args: argparse.Namespace) -> int:
 
     aux = tuple(int(i) for i in args.aux_layers.split(",")) if args.aux_layers else None
     try:
-        draft = init_draft(args.target, args.out, args.draft_vocab_size, aux, seed=args.seed)
+        draft = init_draft(args.target, args.out, args.draft_vocab_size, aux, seed=args.seed,
+                           target_layer=args.target_layer)
     except DraftConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -195,11 +196,29 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
                         seed=args.seed, chat=not args.raw_prompts, dtype=args.dtype,
                         eval_fraction=args.eval_fraction, eval_every=args.eval_every, task=args.task,
                         features=args.features, group_by_length=args.group_by_length,
-                        parallel_drafting=args.parallel_drafting)
+                        parallel_drafting=args.parallel_drafting, target_layer=args.target_layer)
     summary = warm_start(args.target, args.draft, prompts, cfg, _train_config(args), args.draft_vocab_size,
                          args.init_from, args.log, args.rollouts)
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def _target_layer(value: str) -> int | None:
+    if value in ("none", "random"):
+        return None
+    if value == "last":
+        return -1
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected last, none or a layer index, not {value!r}") from None
+
+
+def _add_target_layer(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("--target-layer", type=_target_layer, default=_target_layer(default), metavar="LAYER",
+                        help="start a new draft's decoder layer from this target layer: last, an index (negative "
+                             "counts from the end) or none (random weights) "
+                             f"(default: {default}; not used with --init-from)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -227,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="reduced draft vocabulary (default: the target's)")
     ini.add_argument("--aux-layers", default="", help="target layer ids, e.g. 2,15,27")
     ini.add_argument("--seed", type=int, default=0)
+    _add_target_layer(ini, default="none")
     ini.set_defaults(func=_cmd_init_draft)
 
     for name, what in (("export-draft", "write a copy plain vLLM eagle3 loads (no plugin)"),
@@ -284,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--draft", type=Path, required=True,
                     help="draft directory (offline: output; online: the draft the engine serves)")
     tr.add_argument("--init-from", type=Path, default=None, help="start from this draft")
+    _add_target_layer(tr, default="last")
     tr.add_argument("--rollouts", type=Path, default=None,
                     help="offline: reuse a warm start's saved rollouts (warm_start_rollouts.json)")
     tr.add_argument("--prompts", type=Path, default=None, help="text or JSONL ({\"prompt\":...}) file")

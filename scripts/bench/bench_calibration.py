@@ -20,6 +20,7 @@ from pathlib import Path
 
 
 def main() -> None:
+    from vllm_specrl.host import host_info
     from vllm_specrl.trainer.calibration import estimate_from_rollouts, serve_rollouts
     from vllm_specrl.trainer.offline import default_prompts
 
@@ -28,6 +29,8 @@ def main() -> None:
     ap.add_argument("--draft", required=True)
     ap.add_argument("--prompt-set", default="arithmetic", choices=["chat", "arithmetic", "code", "explain"])
     ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--samples", type=int, default=1,
+                    help="T=1 rollouts per prompt (the explain task holds out only a few prompts)")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -47,6 +50,7 @@ def main() -> None:
     else:
         prompts = [p for p in default_prompts(4 * args.prompts + 64, 4321, args.prompt_set)
                    if p not in trained][: args.prompts]
+    prompts = [p for p in prompts for _ in range(args.samples)]
     t0 = time.time()
     served = serve_rollouts(args.target, args.draft, prompts, args.k, args.dtype, args.max_tokens,
                             args.ignore_eos, chat=args.prompt_set != "code")
@@ -54,10 +58,11 @@ def main() -> None:
     sd = served["spec_decode"]
     row = {"label": args.label or f"{Path(args.target).parent.name} {args.dtype}", "target": args.target,
            "draft": args.draft, "dtype": args.dtype, "k": args.k, "temperature": 1.0,
-           "prompt_set": args.prompt_set, "prompts": len(prompts), "held_out_from_training": bool(trained),
+           "prompt_set": args.prompt_set, "prompts": len(prompts) // args.samples,
+           "samples": args.samples, "held_out_from_training": bool(trained),
            "served": {"per_position": sd["per_position_acceptance"], "acceptance_length": sd["acceptance_length"],
                       "num_drafts": sd["num_drafts"]},
-           "estimate": est, "seconds": round(time.time() - t0, 1),
+           "estimate": est, "seconds": round(time.time() - t0, 1), "host": host_info(),
            "completion_tokens": sum(len(s) - n for s, n in zip(served["sequences"], served["prompt_lengths"]))}
     rows = json.loads(args.out.read_text()) if args.out.is_file() else []
     rows = [r for r in rows if r["label"] != row["label"]] + [row]

@@ -63,3 +63,38 @@ def test_imports_a_draft_with_model_prefix_and_own_embedding(tiny_model, tmp_pat
 def test_not_a_draft_is_rejected(tiny_model):
     with pytest.raises(DraftConfigError, match="LlamaForCausalLM is not an EAGLE-3 draft"):
         load_draft(tiny_model)
+
+
+def test_a_draft_started_from_a_target_layer_computes_that_layer(tiny_model):
+    """Against the target's own HF layer: every part copied computes what the target's does."""
+    from transformers import AutoModelForCausalLM
+
+    from vllm_specrl.proposer.checkpoint import start_from_target_layer
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    layers = target.model.layers
+    d = init_draft(tiny_model, None, seed=0, target_layer=-1)
+    width = d.shape.hidden_size
+    h = torch.randn(2, 5, width)
+    mid, source = d.midlayer, layers[len(layers) - 1]
+    with torch.no_grad():
+        torch.testing.assert_close(mid.mlp(h), source.mlp(h))
+        torch.testing.assert_close(mid.self_attn.o_proj(h), source.self_attn.o_proj(h))
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            # The columns reading fc's half are the target's; those reading the embedding are not.
+            fc_half = torch.cat([torch.zeros_like(h), h], dim=-1)
+            torch.testing.assert_close(getattr(mid.self_attn, proj)(fc_half), getattr(source.self_attn, proj)(h))
+        torch.testing.assert_close(mid.hidden_norm(h), source.input_layernorm(h))
+        torch.testing.assert_close(mid.post_attention_layernorm(h), source.post_attention_layernorm(h))
+        torch.testing.assert_close(d.norm(h), target.model.norm(h))
+        aux_ids = list(d.shape.aux_layer_ids)
+        aux = torch.randn(2, 5, len(aux_ids) * width)
+        top = aux_ids.index(max(aux_ids))
+        torch.testing.assert_close(d.fc(aux), aux[..., top * width:(top + 1) * width])
+        # An index picks that layer; the default (no target_layer) stays random.
+        start_from_target_layer(d, tiny_model, 0)
+        torch.testing.assert_close(mid.mlp(h), layers[0].mlp(h))
+        fresh = init_draft(tiny_model, None, seed=0)
+        assert not torch.allclose(fresh.midlayer.mlp(h), source.mlp(h))
+    with pytest.raises(DraftConfigError, match="out of range"):
+        start_from_target_layer(d, tiny_model, len(layers))

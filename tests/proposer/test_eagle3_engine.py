@@ -72,6 +72,7 @@ def test_warm_started_draft_is_trained_and_saved(warm_draft):
     meta = json.loads((warm_draft / "trainer_meta.json").read_text())["warm_start"]
     assert meta["draft_vocab_size"] == WARM_DRAFT_VOCAB
     assert meta["rollouts"] == 64 * 4
+    assert meta["started_from"] == "target layer -1", "the CLI's default start is the target's last layer"
     before, after = meta["eval_before"], meta["eval_after"]
     assert after["loss"] < before["loss"]
     assert after["expected_acceptance_length"] > before["expected_acceptance_length"] + 0.3, meta

@@ -62,12 +62,16 @@ def target_final_norm(target_dir: Path) -> torch.Tensor:
 
 def init_draft(target_dir: Path | str, out_dir: Path | str | None = None,
                draft_vocab_size: int | None = None, aux_layer_ids: tuple[int, ...] | None = None,
-               token_counts: torch.Tensor | None = None, seed: int = 0) -> Eagle3Draft:
+               token_counts: torch.Tensor | None = None, seed: int = 0,
+               target_layer: int | None = None) -> Eagle3Draft:
     """A fresh draft for ``target_dir``: embedding and LM-head rows from the target.
 
     With ``draft_vocab_size`` below the target's, the draft vocabulary is the
     most frequent tokens by ``token_counts`` (or the lowest ids, which a BPE
-    assigns to the most frequent merges, when no counts are given).
+    assigns to the most frequent merges, when no counts are given). With
+    ``target_layer`` (an index into the target's layers, -1 the last), the
+    decoder layer starts from that target layer (``start_from_target_layer``)
+    instead of at random.
     """
     target_dir = Path(target_dir)
     config = draft_config_from_target(read_config(target_dir), draft_vocab_size, aux_layer_ids)
@@ -85,9 +89,52 @@ def init_draft(target_dir: Path | str, out_dir: Path | str | None = None,
             ids = scores.topk(config["draft_vocab_size"]).indices
             draft.set_draft_vocab(ids)
         draft.lm_head.weight.copy_(head[draft.draft_token_ids()])
+    if target_layer is not None:
+        start_from_target_layer(draft, target_dir, target_layer)
     if out_dir is not None:
         save_draft(draft, out_dir)
     return draft
+
+
+def start_from_target_layer(draft: Eagle3Draft, target_dir: Path | str, layer: int = -1) -> None:
+    """Start the draft's decoder layer from one of the target's layers rather than at random.
+
+    The draft's layer has the target layer's shapes but reads [embedding; fc(aux states)] and
+    predicts one token further ahead, so this is a starting point, not an equivalence: the MLP,
+    the output projection and the norms are the target layer's, the query/key/value columns that
+    read ``fc``'s half are the target layer's (those reading the embedding half stay random),
+    ``fc`` starts by passing the highest aux state through, and the final norm is the target's.
+    A warm start from there reaches a given held-out acceptance in fewer steps than from random
+    weights (benchmarks/JOURNAL.md, "Drafts that start from the target's last layer").
+    """
+    target_dir = Path(target_dir)
+    num_layers = read_config(target_dir)["num_hidden_layers"]
+    index = layer + num_layers if layer < 0 else layer
+    if not 0 <= index < num_layers:
+        raise DraftConfigError(f"target layer {layer} out of range: the target has {num_layers} layers")
+    prefix = f"model.layers.{index}."
+    names = [f"self_attn.{n}_proj.weight" for n in "qkvo"] + [f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+    names += ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    found = {n: _target_tensor(target_dir, (prefix + n,)) for n in names}
+    missing = [n for n, t in found.items() if t is None]
+    if missing:
+        raise DraftConfigError(f"target layer {index} has no {', '.join(missing)} in {target_dir}")
+    layer_mod, width = draft.midlayer, draft.shape.hidden_size
+    attn, mlp = layer_mod.self_attn, layer_mod.mlp
+    with torch.no_grad():
+        for proj in ("q", "k", "v"):
+            getattr(attn, f"{proj}_proj").weight[:, width:].copy_(found[f"self_attn.{proj}_proj.weight"])
+        attn.o_proj.weight.copy_(found["self_attn.o_proj.weight"])
+        for proj in ("gate", "up", "down"):
+            getattr(mlp, f"{proj}_proj").weight.copy_(found[f"mlp.{proj}_proj.weight"])
+        layer_mod.hidden_norm.weight.copy_(found["input_layernorm.weight"])
+        layer_mod.post_attention_layernorm.weight.copy_(found["post_attention_layernorm.weight"])
+        draft.norm.weight.copy_(target_final_norm(target_dir))
+        if draft.shape.target_hidden_size == width:
+            aux = list(draft.shape.aux_layer_ids)
+            highest = aux.index(max(aux))
+            draft.fc.weight.zero_()
+            draft.fc.weight[:, highest * width:(highest + 1) * width].copy_(torch.eye(width))
 
 
 def save_draft(draft: Eagle3Draft, out_dir: Path | str, architecture: str = SPECRL_ARCH,

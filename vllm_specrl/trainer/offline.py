@@ -64,6 +64,9 @@ class OfflineConfig:
     features: str = "capture"    # "capture": from vLLM while it generates; "hf": a transformers forward after
     group_by_length: bool = False  # batches of similar length (``length_grouped_batches``): less padding
     parallel_drafting: bool = False  # train for vLLM's parallel drafting (P-EAGLE; ``Eagle3Draft.make_parallel``)
+    # A new draft's decoder layer starts from this target layer (-1: the last; None: random weights;
+    # ``checkpoint.start_from_target_layer``).
+    target_layer: int | None = -1
 
 
 # The RL demo's task family (scripts/rl_demo.py): small-number arithmetic, answered in a few
@@ -200,7 +203,7 @@ def warm_start(target_dir: Path | str, draft_dir: Path | str, prompts: list[str]
         token_counts[tok_id] = c
     draft = (load_draft(init_from, target_dir) if init_from else
              init_draft(target_dir, None, draft_vocab_size, aux_layer_ids=aux_ids, token_counts=token_counts,
-                        seed=cfg.seed))
+                        seed=cfg.seed, target_layer=cfg.target_layer))
     if features is None:
         target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
         target.eval()
@@ -249,6 +252,8 @@ def warm_start(target_dir: Path | str, draft_dir: Path | str, prompts: list[str]
         "train_prompt_texts": [prompts[i] for i in sorted(train_prompts)],
         "eval_rollouts": len(eval_items),
         "steps": cfg.steps, "draft_vocab_size": draft.shape.draft_vocab_size,
+        "started_from": (f"draft {init_from}" if init_from else "random weights" if cfg.target_layer is None
+                         else f"target layer {cfg.target_layer}"),
         "features": "hf" if capture_counts is None else "capture", "capture": capture_counts,
         "train_config": {k: v for k, v in vars(train_cfg).items()},
         "eval_before": before, "eval_after": after, "curve": curve,
