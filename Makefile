@@ -14,7 +14,7 @@ export VLLM_SPECRL_FIXTURES := $(FIXTURES)
 # one, warm-started on the demo's task family (arithmetic; bench_rollout / bench_calibration).
 # `make demo` uses a quick draft warm-started on the demo's own task (explain: its 81 prompts, a few
 # answers each, a few hundred steps in batches of similar length), so that a first run waits minutes
-# for it; `make demo-full` builds and uses the full demo draft (16 answers a prompt, 1800 steps), which
+# for it; `make demo-full` builds and uses the full demo draft (32 answers a prompt, 1800 steps), which
 # accepts more. The trade-off between the two is in benchmarks/README ("A first run a newcomer waits
 # for"). A draft is rebuilt when its arguments change. Drafts train under bf16 autocast where the CPU
 # multiplies bf16 natively (`--mixed-precision auto`: AVX512-BF16 or AMX).
@@ -26,7 +26,7 @@ DEMO_DRAFT_COMMON := --task explain --num-prompts 81 --max-tokens 256 --batch-si
 DEMO_DRAFT ?= $(FIXTURES)/real/drafts/demo-explain-quick
 DEMO_DRAFT_ARGS ?= $(DEMO_DRAFT_COMMON) --samples 4 --steps 600 --eval-every 150
 DEMO_DRAFT_FULL ?= $(FIXTURES)/real/drafts/demo-explain
-DEMO_DRAFT_FULL_ARGS ?= $(DEMO_DRAFT_COMMON) --samples 16 --steps 1800 --eval-every 300
+DEMO_DRAFT_FULL_ARGS ?= $(DEMO_DRAFT_COMMON) --samples 32 --steps 1800 --eval-every 300
 # Bumped when the draft recipe changes under the same arguments (2: warm-start rollouts seeded per
 # prompt; 3: from seed 2^30 up, apart from the RL loop's own seeds; 4: the draft's decoder layer starts
 # from the target's last layer), so a cached draft built the old way is rebuilt.

@@ -203,7 +203,8 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
     return 0
 
 
-def _target_layer(value: str) -> int | None:
+def parse_target_layer(value: str) -> int | None:
+    """``--target-layer``: ``last`` -> -1, ``none``/``random`` -> None (random weights), else an index."""
     if value in ("none", "random"):
         return None
     if value == "last":
@@ -215,7 +216,8 @@ def _target_layer(value: str) -> int | None:
 
 
 def _add_target_layer(parser: argparse.ArgumentParser, default: str) -> None:
-    parser.add_argument("--target-layer", type=_target_layer, default=_target_layer(default), metavar="LAYER",
+    parser.add_argument("--target-layer", type=parse_target_layer, default=parse_target_layer(default),
+                        metavar="LAYER",
                         help="start a new draft's decoder layer from this target layer: last, an index (negative "
                              "counts from the end) or none (random weights) "
                              f"(default: {default}; not used with --init-from)")

@@ -5,6 +5,8 @@ directory), computes the target's features once, and trains fresh drafts:
 - budgets: the first N training prompts (all their rollouts) for several N, same
   steps, same held-out prompts: held-out served acceptance vs completion tokens;
 - objectives (``--objectives``): soft CE, + TV term, acceptance-weighted TTT, both;
+- starts (``--target-layers none,last``): a fresh draft's decoder layer from random weights or
+  from a target layer (``train-draft --target-layer``), full budget;
 - ``--init-from DRAFT``: every run fine-tunes that draft instead of a fresh one (what the online
   trainer does to a warm-started draft), and the report starts with the draft's own held-out figure.
 Every figure is the trainer's estimate of vLLM's counters on held-out prompts
@@ -32,12 +34,14 @@ OBJECTIVES = {"ce": {}, "ce+tv": {"tv_weight": 1.0}, "ce+tv4": {"tv_weight": 4.0
 
 
 def train_one(target: Path, features: list[dict], counts: torch.Tensor, train_idx: list[int],
-              eval_items: list[dict], args: argparse.Namespace, objective: dict) -> dict:
+              eval_items: list[dict], args: argparse.Namespace, objective: dict,
+              target_layer: int | None = None) -> dict:
     from vllm_specrl.proposer.checkpoint import init_draft, load_draft, target_lm_head
     from vllm_specrl.trainer.core import DraftTrainer, TrainConfig, collate
 
     draft = (load_draft(args.init_from, target) if args.init_from
-             else init_draft(target, None, args.draft_vocab_size, token_counts=counts, seed=0))
+             else init_draft(target, None, args.draft_vocab_size, token_counts=counts, seed=0,
+                             target_layer=target_layer))
     cfg = TrainConfig(lr=args.lr, ttt_steps=args.k, seed=0, mixed_precision=args.mixed_precision, **objective)
     trainer = DraftTrainer(draft, target_lm_head(target), cfg)
     rng = random.Random(0)
@@ -56,6 +60,8 @@ def train_one(target: Path, features: list[dict], counts: torch.Tensor, train_id
 def main() -> None:
     from transformers import AutoModelForCausalLM
 
+    from vllm_specrl.cli import parse_target_layer
+    from vllm_specrl.host import host_info
     from vllm_specrl.proposer.checkpoint import load_draft, target_lm_head
     from vllm_specrl.proposer.eagle3_config import default_aux_layer_ids, read_config
     from vllm_specrl.trainer.core import DraftTrainer, TrainConfig
@@ -72,6 +78,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--draft-vocab-size", type=int, default=8192)
     ap.add_argument("--mixed-precision", default="no", choices=["no", "bf16"])
+    ap.add_argument("--target-layers", default="",
+                    help="comma list of fresh-draft starts to compare (none, last or a layer index), full budget")
     ap.add_argument("--init-from", type=Path, default=None,
                     help="fine-tune this draft in every run instead of training a fresh one")
     ap.add_argument("--out", type=Path, default=Path("results/bench_draft_budget.json"))
@@ -94,7 +102,8 @@ def main() -> None:
     vocab = read_config(args.target)["vocab_size"]
     report = {"target": str(args.target), "rollouts": str(args.rollouts), "steps": args.steps,
               "batch_size": args.batch_size, "lr": args.lr, "k": args.k, "eval_rollouts": len(eval_items),
-              "feature_seconds": round(feature_seconds, 1), "budgets": [], "objectives": []}
+              "feature_seconds": round(feature_seconds, 1), "host": host_info(), "budgets": [], "objectives": [],
+              "starts": []}
     if initial is not None:
         m = DraftTrainer(initial, target_lm_head(args.target), TrainConfig(ttt_steps=args.k)).evaluate_many(eval_items)
         report["init_from"] = {"draft": str(args.init_from), "acceptance_length": m["served_acceptance_length"],
@@ -122,6 +131,12 @@ def main() -> None:
         row = {"objective": name, **train_one(args.target, features, counts_for(set(train_prompts)), all_idx,
                                               eval_items, args, OBJECTIVES[name])}
         report["objectives"].append(row)
+        print(json.dumps(row), flush=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    for start in [x for x in args.target_layers.split(",") if x]:
+        row = {"target_layer": start, **train_one(args.target, features, counts_for(set(train_prompts)), all_idx,
+                                                  eval_items, args, {}, parse_target_layer(start))}
+        report["starts"].append(row)
         print(json.dumps(row), flush=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
     if report["budgets"]:

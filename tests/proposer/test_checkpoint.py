@@ -98,3 +98,19 @@ def test_a_draft_started_from_a_target_layer_computes_that_layer(tiny_model):
         assert not torch.allclose(fresh.midlayer.mlp(h), source.mlp(h))
     with pytest.raises(DraftConfigError, match="out of range"):
         start_from_target_layer(d, tiny_model, len(layers))
+
+
+def test_a_target_without_that_layer_under_llama_names_is_named(tiny_model, tmp_path):
+    """What the warm start falls back to random weights on: the missing tensors are named."""
+    import shutil
+
+    from vllm_specrl.proposer.checkpoint import TargetLayerMissing, start_from_target_layer
+
+    odd = tmp_path / "odd"
+    shutil.copytree(tiny_model, odd)
+    weights = load_file(odd / "model.safetensors")
+    save_file({k.replace("mlp.up_proj", "mlp.w3"): v.contiguous() for k, v in weights.items()},
+              odd / "model.safetensors")
+    d = init_draft(tiny_model, None, seed=0)
+    with pytest.raises(TargetLayerMissing, match="mlp.up_proj.weight"):
+        start_from_target_layer(d, odd, -1)

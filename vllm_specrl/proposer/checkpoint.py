@@ -96,6 +96,10 @@ def init_draft(target_dir: Path | str, out_dir: Path | str | None = None,
     return draft
 
 
+class TargetLayerMissing(DraftConfigError):
+    """The target's checkpoint does not hold a decoder layer under the Llama names the draft copies."""
+
+
 def start_from_target_layer(draft: Eagle3Draft, target_dir: Path | str, layer: int = -1) -> None:
     """Start the draft's decoder layer from one of the target's layers rather than at random.
 
@@ -118,7 +122,7 @@ def start_from_target_layer(draft: Eagle3Draft, target_dir: Path | str, layer: i
     found = {n: _target_tensor(target_dir, (prefix + n,)) for n in names}
     missing = [n for n, t in found.items() if t is None]
     if missing:
-        raise DraftConfigError(f"target layer {index} has no {', '.join(missing)} in {target_dir}")
+        raise TargetLayerMissing(f"target layer {index} has no {', '.join(missing)} in {target_dir}")
     layer_mod, width = draft.midlayer, draft.shape.hidden_size
     attn, mlp = layer_mod.self_attn, layer_mod.mlp
     with torch.no_grad():
