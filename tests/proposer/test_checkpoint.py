@@ -112,5 +112,8 @@ def test_a_target_without_that_layer_under_llama_names_is_named(tiny_model, tmp_
     save_file({k.replace("mlp.up_proj", "mlp.w3"): v.contiguous() for k, v in weights.items()},
               odd / "model.safetensors")
     d = init_draft(tiny_model, None, seed=0)
+    before = {k: v.clone() for k, v in d.state_dict().items()}
     with pytest.raises(TargetLayerMissing, match="mlp.up_proj.weight"):
         start_from_target_layer(d, odd, -1)
+    for name, tensor in d.state_dict().items():  # the warm start goes on with this draft, as it was
+        torch.testing.assert_close(tensor, before[name], msg=name)

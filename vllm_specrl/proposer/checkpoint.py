@@ -123,6 +123,7 @@ def start_from_target_layer(draft: Eagle3Draft, target_dir: Path | str, layer: i
     missing = [n for n, t in found.items() if t is None]
     if missing:
         raise TargetLayerMissing(f"target layer {index} has no {', '.join(missing)} in {target_dir}")
+    final_norm = target_final_norm(target_dir)  # read before any copy: a refusal leaves the draft as it was
     layer_mod, width = draft.midlayer, draft.shape.hidden_size
     attn, mlp = layer_mod.self_attn, layer_mod.mlp
     with torch.no_grad():
@@ -133,7 +134,7 @@ def start_from_target_layer(draft: Eagle3Draft, target_dir: Path | str, layer: i
             getattr(mlp, f"{proj}_proj").weight.copy_(found[f"mlp.{proj}_proj.weight"])
         layer_mod.hidden_norm.weight.copy_(found["input_layernorm.weight"])
         layer_mod.post_attention_layernorm.weight.copy_(found["post_attention_layernorm.weight"])
-        draft.norm.weight.copy_(target_final_norm(target_dir))
+        draft.norm.weight.copy_(final_norm)
         if draft.shape.target_hidden_size == width:
             aux = list(draft.shape.aux_layer_ids)
             highest = aux.index(max(aux))

@@ -23,7 +23,13 @@ from typing import Iterator
 import torch
 from tqdm import tqdm
 
-from vllm_specrl.proposer.checkpoint import TargetLayerMissing, init_draft, load_draft, target_lm_head
+from vllm_specrl.proposer.checkpoint import (
+    TargetLayerMissing,
+    init_draft,
+    load_draft,
+    start_from_target_layer,
+    target_lm_head,
+)
 from vllm_specrl.proposer.eagle3_config import default_aux_layer_ids, default_mask_token_id, read_config
 from vllm_specrl.trainer.core import TRAINER_STATE, DraftTrainer, TrainConfig, collate
 from vllm_specrl.trainer.features import sequence_features
@@ -201,18 +207,19 @@ def warm_start(target_dir: Path | str, draft_dir: Path | str, prompts: list[str]
     token_counts = torch.zeros(json.loads((target_dir / "config.json").read_text())["vocab_size"])
     for tok_id, c in counts.items():
         token_counts[tok_id] = c
-    started_from = f"draft {init_from}" if init_from else (
-        "random weights" if cfg.target_layer is None else f"target layer {cfg.target_layer}")
-    try:
-        draft = (load_draft(init_from, target_dir) if init_from else
-                 init_draft(target_dir, None, draft_vocab_size, aux_layer_ids=aux_ids, token_counts=token_counts,
-                            seed=cfg.seed, target_layer=cfg.target_layer))
-    except TargetLayerMissing as exc:
-        # The start is a head start, not a requirement: a checkpoint laid out otherwise trains from random weights.
-        print(f"[warm start] {exc}: the draft's decoder layer starts from random weights", flush=True)
-        started_from = "random weights"
+    if init_from:
+        draft, started_from = load_draft(init_from, target_dir), f"draft {init_from}"
+    else:
         draft = init_draft(target_dir, None, draft_vocab_size, aux_layer_ids=aux_ids, token_counts=token_counts,
                            seed=cfg.seed)
+        started_from = "random weights"
+        if cfg.target_layer is not None:
+            try:
+                start_from_target_layer(draft, target_dir, cfg.target_layer)
+                started_from = f"target layer {cfg.target_layer}"
+            except TargetLayerMissing as exc:
+                # A head start, not a requirement: a checkpoint laid out otherwise trains from random weights.
+                print(f"[warm start] {exc}: the draft's decoder layer starts from random weights", flush=True)
     if features is None:
         target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
         target.eval()
