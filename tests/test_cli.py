@@ -55,3 +55,10 @@ def test_init_draft_keeps_random_weights_unless_asked_and_refuses_a_bad_layer(ca
     with pytest.raises(SystemExit):
         parser.parse_args(["init-draft", "--target", "t", "--out", "o", "--target-layer", "top"])
     assert "expected last, none or a layer index" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "want"), [([], 3), (["--mtp"], 1), (["--mtp", "--ttt-steps", "3"], 3),
+                                            (["--ttt-steps", "2"], 2)])
+def test_train_draft_trains_three_chained_positions_for_eagle3_and_one_for_an_mtp_layer(argv, want):
+    args = cli.build_parser().parse_args(["train-draft", "--target", "t", "--draft", "d", *argv])
+    assert cli._train_config(args).ttt_steps == want

@@ -127,7 +127,10 @@ def _cmd_convert_draft(args: argparse.Namespace) -> int:
 def _train_config(args: argparse.Namespace):
     from vllm_specrl.trainer.core import TrainConfig
 
-    return TrainConfig(lr=args.lr, ttt_steps=args.ttt_steps, seed=args.seed, decay=args.decay,
+    # With --mtp one position by default: the chain pays once the first position has converged, and
+    # each chained step costs a multiple of a one-position step (docs/mtp.md).
+    ttt_steps = args.ttt_steps if args.ttt_steps is not None else (1 if getattr(args, "mtp", False) else 3)
+    return TrainConfig(lr=args.lr, ttt_steps=ttt_steps, seed=args.seed, decay=args.decay,
                        tv_weight=args.tv_weight, accept_weighted=args.accept_weighted,
                        mixed_precision=args.mixed_precision, lr_schedule=args.lr_schedule,
                        warmup_steps=args.warmup_steps, total_steps=args.steps)
@@ -331,7 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="offline: cosine decays to 0.1 lr over --steps after --warmup-steps "
                          "(online training never ends, so it stays constant)")
     tr.add_argument("--warmup-steps", type=int, default=0)
-    tr.add_argument("--ttt-steps", type=int, default=3)
+    tr.add_argument("--ttt-steps", type=int, default=None,
+                    help="draft positions trained on the draft's own chain (training-time test); "
+                         "default 3, with --mtp 1")
     tr.add_argument("--decay", type=float, default=0.8, help="weight of TTT step k is decay**k")
     tr.add_argument("--tv-weight", type=float, default=0.0,
                     help="add this times TV(p, q) = 1 - acceptance at T=1 to the loss")

@@ -8,6 +8,9 @@ mean, and the estimate with prompt positions counted. JSON, one row per run.
 
     python scripts/bench/bench_calibration.py --target .fixtures/real/target \\
         --draft .fixtures/real/drafts/warm-arithmetic --prompt-set arithmetic --dtype bfloat16
+
+``--drafter mtp`` serves the target's own MTP layer (``"method": "mtp"``; no ``--draft``), e.g. the
+``real-mimo`` fixture, and estimates it with ``MTPTrainer``.
 """
 
 from __future__ import annotations
@@ -19,14 +22,28 @@ import time
 from pathlib import Path
 
 
+def prompts_trained_on(draft: Path) -> set[str]:
+    """The prompts a warm-started draft (``trainer_meta.json``) or the real-mimo fixture's MTP layer
+    (its manifest) trained on, so the held-out set leaves them out."""
+    from vllm_specrl.fixtures.layout import MANIFEST_NAME
+
+    meta, manifest = draft / "trainer_meta.json", draft / MANIFEST_NAME
+    if meta.is_file():
+        return set(json.loads(meta.read_text()).get("warm_start", {}).get("train_prompt_texts", []))
+    if manifest.is_file():
+        return set(json.loads(manifest.read_text()).get("metrics", {}).get("train_prompts", []))
+    return set()
+
+
 def main() -> None:
     from vllm_specrl.host import host_info
-    from vllm_specrl.trainer.calibration import estimate_from_rollouts, serve_rollouts
+    from vllm_specrl.trainer.calibration import estimate_from_rollouts, estimate_mtp_from_rollouts, serve_rollouts
     from vllm_specrl.trainer.offline import default_prompts
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True)
-    ap.add_argument("--draft", required=True)
+    ap.add_argument("--draft", help="the EAGLE-3 draft (not with --drafter mtp)")
+    ap.add_argument("--drafter", default="eagle3", choices=["eagle3", "mtp"])
     ap.add_argument("--prompt-set", default="arithmetic", choices=["chat", "arithmetic", "code", "explain"])
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--samples", type=int, default=1,
@@ -38,10 +55,10 @@ def main() -> None:
     ap.add_argument("--label", default=None)
     ap.add_argument("--out", type=Path, default=Path("results/bench_calibration.json"))
     args = ap.parse_args()
+    if (args.drafter == "eagle3") != (args.draft is not None):
+        ap.error("--draft names the EAGLE-3 draft; --drafter mtp serves the target's own MTP layer")
 
-    meta = Path(args.draft) / "trainer_meta.json"
-    trained = set(json.loads(meta.read_text()).get("warm_start", {}).get("train_prompt_texts", [])) \
-        if meta.is_file() else set()
+    trained = prompts_trained_on(Path(args.draft or args.target))
     if args.prompt_set == "code":
         sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
         from prompts import code_prompts
@@ -54,10 +71,13 @@ def main() -> None:
     t0 = time.time()
     served = serve_rollouts(args.target, args.draft, prompts, args.k, args.dtype, args.max_tokens,
                             args.ignore_eos, chat=args.prompt_set != "code")
-    est = estimate_from_rollouts(args.target, args.draft, served["sequences"], served["prompt_lengths"], args.k)
+    if args.drafter == "mtp":
+        est = estimate_mtp_from_rollouts(args.target, served["sequences"], served["prompt_lengths"], args.k)
+    else:
+        est = estimate_from_rollouts(args.target, args.draft, served["sequences"], served["prompt_lengths"], args.k)
     sd = served["spec_decode"]
     row = {"label": args.label or f"{Path(args.target).parent.name} {args.dtype}", "target": args.target,
-           "draft": args.draft, "dtype": args.dtype, "k": args.k, "temperature": 1.0,
+           "draft": args.draft or f"{args.target} (its MTP layer)", "drafter": args.drafter, "dtype": args.dtype, "k": args.k, "temperature": 1.0,
            "prompt_set": args.prompt_set, "prompts": len(prompts) // args.samples,
            "samples": args.samples, "held_out_from_training": bool(trained),
            "served": {"per_position": sd["per_position_acceptance"], "acceptance_length": sd["acceptance_length"],

@@ -71,7 +71,7 @@ def aligned(mimo_model, tmp_path_factory):
         trainer = OnlineDraftTrainer(policy, policy, OnlineConfig(capture=address, drafter="mtp", idle_s=0.3,
                                                                   batch_size=8, min_sequences=1,
                                                                   holdout_every=0),
-                                     TrainConfig(lr=1e-3), checkpoint_dir={str(root / "ckpt")!r})
+                                     TrainConfig(lr=1e-3, ttt_steps=1), checkpoint_dir={str(root / "ckpt")!r})
         rpc = lambda name, *args: llm.collective_rpc(name, args=args)[0]
         assert rpc("specrl_capture_start", address)["ok"]
 

@@ -10,6 +10,10 @@ trainer's estimates of vLLM's per-position acceptance counters three ways:
   chained as if steps were independent (the trainer's cheap running metric);
 - ``with_prompt_positions``: the served estimate with prompt positions counted
   as completions (what the trainer measured before it was completion-only).
+
+The policy's own MTP layer (``"method": "mtp"``) is estimated the same way by
+``MTPTrainer.estimate_served`` (``estimate_mtp_from_rollouts``), from the body's HF
+forward: its last layer's output before the norm is the state vLLM's MTP drafter reads.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 from vllm_specrl.proposer.checkpoint import load_draft, target_lm_head
 from vllm_specrl.trainer.core import DraftTrainer, TrainConfig
 from vllm_specrl.trainer.features import sequence_features
+from vllm_specrl.trainer.mtp import MTPTrainer
 
 
 def estimate_from_rollouts(target_dir: Path | str, draft_dir: Path | str, sequences: list[list[int]],
@@ -52,18 +57,47 @@ def estimate_from_rollouts(target_dir: Path | str, draft_dir: Path | str, sequen
             "with_prompt_positions": [everything[f"served_accept_pos{j}"] for j in range(k)]}
 
 
-def serve_rollouts(target: str | Path, draft: str | Path, prompts: list[str], k: int, dtype: str, max_tokens: int,
-                   ignore_eos: bool, chat: bool = True, max_num_seqs: int = 16) -> dict:
-    """T=1 rollouts from an in-process engine (its own subprocess) serving ``draft`` with k
-    probabilistic drafts: sequences, prompt lengths and vLLM's ``spec_decode`` counters."""
+@torch.no_grad()
+def mtp_features(target_dir: Path | str, sequences: list[list[int]], prompt_lengths: list[int]) -> list[dict]:
+    """The features vLLM's capture hands ``MTPTrainer`` for these rollouts, from an HF forward of the
+    body: the last layer's output before the norm per row, the next token and its logprob."""
+    from transformers import AutoModelForCausalLM
+
+    from vllm_specrl.proposer.mtp_torch import body_features
+
+    body = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    items = []
+    for seq, n_prompt in zip(sequences, prompt_lengths):
+        ids = torch.tensor([seq])
+        hidden, logits = body_features(body, ids)
+        logprobs = logits[0, :-1].float().log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+        items.append({"final_hidden": hidden[0, :-1].float(), "next_token_ids": ids[0, 1:],
+                      "logprobs": logprobs, "start": 0, "first_draft": max(n_prompt - 1, 0)})
+    return items
+
+
+def estimate_mtp_from_rollouts(target_dir: Path | str, sequences: list[list[int]], prompt_lengths: list[int],
+                               k: int) -> dict[str, list[float]]:
+    """``estimate_from_rollouts`` for the target's own MTP layer (the ``served`` estimate only)."""
+    est = MTPTrainer(target_dir).estimate_served(mtp_features(target_dir, sequences, prompt_lengths), k=k)
+    return {"served": list(est["per_position"]), "served_acceptance_length": est["acceptance_length"],
+            "served_drafts": est["drafts"]}
+
+
+def serve_rollouts(target: str | Path, draft: str | Path | None, prompts: list[str], k: int, dtype: str,
+                   max_tokens: int, ignore_eos: bool, chat: bool = True, max_num_seqs: int = 16) -> dict:
+    """T=1 rollouts from an in-process engine (its own subprocess) serving ``draft`` (None: the
+    target's own MTP layer) with k probabilistic drafts: sequences, prompt lengths and vLLM's
+    ``spec_decode`` counters."""
+    spec = {"num_speculative_tokens": k, "draft_sample_method": "probabilistic",
+            **({"method": "mtp"} if draft is None else {"method": "eagle3", "model": str(draft)})}
     code = textwrap.dedent(f"""
         import json
         from vllm import LLM, SamplingParams
         from vllm_specrl import metrics
         llm = LLM(model={str(target)!r}, dtype={dtype!r}, enforce_eager=True, seed=0, max_model_len=1024,
                   max_num_seqs={max_num_seqs}, disable_log_stats=False,
-                  speculative_config={{"method": "eagle3", "model": {str(draft)!r}, "num_speculative_tokens": {k},
-                                      "draft_sample_method": "probabilistic"}})
+                  speculative_config={spec!r})
         tok = llm.get_tokenizer()
         prompts = {prompts!r}
         if {chat} and tok.chat_template:

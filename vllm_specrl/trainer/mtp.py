@@ -12,7 +12,11 @@ the input vLLM's drafter sees when it drafts from base ``i``:
 
 The loss is the soft cross-entropy against that distribution (the MTP layer learns
 what the policy would sample, as the fixture's MTP layer was trained), on completion
-rows only (vLLM drafts from the last prompt row on). The estimate of vLLM's counters
+rows only (vLLM drafts from the last prompt row on). vLLM drafts k > 1 tokens by feeding
+the one layer its own output, so ``TrainConfig.ttt_steps`` positions are trained on that
+chain (position j weighted ``decay**j``; its target is the policy at row i + j + 1), as
+EAGLE-3's training-time test does: a layer trained on position 0 alone serves later
+positions from inputs it never saw. The estimate of vLLM's counters
 (``estimate_served``) uses the engine's own logprob of each emitted token and the
 draft-start walk of ``trainer.acceptance``, for every draft position: position j > 0
 feeds the layer its own output at position j - 1 and the token drafted there (the
@@ -38,7 +42,13 @@ from safetensors.torch import load_file, save_file
 from vllm_specrl.proposer.checkpoint import target_embedding, target_final_norm, target_lm_head
 from vllm_specrl.proposer.mtp_torch import MTP_PREFIX, MTPLayer
 from vllm_specrl.trainer.acceptance import StepAcceptance, pool, served_acceptance
-from vllm_specrl.trainer.core import TRAINER_META, TRAINER_STATE, TrainConfig, scheduled_lr
+from vllm_specrl.trainer.core import (
+    TRAINER_META,
+    TRAINER_STATE,
+    TrainConfig,
+    resolve_mixed_precision,
+    scheduled_lr,
+)
 
 MTP_WEIGHTS = "mtp.safetensors"
 
@@ -71,6 +81,7 @@ class MTPTrainer:
         self.layer = MTPLayer(hf).float()
         self.layer.load_checkpoint_tensors(_mtp_tensors(Path(start_from or target_dir)))
         self.refresh_target(target_dir)
+        self.bf16 = resolve_mixed_precision(self.config.mixed_precision) == "bf16" and not torch.cuda.is_available()
         self.optimizer = torch.optim.AdamW(self.layer.parameters(), lr=self.config.lr,
                                            weight_decay=self.config.weight_decay)
         self.step_count = 0
@@ -100,33 +111,32 @@ class MTPTrainer:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.norm
         return (h @ self.head.T).log_softmax(-1)
 
-    def _forward(self, seq: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(MTP logprobs of drafting rows [R, V], the policy's logprobs there [R, V], row indices [R])."""
-        hidden, nxt = seq["final_hidden"].float(), seq["next_token_ids"]
-        n = len(nxt)
-        rows = torch.arange(int(seq.get("first_draft", 0)), n - 1)
-        rows = rows[(nxt[rows] >= 0) & (nxt[rows + 1] >= 0)]
-        positions = (int(seq.get("start", 0)) + torch.arange(n))[None]
-        out = self.layer(hidden[None], self.embed[nxt.clamp(min=0)][None], positions)[0]
-        mtp = (out[rows] @ self.head.T).log_softmax(-1)
-        with torch.no_grad():
-            policy = self._policy_logprobs(hidden[rows + 1])
-        return mtp, policy, rows
-
     def train_on(self, sequences: list[dict[str, Any]]) -> dict[str, float]:
-        """One optimizer step of soft cross-entropy over the sequences' drafting rows."""
+        """One optimizer step of soft cross-entropy over the sequences' drafting rows, at each of
+        ``ttt_steps`` chained draft positions (weighted ``decay**j``, normalised by the weights)."""
         self.layer.train()
-        losses, accept, count = [], 0.0, 0
-        for seq in sequences:
-            mtp, policy, rows = self._forward(seq)
-            if len(rows) == 0:
-                continue
-            losses.append(-(policy.exp() * mtp).sum(-1).sum())
-            accept += float(torch.minimum(policy.exp(), mtp.detach().exp()).sum())
-            count += len(rows)
-        if not count:
+        k = max(1, self.config.ttt_steps)
+        sums: list[list[torch.Tensor]] = [[] for _ in range(k)]
+        counts, accept = [0] * k, 0.0
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+            for seq in sequences:
+                first = int(seq.get("first_draft", 0))
+                with torch.no_grad(), torch.autocast("cpu", enabled=False):  # the target in fp32, once per row
+                    policy_from_first = self._policy_logprobs(seq["final_hidden"][first:]).exp()
+                for j, (out, rows) in enumerate(self._chain(seq, k)):
+                    if len(rows) == 0:
+                        continue
+                    mtp = (out @ self.head.T).float().log_softmax(-1)
+                    policy = policy_from_first[rows + j + 1 - first]
+                    sums[j].append(-(policy * mtp).sum())
+                    counts[j] += len(rows)
+                    if j == 0:
+                        accept += float(torch.minimum(policy, mtp.detach().exp()).sum())
+        if not counts[0]:
             return {"loss": float("nan"), "accept_pos0": float("nan"), "rows": 0, "step": self.step_count}
-        loss = torch.stack(losses).sum() / count
+        weights = [self.config.decay ** j for j in range(k) if counts[j]]
+        terms = [torch.stack(sums[j]).sum() / counts[j] for j in range(k) if counts[j]]
+        loss = sum(w * t for w, t in zip(weights, terms)) / sum(weights)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         lr = scheduled_lr(self.config, self.step_count)
@@ -136,12 +146,12 @@ class MTPTrainer:
             torch.nn.utils.clip_grad_norm_(self.layer.parameters(), self.config.grad_clip)
         self.optimizer.step()
         self.step_count += 1
-        return {"loss": loss.item(), "accept_pos0": accept / count, "rows": count, "step": self.step_count, "lr": lr}
+        return {"loss": loss.item(), "accept_pos0": accept / counts[0], "rows": counts[0], "step": self.step_count,
+                "lr": lr, **{f"loss_pos{j}": float(t.detach()) for j, t in enumerate(terms)}}
 
-    @torch.no_grad()
-    def chain_logprobs(self, seq: dict[str, Any], k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per draft position j < k: (the MTP layer's logprobs [R, V], base rows [R]) when it drafts
-        from base s with positions < j accepted, teacher-forced from the rollout.
+    def _chain(self, seq: dict[str, Any], k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per draft position j < k: (the MTP layer's outputs [R, H], base rows [R]) when it drafts
+        from base s with positions < j accepted, teacher-forced from the rollout (differentiable).
 
         Position j at base s reads (its output at position j - 1, embedding of token s + j) at
         position start + s + j and attends to the committed rows <= s and to its own chain: all
@@ -175,8 +185,13 @@ class MTPTrainer:
             rows = torch.arange(first, max(first, n - 1 - j))
             for d in range(j + 2):  # the tokens after rows s .. s + j + 1 must all be known
                 rows = rows[known[rows + d]]
-            result.append(((out[rows] @ self.head.T).log_softmax(-1), rows))
+            result.append((out[rows], rows))
         return result
+
+    @torch.no_grad()
+    def chain_logprobs(self, seq: dict[str, Any], k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per draft position j < k: (the MTP layer's logprobs [R, V], base rows [R]) as ``_chain``."""
+        return [((out.float() @ self.head.T).log_softmax(-1), rows) for out, rows in self._chain(seq, k)]
 
     @torch.no_grad()
     def estimate_served(self, sequences: list[dict[str, Any]], probabilistic: bool = True,
