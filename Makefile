@@ -1,7 +1,8 @@
 # Quickstart: `make demo` runs the main job on defaults, `make test` runs the suite.
 # `make demo-full`: the same demo with the full demo draft (a longer build, more acceptance).
 # `make demo DEMO_ARGS="--runs spec,history,plain --dataset-size 8"`: EAGLE-3 and the history proposer.
-# `make demo PROPOSER=mtp`: the policy's own MTP layer (builds the real-mimo fixture first, ~20 min once).
+# `make demo PROPOSER=mtp`: the policy's own MTP layer (builds the real-mimo fixture first, ~26 min once);
+# its two runs go one after another (interleaved, both at once, they outgrow 24 GiB).
 # Both set up what they need (venv, fixtures) themselves.
 # `make doctor`: every engine patch and what it does on this machine's vLLM; `make selftest`: the
 # product's promises (lossless greedy and T=1, weight updates, capture, status) checked on it.
@@ -62,7 +63,7 @@ demo: demo-plan setup
 	@$(VENV)/bin/vllm-specrl fixtures --out $(FIXTURES) --only real
 ifeq ($(PROPOSER),mtp)
 	@$(VENV)/bin/vllm-specrl fixtures --out $(FIXTURES) --only real-mimo
-	@$(PY) scripts/rl_demo.py --fixtures $(FIXTURES) --proposer mtp $(DEMO_ARGS)
+	@$(PY) scripts/rl_demo.py --fixtures $(FIXTURES) --proposer mtp --no-interleave-runs $(DEMO_ARGS)
 else
 	@$(call build_draft,$(DEMO_DRAFT),$(DEMO_DRAFT_ARGS))
 	@$(PY) scripts/rl_demo.py --fixtures $(FIXTURES) --draft $(DEMO_DRAFT) $(if $(PROPOSER),--proposer $(PROPOSER)) $(DEMO_ARGS)
