@@ -129,7 +129,7 @@ def _train_config(args: argparse.Namespace):
 
     # With --mtp one position by default: the chain pays once the first position has converged, and
     # each chained step costs a multiple of a one-position step (docs/mtp.md).
-    ttt_steps = args.ttt_steps if args.ttt_steps is not None else (1 if getattr(args, "mtp", False) else 3)
+    ttt_steps = args.ttt_steps if args.ttt_steps is not None else (1 if args.mtp else 3)
     return TrainConfig(lr=args.lr, ttt_steps=ttt_steps, seed=args.seed, decay=args.decay,
                        tv_weight=args.tv_weight, accept_weighted=args.accept_weighted,
                        mixed_precision=args.mixed_precision, lr_schedule=args.lr_schedule,

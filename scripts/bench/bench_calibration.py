@@ -77,7 +77,8 @@ def main() -> None:
         est = estimate_from_rollouts(args.target, args.draft, served["sequences"], served["prompt_lengths"], args.k)
     sd = served["spec_decode"]
     row = {"label": args.label or f"{Path(args.target).parent.name} {args.dtype}", "target": args.target,
-           "draft": args.draft or f"{args.target} (its MTP layer)", "drafter": args.drafter, "dtype": args.dtype, "k": args.k, "temperature": 1.0,
+           "draft": args.draft or f"{args.target} (its MTP layer)", "drafter": args.drafter, "dtype": args.dtype,
+           "k": args.k, "temperature": 1.0,
            "prompt_set": args.prompt_set, "prompts": len(prompts) // args.samples,
            "samples": args.samples, "held_out_from_training": bool(trained),
            "served": {"per_position": sd["per_position_acceptance"], "acceptance_length": sd["acceptance_length"],

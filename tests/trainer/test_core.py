@@ -122,3 +122,12 @@ def test_bf16_training_runs_in_bf16_and_learns_as_fp32_does(tiny_model, features
     (before32, after32), (before16, after16) = results["no"], results["bf16"]
     assert before16 == pytest.approx(before32, abs=1e-5)  # evaluation stays fp32
     assert after32 < before32 - 0.3 and abs(after16 - after32) < 0.1, results
+
+
+def test_a_cpu_trainer_on_a_machine_with_a_gpu_asks_the_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert resolve_mixed_precision("auto") == "bf16"
+    assert resolve_mixed_precision("auto", on_cpu=True) == "no"

@@ -81,7 +81,7 @@ class MTPTrainer:
         self.layer = MTPLayer(hf).float()
         self.layer.load_checkpoint_tensors(_mtp_tensors(Path(start_from or target_dir)))
         self.refresh_target(target_dir)
-        self.bf16 = resolve_mixed_precision(self.config.mixed_precision) == "bf16" and not torch.cuda.is_available()
+        self.bf16 = resolve_mixed_precision(self.config.mixed_precision, on_cpu=True) == "bf16"  # trains on the CPU
         self.optimizer = torch.optim.AdamW(self.layer.parameters(), lr=self.config.lr,
                                            weight_decay=self.config.weight_decay)
         self.step_count = 0
