@@ -18,12 +18,14 @@ export VLLM_SPECRL_FIXTURES := $(FIXTURES)
 # for it; `make demo-full` builds and uses the full demo draft (32 answers a prompt, 1800 steps), which
 # accepts more. The trade-off between the two is in benchmarks/README ("A first run a newcomer waits
 # for"). A draft is rebuilt when its arguments change. Drafts train under bf16 autocast where the CPU
-# multiplies bf16 natively (`--mixed-precision auto`: AVX512-BF16 or AMX).
+# multiplies bf16 natively (`--mixed-precision auto`: AVX512-BF16 or AMX). The demo drafts' rollouts are
+# generated at the dtype the demo serves (`--dtype auto`: bf16 on such a CPU), so they train on the hidden
+# states the demo's engine hands its drafter; `make draft`'s stay float32, as the benchmarks serve it.
 DRAFT ?= $(FIXTURES)/real/drafts/warm-arithmetic
 DRAFT_ARGS ?= --task arithmetic --num-prompts 128 --samples 8 --max-tokens 96 --steps 1200 --batch-size 8 --lr 2e-3 \
 	--lr-schedule cosine --warmup-steps 25 --draft-vocab-size 4096 --dtype float32 --eval-every 200 --mixed-precision auto
 DEMO_DRAFT_COMMON := --task explain --num-prompts 81 --max-tokens 256 --batch-size 8 --lr 2e-3 --lr-schedule cosine \
-	--warmup-steps 25 --draft-vocab-size 4096 --dtype float32 --mixed-precision auto --group-by-length
+	--warmup-steps 25 --draft-vocab-size 4096 --dtype auto --mixed-precision auto --group-by-length
 DEMO_DRAFT ?= $(FIXTURES)/real/drafts/demo-explain-quick
 DEMO_DRAFT_ARGS ?= $(DEMO_DRAFT_COMMON) --samples 4 --steps 600 --eval-every 150
 DEMO_DRAFT_FULL ?= $(FIXTURES)/real/drafts/demo-explain

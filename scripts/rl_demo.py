@@ -37,7 +37,7 @@ from vllm_specrl.rl.loop import GRPOLoop
 from vllm_specrl.rl.policy import Policy
 from vllm_specrl.rl.serving import serve_args
 from vllm_specrl.rl.tasks import TASKS, make_tasks, reward
-from vllm_specrl.trainer.core import resolve_mixed_precision
+from vllm_specrl.trainer.core import resolve_serving_dtype
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness and the report, beside it
 from demo_harness import (ParentTurns, draft_trainer_settings, next_turn, page_faults,  # noqa: E402
@@ -240,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> None:
     args = build_parser().parse_args()
     cpu_malloc.keep_every_block_on_heap()  # the policy's log-prob pass and update (vllm_specrl.cpu_malloc)
-    args.dtype = args.dtype or ("bfloat16" if resolve_mixed_precision("auto") == "bf16" else "float32")
+    args.dtype = resolve_serving_dtype(args.dtype or "auto")
     if args.proposer:
         args.runs = {"history": "history,plain", "mtp": "mtp,plain"}.get(args.proposer, "spec,plain")
 

@@ -62,3 +62,23 @@ def test_init_draft_keeps_random_weights_unless_asked_and_refuses_a_bad_layer(ca
 def test_train_draft_trains_three_chained_positions_for_eagle3_and_one_for_an_mtp_layer(argv, want):
     args = cli.build_parser().parse_args(["train-draft", "--target", "t", "--draft", "d", *argv])
     assert cli._train_config(args).ttt_steps == want
+
+
+@pytest.mark.parametrize(("native", "want"), [(True, "bfloat16"), (False, "float32")])
+def test_train_draft_generates_at_the_dtype_auto_resolves_to(monkeypatch, tmp_path, native, want):
+    """``--dtype auto`` (the demo draft's) reaches the warm start resolved: vLLM gets a real dtype,
+    the one the demo serves at on this CPU."""
+    import torch
+
+    from vllm_specrl.trainer import offline
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr("vllm_specrl.cpu_malloc.keep_every_block_on_heap", lambda: None)
+    seen = {}
+    monkeypatch.setattr(offline, "warm_start", lambda target, draft, prompts, cfg, *a: seen.setdefault("cfg", cfg) and {})
+    args = cli.build_parser().parse_args(["train-draft", "--offline", "--target", str(tmp_path), "--draft",
+                                          str(tmp_path / "d"), "--dtype", "auto"])
+    assert args.func(args) in (0, None)
+    assert seen["cfg"].dtype == want

@@ -188,6 +188,7 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
         print("error: pass --offline (warm start from the target's rollouts) or --capture ADDR "
               "(online, from hidden states streamed by vllm serve)", file=sys.stderr)
         return 2
+    from vllm_specrl.trainer.core import resolve_serving_dtype
     from vllm_specrl.trainer.offline import OfflineConfig, warm_start
 
     prompts = None
@@ -196,7 +197,7 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
         prompts = [json.loads(ln)["prompt"] if ln.startswith("{") else ln for ln in lines if ln.strip()]
     cfg = OfflineConfig(num_prompts=args.num_prompts, samples_per_prompt=args.samples,
                         max_tokens=args.max_tokens, steps=args.steps, batch_size=args.batch_size,
-                        seed=args.seed, chat=not args.raw_prompts, dtype=args.dtype,
+                        seed=args.seed, chat=not args.raw_prompts, dtype=resolve_serving_dtype(args.dtype),
                         eval_fraction=args.eval_fraction, eval_every=args.eval_every, task=args.task,
                         features=args.features, group_by_length=args.group_by_length,
                         parallel_drafting=args.parallel_drafting, target_layer=args.target_layer)
@@ -350,7 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--mixed-precision", choices=["no", "bf16", "auto"], default="no",
                     help="draft training precision: fp32, bf16 autocast, or auto (bf16 where the CPU or GPU "
                          "multiplies bf16 natively: AVX512-BF16, AMX, CUDA)")
-    tr.add_argument("--dtype", default="float32", help="vLLM dtype for generating rollouts")
+    tr.add_argument("--dtype", default="float32",
+                    help="vLLM dtype for generating rollouts, whose hidden states the draft trains on; auto: "
+                         "bfloat16 where this CPU multiplies bf16 natively (what `make demo` serves), else float32")
     tr.add_argument("--features", choices=["capture", "hf"], default="capture",
                     help="offline: target hidden states captured from vLLM while it generates (default), "
                          "or from a transformers forward afterwards (always with --rollouts)")

@@ -56,14 +56,14 @@ def main() -> None:
     from vllm_specrl.rl.tasks import make_tasks
     from vllm_specrl.server import VLLMServer, free_port
     from vllm_specrl.sync.client import EngineClient
-    from vllm_specrl.trainer.core import resolve_mixed_precision
+    from vllm_specrl.trainer.core import resolve_serving_dtype
     from vllm_specrl.trainer.offline import prompt_texts
 
     demo = rl_demo.build_parser().parse_args([])  # the demo's draft-trainer settings
     if args.draft_publish_every is not None:
         demo.draft_publish_every = args.draft_publish_every
     target = Path(fixture_target("real", args.fixtures))
-    dtype = args.dtype or ("bfloat16" if resolve_mixed_precision("auto") == "bf16" else "float32")
+    dtype = resolve_serving_dtype(args.dtype or "auto")
     work = args.out.parent / (args.out.stem + "_work")
     work.mkdir(parents=True, exist_ok=True)
     prompts = prompt_texts(target, [p for p, _ in make_tasks(0, args.concurrency, 0, demo.task)], chat=True)

@@ -6,7 +6,8 @@ from transformers import AutoModelForCausalLM
 
 from prompts import code_prompts
 from vllm_specrl.proposer.checkpoint import init_draft, load_draft, target_lm_head
-from vllm_specrl.trainer.core import DraftTrainer, TrainConfig, collate, resolve_mixed_precision
+from vllm_specrl.trainer.core import (DraftTrainer, TrainConfig, collate, resolve_mixed_precision,
+                                      resolve_serving_dtype)
 from vllm_specrl.trainer.features import sequence_features
 
 
@@ -96,6 +97,17 @@ def test_auto_precision_is_bf16_only_where_the_cpu_multiplies_it_natively(monkey
     assert resolve_mixed_precision("no") == "no" and resolve_mixed_precision("bf16") == "bf16"
     with pytest.raises(ValueError, match="mixed_precision"):
         resolve_mixed_precision("fp16")
+
+
+@pytest.mark.parametrize("native, expected", [((True, False), "bfloat16"), ((False, True), "bfloat16"),
+                                              ((False, False), "float32")])
+def test_auto_serving_dtype_follows_native_bf16(monkeypatch, native, expected):
+    """What `make demo` serves at, and its draft's rollouts are generated at: the two must agree."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native[0])
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: native[1])
+    assert resolve_serving_dtype("auto") == expected
+    assert resolve_serving_dtype("float32") == "float32" and resolve_serving_dtype("bfloat16") == "bfloat16"
 
 
 def test_bf16_training_runs_in_bf16_and_learns_as_fp32_does(tiny_model, features):

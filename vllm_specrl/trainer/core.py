@@ -63,6 +63,15 @@ def resolve_mixed_precision(value: str, on_cpu: bool = False) -> str:
     return "bf16" if any(native) else "no"
 
 
+def resolve_serving_dtype(value: str) -> str:
+    """A vLLM dtype; ``"auto"``: bfloat16 where this machine multiplies bf16 natively
+    (``resolve_mixed_precision("auto")``), float32 elsewhere. The demo serves with this choice, and
+    a draft built for it trains on hidden states captured at the same dtype."""
+    if value != "auto":
+        return value
+    return "bfloat16" if resolve_mixed_precision("auto") == "bf16" else "float32"
+
+
 def scheduled_lr(config: TrainConfig, step: int) -> float:
     """The learning rate for the ``step``-th update (0-based) under ``config``'s schedule."""
     if config.lr_schedule == "constant":

@@ -270,6 +270,7 @@ def warm_start(target_dir: Path | str, draft_dir: Path | str, prompts: list[str]
         "steps": cfg.steps, "draft_vocab_size": draft.shape.draft_vocab_size,
         "started_from": started_from,
         "features": "hf" if capture_counts is None else "capture", "capture": capture_counts,
+        "rollouts_dtype": cfg.dtype,
         "train_config": {k: v for k, v in vars(train_cfg).items()},
         "eval_before": before, "eval_after": after, "curve": curve,
         "seconds": {"generate": round(t_gen, 1), "features": round(t_feat, 1),
