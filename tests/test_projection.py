@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from projection import StageTimes, project, rollout_speedup, step_cost  # scripts/bench
+from projection import StageTimes, acceptance_needed, project, rollout_speedup, step_cost  # scripts/bench
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -116,3 +116,52 @@ def test_cli_checks_a_demo_report(tmp_path):
     assert check["projected_step_speedup"] == pytest.approx(10 / 7)
     assert check["measured_step_speedup"] == pytest.approx(10 / 7)
     assert check["measured_other_stages_ratio"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("k, cost, speedup", [(1, 1.45, 1.0), (1, 1.45, 1.25), (3, 2.3, 1.25), (3, 1.6, 1.0),
+                                              (2, 1.9, 1.25)])
+def test_acceptance_needed_is_where_simulated_speculation_reaches_the_speedup(k, cost, speedup):
+    """The acceptance ``acceptance_needed`` returns, fed to the Monte Carlo of verify steps above, gives
+    the asked speedup at that step cost; a little less acceptance falls short."""
+    a = acceptance_needed(cost, k, speedup)
+    rng = random.Random(1)
+
+    def simulated(acc: float) -> float:
+        tokens = steps = 0
+        while tokens < 400_000:
+            accepted = 0
+            while accepted < k and rng.random() < acc:
+                accepted += 1
+            tokens, steps = tokens + accepted + 1, steps + 1
+        return tokens / (steps * cost)
+
+    assert simulated(a) == pytest.approx(speedup, rel=0.01)
+    assert simulated(a - 0.05) < speedup * 0.98
+
+
+def test_acceptance_needed_says_when_no_draft_can_pay():
+    assert acceptance_needed(2.6, 1, 1.0) is None          # two tokens a step at most, a step costs 2.6
+    assert acceptance_needed(0.9, 3, 1.0) == 0.0            # a step cheaper than plain pays with no acceptance
+
+
+def test_cli_reads_the_acceptance_needed_off_a_step_cost_report(tmp_path):
+    """Cells of a bench_step_cost report (two rounds, held and adaptive rows left out) -> median cost
+    and the acceptance it needs."""
+    import json
+
+    rows = [{"name": "plain#0", "batch_size": 16},
+            {"name": "eagle3_k1_fast#0", "batch_size": 16, "step_cost_vs_plain": 1.4},
+            {"name": "eagle3_k1_fast#1", "batch_size": 16, "step_cost_vs_plain": 1.5},
+            {"name": "eagle3_k3_held_at_0#0", "batch_size": 16, "step_cost_vs_plain": 1.02},
+            {"name": "eagle3_k3_fast", "batch_size": 4, "step_cost_vs_plain": 1.6}]
+    path = tmp_path / "step_cost.json"
+    path.write_text(json.dumps({"rows": rows, "host": {"cpus": 2}}))
+    out = tmp_path / "needed.json"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "project_speedup.py"), "--acceptance-needed",
+                    str(path), "--time-ratio", "0.8", "--out", str(out)], capture_output=True, text=True, check=True)
+    cells = {(c["batch_size"], c["k"]): c for c in json.loads(out.read_text())["cells"]}
+    assert sorted(cells) == [(4, 3), (16, 1)]
+    assert cells[(16, 1)]["step_cost"] == pytest.approx(1.45) and cells[(16, 1)]["rounds"] == 2
+    assert cells[(16, 1)]["acceptance_to_break_even"] == pytest.approx(0.45, abs=1e-6)
+    assert cells[(16, 1)]["acceptance_for_0.8"] == pytest.approx(1.45 / 0.8 - 1, abs=1e-6)
+    assert cells[(4, 3)]["acceptance_for_0.8"] == pytest.approx(acceptance_needed(1.6, 3, 1.25))

@@ -13,6 +13,12 @@ published anchor: NeMo RL (arXiv:2604.26779) reports 1.77x rollout speedup at
     python scripts/bench/project_speedup.py --check-paper
     python scripts/bench/project_speedup.py --check-demo results/rl_demo.json [--spec-run spec-async]
 
+``--acceptance-needed`` inverts the model for a ``bench_step_cost.py`` JSON: for each fixed-k cell, its
+step cost in plain steps (median over rounds) and the per-draft acceptance a draft needs there to break
+even and to reach ``--time-ratio`` (generation time against plain, e.g. 0.8):
+
+    python scripts/bench/project_speedup.py --acceptance-needed benchmarks/cpu/bench_step_cost_lazy_rejection_bf16.json
+
 ``--from-json`` takes an ``rl_demo.py`` report (``--run`` picks whose stage
 times, default plain) or a bare ``{"steps": [...]}``. ``--check-demo`` sets the
 step speedup projected from the plain run's stage times and the rollout
@@ -24,13 +30,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from projection import StageTimes, project, rollout_speedup, step_cost  # noqa: E402
+from projection import StageTimes, acceptance_needed, project, rollout_speedup, step_cost  # noqa: E402
 
 PAPER = {"rollout_speedup": 1.77, "rollout_share": (0.65, 0.72), "reported_step_speedup": "about 1.4x"}
 
@@ -74,6 +81,35 @@ def check_against_demo(path: Path, spec_run: str) -> dict:
     return out
 
 
+def needed_from_step_costs(path: Path, time_ratio: float) -> dict:
+    """Per fixed-k cell of a ``bench_step_cost.py`` report (``eagle3_k{K}_{sampling}`` rows against plain
+    in the same round): the median step cost and the per-draft acceptance that breaks even and that
+    reaches ``time_ratio`` of plain's generation time (None: not even with every draft accepted)."""
+    data = json.loads(path.read_text())
+    costs: dict[tuple[str, int, int], list[float]] = {}
+    for row in data["rows"]:
+        match = re.fullmatch(r"eagle3_k(\d+)_([a-z]+)(#\d+)?", row.get("name", ""))
+        if match and "step_cost_vs_plain" in row:
+            key = (match.group(2), int(match.group(1)), row["batch_size"])
+            costs.setdefault(key, []).append(row["step_cost_vs_plain"])
+    cells = []
+    for (sampling, k, batch), values in sorted(costs.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
+        cost = statistics.median(values)
+        cells.append({"batch_size": batch, "k": k, "sampling": sampling, "rounds": len(values),
+                      "step_cost": cost, "step_cost_range": [min(values), max(values)],
+                      "acceptance_to_break_even": acceptance_needed(cost, k),
+                      f"acceptance_for_{time_ratio:g}": acceptance_needed(cost, k, 1 / time_ratio)})
+    fmt = lambda a: "unreachable" if a is None else f"{a:.2f}"  # noqa: E731
+    print(f"| sequences | k | sampling | step cost (plain steps) | acceptance to break even | "
+          f"acceptance for {time_ratio:g} |")
+    print("|---|---|---|---|---|---|")
+    for c in cells:
+        lo, hi = c["step_cost_range"]
+        print(f"| {c['batch_size']} | {c['k']} | {c['sampling']} | {c['step_cost']:.2f} ({lo:.2f}-{hi:.2f}) | "
+              f"{fmt(c['acceptance_to_break_even'])} | {fmt(c[f'acceptance_for_{time_ratio:g}'])} |")
+    return {"step_costs": str(path), "host": data.get("host"), "time_ratio": time_ratio, "cells": cells}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rollout-share", type=float)
@@ -89,10 +125,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--check-demo", type=Path, help="an rl_demo report: projected vs measured step ratio")
     ap.add_argument("--spec-run", default="spec", help="with --check-demo: the speculative run to compare")
     ap.add_argument("--check-paper", action="store_true")
+    ap.add_argument("--acceptance-needed", type=Path, metavar="STEP_COST_JSON",
+                    help="a bench_step_cost.py report: the acceptance each cell needs (see above)")
+    ap.add_argument("--time-ratio", type=float, default=0.8,
+                    help="with --acceptance-needed: the generation time against plain to reach")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
 
-    if args.check_demo:
+    if args.acceptance_needed:
+        report = needed_from_step_costs(args.acceptance_needed, args.time_ratio)
+    elif args.check_demo:
         report = check_against_demo(args.check_demo, args.spec_run)
     elif args.check_paper:
         rows = [project(StageTimes.from_share(share), PAPER["rollout_speedup"])

@@ -54,6 +54,27 @@ def rollout_speedup(acceptance_length: float, step_cost: float) -> float:
     return acceptance_length / step_cost
 
 
+def acceptance_length(acceptance: float, k: int) -> float:
+    """tau = 1 + a + ... + a^k: tokens per verify step when each draft is accepted with chance ``a``
+    until the first rejection, bonus token included (Leviathan et al.)."""
+    return sum(acceptance ** j for j in range(k + 1))
+
+
+def acceptance_needed(step_cost: float, k: int, speedup: float = 1.0) -> float | None:
+    """The per-draft acceptance ``a`` at which ``tau(a, k) / step_cost == speedup``: what a draft must
+    reach for speculation at this step cost to pay ``speedup``; None where even a = 1 cannot."""
+    want = speedup * step_cost
+    if want > k + 1:
+        return None
+    if want <= 1.0:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if acceptance_length(mid, k) < want else (lo, mid)
+    return (lo + hi) / 2
+
+
 def step_cost(k: int, draft_cost: float, verify_extra: float = 0.0) -> float:
     """c = 1 + k * d + v, in plain decode steps."""
     return 1.0 + k * draft_cost + verify_extra
