@@ -17,7 +17,7 @@ published anchor: NeMo RL (arXiv:2604.26779) reports 1.77x rollout speedup at
 step cost in plain steps (median over rounds) and the per-draft acceptance a draft needs there to break
 even and to reach ``--time-ratio`` (generation time against plain, e.g. 0.8):
 
-    python scripts/bench/project_speedup.py --acceptance-needed benchmarks/cpu/bench_step_cost_lazy_rejection_bf16.json
+    python scripts/bench/project_speedup.py --acceptance-needed benchmarks/cpu/bench_step_cost_demo_bf16_amd512.json
 
 ``--from-json`` takes an ``rl_demo.py`` report (``--run`` picks whose stage
 times, default plain) or a bare ``{"steps": [...]}``. ``--check-demo`` sets the

@@ -87,26 +87,20 @@ def _random_batch(trainer: DraftTrainer):
     return collate(seqs)
 
 
-@pytest.mark.parametrize("native, expected", [((True, False), "bf16"), ((False, True), "bf16"),
-                                              ((False, False), "no")])
-def test_auto_precision_is_bf16_only_where_the_cpu_multiplies_it_natively(monkeypatch, native, expected):
+@pytest.mark.parametrize("native, precision, dtype", [((True, False), "bf16", "bfloat16"),
+                                                     ((False, True), "bf16", "bfloat16"),
+                                                     ((False, False), "no", "float32")])
+def test_auto_precision_is_bf16_only_where_the_cpu_multiplies_it_natively(monkeypatch, native, precision, dtype):
+    """Training precision and serving dtype resolve alike: `make demo` serves at the dtype its draft's
+    rollouts were generated at."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native[0])
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: native[1])
-    assert resolve_mixed_precision("auto") == expected
+    assert resolve_mixed_precision("auto") == precision
     assert resolve_mixed_precision("no") == "no" and resolve_mixed_precision("bf16") == "bf16"
     with pytest.raises(ValueError, match="mixed_precision"):
         resolve_mixed_precision("fp16")
-
-
-@pytest.mark.parametrize("native, expected", [((True, False), "bfloat16"), ((False, True), "bfloat16"),
-                                              ((False, False), "float32")])
-def test_auto_serving_dtype_follows_native_bf16(monkeypatch, native, expected):
-    """What `make demo` serves at, and its draft's rollouts are generated at: the two must agree."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native[0])
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: native[1])
-    assert resolve_serving_dtype("auto") == expected
+    assert resolve_serving_dtype("auto") == dtype
     assert resolve_serving_dtype("float32") == "float32" and resolve_serving_dtype("bfloat16") == "bfloat16"
 
 
