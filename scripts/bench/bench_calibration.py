@@ -78,7 +78,7 @@ def main() -> None:
     sd = served["spec_decode"]
     row = {"label": args.label or f"{Path(args.target).parent.name} {args.dtype}", "target": args.target,
            "draft": args.draft or f"{args.target} (its MTP layer)", "drafter": args.drafter, "dtype": args.dtype,
-           "k": args.k, "temperature": 1.0,
+           "k": args.k, "temperature": 1.0, "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos,
            "prompt_set": args.prompt_set, "prompts": len(prompts) // args.samples,
            "samples": args.samples, "held_out_from_training": bool(trained),
            "served": {"per_position": sd["per_position_acceptance"], "acceptance_length": sd["acceptance_length"],
