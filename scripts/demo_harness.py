@@ -122,9 +122,9 @@ def replay_lengths(url: str, model: str, policy: Policy, args: argparse.Namespac
         prompts = [policy.chat(p) for p, _ in make_tasks(i, args.prompts, args.seed, args.task, args.dataset_size)]
         for m, r in runs.items():
             ref = next(s for s in r["steps"] if s["step"] == rec["step"])
-            seconds, produced = generate_at_lengths(url, model, prompts, ref["completion_lengths"],
-                                                    rollout_seed(args.seed, i, args.prompts * args.group))
-            out[m].append({"step": rec["step"], "generation_s": seconds, "completion_lengths": produced})
+            timing, produced = generate_at_lengths(url, model, prompts, ref["completion_lengths"],
+                                                   rollout_seed(args.seed, i, args.prompts * args.group))
+            out[m].append({"step": rec["step"], **timing, "completion_lengths": produced})
         print(f"[rl:{mode}] step {rec['step']} at the lengths of "
               + ", ".join(f"{m}: {out[m][-1]['generation_s']:.1f}s" for m in runs), flush=True)
     return out

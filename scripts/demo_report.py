@@ -81,6 +81,14 @@ def same_length_ratios(runs: dict, mode: str, base: str) -> dict:
     # by that factor: ``mode``'s loop against ``base``'s loop estimated at ``mode``'s lengths.
     out["rollout_time_same_lengths_loop_adjusted"] = (out["rollout_time_same_lengths"]
                                                       * out["base_replay_over_its_loop"])
+    if all("bulk_s" in r for r in replays[mode]):
+        # The same split of the same answers (``rl.rollouts.bulk_and_tail``): where the two engines
+        # part, with the chance of which answers ran long taken out.
+        for part in ("bulk", "tail"):
+            replayed_part = sum(r[f"{part}_s"] for r in replays[mode])
+            if replayed_part > 0:
+                out[f"rollout_{part}_time_same_lengths"] = (
+                    total(mode, replays[mode], f"generation_{part}_s") / replayed_part)
     if not mode.endswith("-async"):
         step_s = total(mode, replays[mode], "step_s")
         out["step_time_same_lengths"] = step_s / (step_s - total(mode, replays[mode], "exposed_generation_s")
@@ -140,6 +148,8 @@ def print_table(report: dict) -> None:
                  f"tail {c['rollout_tail_time']:.2f}"
                  + (f"; against plain at the same lengths {c['rollout_time_same_lengths']:.2f}"
                     + (f" (step time {c['step_time_same_lengths']:.2f})" if "step_time_same_lengths" in c else "")
+                    + (f", bulk {c['rollout_bulk_time_same_lengths']:.2f}, tail {c['rollout_tail_time_same_lengths']:.2f}"
+                       if "rollout_tail_time_same_lengths" in c else "")
                     + f", plain's replay of its own {c['base_replay_over_its_loop']:.2f} of its loop's time"
                     + f", adjusted for that {c['rollout_time_same_lengths_loop_adjusted']:.2f}"
                     if "rollout_time_same_lengths" in c else "")

@@ -2,6 +2,7 @@
 
 import pytest
 
+from vllm_specrl.rl.rollouts import bulk_and_tail as rollouts_bulk_and_tail
 from vllm_specrl.rl.rollouts import check_rollouts
 
 
@@ -66,6 +67,31 @@ def test_answers_generated_again_have_exactly_the_lengths_asked_for(monkeypatch)
     engine = _FakeEngine(eos_after=5)
     monkeypatch.setattr(rollouts.requests, "post", engine.post)
     lengths = [[3, 40, 7], [256, 1, 12]]
-    seconds, produced = rollouts.generate_at_lengths("http://engine", "m", ["a", "b"], lengths, seed=100)
-    assert produced == lengths and seconds >= 0
+    timing, produced = rollouts.generate_at_lengths("http://engine", "m", ["a", "b"], lengths, seed=100)
+    assert produced == lengths and timing["generation_s"] >= 0
     assert sorted(engine.sample_seeds) == list(range(100, 106))
+
+
+def test_bulk_ends_when_half_of_the_groups_are_done():
+    assert rollouts_bulk_and_tail([3.0, 1.0, 7.0, 5.0], 9.0) == {"generation_s": 9.0, "bulk_s": 3.0, "tail_s": 6.0}
+    assert rollouts_bulk_and_tail([2.0], 4.0)["bulk_s"] == 2.0
+
+
+def test_a_replay_splits_its_answers_where_their_groups_are_done(monkeypatch):
+    """The replay at the same lengths sends one request per answer; a prompt's group is done when its
+    last answer is (planted: taking its first one puts the bulk's end at 1 here). Each answer 'finishes'
+    at a clock time equal to its length, on a fake clock; the main thread reads 0 and then 300."""
+    import threading
+
+    from vllm_specrl.rl import rollouts
+
+    engine, local, main_reads = _FakeEngine(eos_after=5), threading.local(), iter([0.0, 300.0])
+
+    def post(url, timeout, json):
+        local.now = float(json["max_tokens"])
+        return engine.post(url, timeout, json)
+
+    monkeypatch.setattr(rollouts.requests, "post", post)
+    monkeypatch.setattr(rollouts.time, "perf_counter", lambda: getattr(local, "now", None) or next(main_reads))
+    timing, _ = rollouts.generate_at_lengths("http://engine", "m", ["a", "b"], [[3, 40, 7], [256, 1, 12]], seed=0)
+    assert timing == {"generation_s": 300.0, "bulk_s": 40.0, "tail_s": 260.0}

@@ -53,18 +53,24 @@ def sample_groups(url: str, model: str, prompts: list[str], group: int, max_toke
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         results = list(pool.map(one, range(len(prompts))))
-    finish = sorted(done for _, done in results)
-    total = time.perf_counter() - t0
-    bulk = finish[(len(finish) - 1) // 2]
-    return [s for samples, _ in results for s in samples], {"generation_s": total, "bulk_s": bulk,
-                                                            "tail_s": total - bulk}
+    return [s for samples, _ in results for s in samples], bulk_and_tail(
+        [done for _, done in results], time.perf_counter() - t0)
+
+
+def bulk_and_tail(group_done_s: list[float], total_s: float) -> dict:
+    """``generation_s``, ``bulk_s`` (until half of the prompt groups were done, a group when its last
+    answer was) and ``tail_s`` (the rest): one rule for the loop's rollouts and their replay at the
+    same lengths, so the two splits compare the same answers."""
+    bulk = sorted(group_done_s)[(len(group_done_s) - 1) // 2]
+    return {"generation_s": total_s, "bulk_s": bulk, "tail_s": total_s - bulk}
 
 
 def generate_at_lengths(url: str, model: str, prompts: list[str], lengths: list[list[int]], seed: int,
-                        timeout_s: float = 600) -> tuple[float, list[list[int]]]:
+                        timeout_s: float = 600) -> tuple[dict, list[list[int]]]:
     """Sample ``lengths[i][j]`` tokens for sample j of prompt i (T = 1, ``ignore_eos``), all at once.
 
-    Returns (seconds until the last answer arrived, the lengths generated). A decode step's cost
+    Returns (the timing ``sample_groups`` returns: all answers, and split where half of the prompts'
+    groups were done, ``bulk_and_tail``; the lengths generated). A decode step's cost
     depends on how many sequences run and how long their contexts are, not on which tokens they
     hold, so this is what the engine would have taken for rollouts of exactly these lengths. Each
     sample is its own request (``n`` = 1: their lengths differ); vLLM fans an ``n = G`` request out
@@ -74,21 +80,23 @@ def generate_at_lengths(url: str, model: str, prompts: list[str], lengths: list[
     jobs = [(i, j) for i, row in enumerate(lengths) for j in range(len(row))]
     t0 = time.perf_counter()
 
-    def one(job: tuple[int, int]) -> int:
+    def one(job: tuple[int, int]) -> tuple[int, float]:
         i, j = job
         r = requests.post(url + "/v1/completions", timeout=timeout_s, json={
             "model": model, "prompt": prompts[i], "n": 1, "temperature": 1.0, "max_tokens": lengths[i][j],
             "ignore_eos": True, "logprobs": 0, "return_token_ids": True, "seed": seed + i * len(lengths[i]) + j})
         r.raise_for_status()
-        return len(r.json()["choices"][0]["token_ids"])
+        return len(r.json()["choices"][0]["token_ids"]), time.perf_counter() - t0
 
     with ThreadPoolExecutor(len(jobs)) as pool:
         produced = list(pool.map(one, jobs))
-    seconds = time.perf_counter() - t0
+    total = time.perf_counter() - t0
     out: list[list[int]] = [[] for _ in lengths]
-    for (i, _), n in zip(jobs, produced):
+    group_done = [0.0 for _ in lengths]
+    for (i, _), (n, done) in zip(jobs, produced):
         out[i].append(n)
-    return seconds, out
+        group_done[i] = max(group_done[i], done)
+    return bulk_and_tail(group_done, total), out
 
 
 def check_rollouts(samples: list[dict], step: int, tasks: int, group: int) -> None:

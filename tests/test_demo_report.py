@@ -1,0 +1,49 @@
+"""``demo_report.same_length_ratios``: a run against plain's engine at the very same answer lengths, whole
+and split into bulk and tail by the same rule (``rl.rollouts.bulk_and_tail``)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _report_module():
+    spec = importlib.util.spec_from_file_location("demo_report", REPO / "scripts" / "demo_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _step(step, gen, bulk, step_s=20.0):
+    return {"step": step, "generation_s": gen, "generation_bulk_s": bulk, "generation_tail_s": gen - bulk,
+            "exposed_generation_s": gen, "step_s": step_s}
+
+
+def test_same_length_ratios_split_bulk_and_tail_of_the_same_answers():
+    """Spec's loop: bulk 4 + 3, tail 4 + 5 over two steps; plain's replay of spec's lengths: bulk 5 + 5,
+    tail 3 + 3. Bulk 7 / 10, tail 9 / 6, whole 16 / 16."""
+    runs = {"spec": {"steps": [_step(0, 8.0, 4.0), _step(1, 8.0, 3.0)]},
+            "plain": {"steps": [_step(0, 7.0, 4.0), _step(1, 7.0, 4.0)],
+                      "length_replays": {
+                          "spec": [{"step": 0, "generation_s": 8.0, "bulk_s": 5.0, "tail_s": 3.0},
+                                   {"step": 1, "generation_s": 8.0, "bulk_s": 5.0, "tail_s": 3.0}],
+                          "plain": [{"step": 0, "generation_s": 7.0, "bulk_s": 4.0, "tail_s": 3.0},
+                                    {"step": 1, "generation_s": 7.0, "bulk_s": 4.0, "tail_s": 3.0}]}}}
+    out = _report_module().same_length_ratios(runs, "spec", "plain")
+    assert out["rollout_time_same_lengths"] == pytest.approx(1.0)
+    assert out["rollout_bulk_time_same_lengths"] == pytest.approx(0.7)
+    assert out["rollout_tail_time_same_lengths"] == pytest.approx(1.5)
+
+
+def test_replays_recorded_before_the_split_give_the_whole_ratio_only():
+    runs = {"spec": {"steps": [_step(0, 8.0, 4.0)]},
+            "plain": {"steps": [_step(0, 7.0, 4.0)],
+                      "length_replays": {"spec": [{"step": 0, "generation_s": 8.0}],
+                                         "plain": [{"step": 0, "generation_s": 7.0}]}}}
+    out = _report_module().same_length_ratios(runs, "spec", "plain")
+    assert out["rollout_time_same_lengths"] == pytest.approx(1.0)
+    assert "rollout_bulk_time_same_lengths" not in out
