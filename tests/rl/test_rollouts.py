@@ -2,8 +2,7 @@
 
 import pytest
 
-from vllm_specrl.rl.rollouts import bulk_and_tail as rollouts_bulk_and_tail
-from vllm_specrl.rl.rollouts import check_rollouts
+from vllm_specrl.rl.rollouts import bulk_and_tail, check_rollouts
 
 
 def _samples(ids):
@@ -73,13 +72,13 @@ def test_answers_generated_again_have_exactly_the_lengths_asked_for(monkeypatch)
 
 
 def test_bulk_ends_when_half_of_the_groups_are_done():
-    assert rollouts_bulk_and_tail([3.0, 1.0, 7.0, 5.0], 9.0) == {"generation_s": 9.0, "bulk_s": 3.0, "tail_s": 6.0}
-    assert rollouts_bulk_and_tail([2.0], 4.0)["bulk_s"] == 2.0
+    assert bulk_and_tail([3.0, 1.0, 7.0, 5.0], 9.0) == {"generation_s": 9.0, "bulk_s": 3.0, "tail_s": 6.0}
+    assert bulk_and_tail([2.0], 4.0)["bulk_s"] == 2.0
 
 
 def test_a_replay_splits_its_answers_where_their_groups_are_done(monkeypatch):
     """The replay at the same lengths sends one request per answer; a prompt's group is done when its
-    last answer is (planted: taking its first one puts the bulk's end at 1 here). Each answer 'finishes'
+    last answer is (planted: taking the group's last-listed answer instead puts the bulk's end at 7 here). Each answer 'finishes'
     at a clock time equal to its length, on a fake clock; the main thread reads 0 and then 300."""
     import threading
 
