@@ -56,6 +56,10 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("capture_queue_frames", CONFIG, "256", "frames the sender queues before it drops and counts"),
     Switch("capture_send_timeout_s", CONFIG, "0", "seconds a send may block (0: never; a full queue drops)"),
     Switch("capture_sender_cpus", CONFIG, "auto", "CPUs the capture sender runs on (`auto`: off the forward's core)"),
+    Switch("capture_sender", CONFIG, "auto", "`process`: the capture sender in a process of its own, `thread`: in "
+                                             "the worker; `auto`: a process where it has CPUs of its own"),
+    Switch("capture_sender_sched", CONFIG, "auto", "`idle`: the capture sender at SCHED_IDLE, `normal`; `auto`: idle "
+                                                   "on CPUs of its own when it drops rather than waits"),
     Switch("capture_allow_remote", CONFIG, "false", "allow a non-loopback capture address"),
     Switch("VLLM_SPECRL_CAPTURE_TAP", ENV, "unset", "`0` refuses to install the capture tap (capture off)"),
     Switch("VLLM_SPECRL_DRAFT_RECORDER", ENV, "unset", "`0` refuses to install the draft recorder"),

@@ -39,7 +39,7 @@ def run_wave(srv, concurrency: int, max_tokens: int, seed: int) -> tuple[int, fl
 
 
 def run_cell(model: Path, draft: Path | None, background: str, args) -> dict:
-    from vllm_specrl.rl.processes import start_niced
+    from vllm_specrl.processes import start_niced
     from vllm_specrl.server import VLLMServer
 
     server_args = ["--dtype", args.dtype, "--max-model-len", "1024", "--seed", "0"]

@@ -41,14 +41,19 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--cycles", type=int, default=3)
     ap.add_argument("--capture-sender-cpus", default="auto", choices=["auto", "inherit"])
+    ap.add_argument("--capture-sender-sched", default="auto", choices=["auto", "idle", "normal"])
     ap.add_argument("--draft-trainer-cpus", default="auto", choices=["auto", "any"], help="as in rl_demo.py")
     ap.add_argument("--draft-publish-every", type=int, default=None,
                     help="the trainer's --publish-every (default: the demo's); a huge value: the trainer never publishes")
+    ap.add_argument("--phases", default=",".join(PHASES),
+                    help="which phases each cycle runs, comma-separated (off is always one: the reference)")
     ap.add_argument("--out", type=Path, default=Path("results/bench_online_cost.json"))
     args = ap.parse_args()
+    phase_names = tuple(p for p in PHASES if p in args.phases.split(",") or p == "off")
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: the demo
     import rl_demo
+    from demo_harness import draft_trainer_settings, mean_k
 
     from vllm_specrl.adaptive import SCHEDULER_CLS
     from vllm_specrl.fixtures import fixture_target
@@ -73,7 +78,8 @@ def main() -> None:
     server_args = ["--dtype", dtype, "--max-model-len", "1024", "--max-num-seqs", str(args.concurrency),
                    "--speculative-config", json.dumps(spec), "--scheduler-cls", SCHEDULER_CLS,
                    "--additional-config", json.dumps({"specrl": {
-                       "capture_topk": 64, "capture_sender_cpus": args.capture_sender_cpus}})]
+                       "capture_topk": 64, "capture_sender_cpus": args.capture_sender_cpus,
+                       "capture_sender_sched": args.capture_sender_sched}})]
     pause = pause_file(work, "spec")
     phases = []
     with VLLMServer(target, server_args, log_path=work / "serve.log") as srv:
@@ -83,13 +89,14 @@ def main() -> None:
         requests.post(srv.url + "/specrl/capture", json={"enabled": True, "address": capture},
                       timeout=60).raise_for_status()  # so that the status shows where the sender runs
         trainer = DraftTrainerProcess.start(capture, srv.url, args.draft, target, work,
-                                            rl_demo.draft_trainer_settings(demo),
+                                            draft_trainer_settings(demo),
                                             cpus=trainer_cpus(args.draft_trainer_cpus, client.status()))
         pause.touch()  # start() clears it; the phases below set it
         try:
             completion_wave(srv.url, srv.model, prompts[:4], 16, seeds=list(range(4)))  # warm-up
             for cycle in range(args.cycles):
-                order = PHASES[cycle % 3:] + PHASES[:cycle % 3]
+                turn = cycle % len(phase_names)
+                order = phase_names[turn:] + phase_names[:turn]
                 for phase in order:
                     body = {"enabled": phase != "off", "address": capture}
                     requests.post(srv.url + "/specrl/capture", json=body, timeout=60).raise_for_status()
@@ -104,17 +111,20 @@ def main() -> None:
                     pause.touch()
                     time.sleep(2.0)  # the trainer finishes ingesting before the next phase
                     res = {"cycle": cycle, "phase": phase, "started_at": started_at, "tokens": sum(tokens), "wall_s": wall,
-                           "tokens_per_s": sum(tokens) / wall, "mean_k": rl_demo.mean_k(
-                               before.get("adaptive_k"), after.get("adaptive_k"))}
+                           "tokens_per_s": sum(tokens) / wall, "mean_k": mean_k(
+                               before.get("adaptive_k"), after.get("adaptive_k")),
+                           "capture": {k: v for k, v in (after.get("capture") or {}).items()
+                                       if k.startswith(("frames_", "steps", "sender_"))} or None}
                     phases.append(res)
+                    dropped = sum(v for k, v in (res["capture"] or {}).items() if k.startswith("frames_dropped"))
                     print(f"[online-cost] cycle {cycle} {phase:>7}: {res['tokens_per_s']:.1f} tok/s, "
-                          f"mean k {res['mean_k']}", flush=True)
+                          f"mean k {res['mean_k']:.2f}, frames dropped {dropped}", flush=True)
             status = client.status()
         finally:
             trainer.stop(30)
     ratios = {p: [next(x["tokens_per_s"] for x in phases if x["cycle"] == c and x["phase"] == p)
                   / next(x["tokens_per_s"] for x in phases if x["cycle"] == c and x["phase"] == "off")
-                  for c in range(args.cycles)] for p in PHASES[1:]}
+                  for c in range(args.cycles)] for p in phase_names[1:]}
     report = {"benchmark": "online_draft_cost", "model": str(target), "draft": str(args.draft), "host": host_info(),
               "settings": {k: str(v) for k, v in vars(args).items()} | {"dtype": dtype},
               "calibration": calibration, "phases": phases,

@@ -93,9 +93,12 @@ def work(tmp_path_factory):
 @pytest.fixture(scope="module")
 def captured(tiny_model, work):
     # The sender on every CPU this process has, named: as on a CPU engine whose worker is bound to some of
-    # them, its thread scores the logit rows the step copied (the preempted run below scores in the step).
+    # them, a sender process scores the logit rows the step copied (the preempted run below: the default
+    # placement). At normal priority: this engine runs on those CPUs flat out, and every
+    # row is asked for (at SCHED_IDLE a starved sender drops steps, as it may beside a real engine).
     cpus = sorted(os.sched_getaffinity(0))
-    return run_capture(tiny_model, work, f'additional_config={{"specrl": {{"capture_sender_cpus": {cpus}}}}},',
+    return run_capture(tiny_model, work, f'additional_config={{"specrl": {{"capture_sender_cpus": {cpus}, '
+                                         f'"capture_sender_sched": "normal"}}}},',
                        f"""
 params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=0, logprobs=0)
 outs = llm.generate({PROMPTS!r}, params, use_tqdm=False)
@@ -188,7 +191,10 @@ def test_captured_logprobs_equal_vllms(capture_run):
     meta, seqs = capture_run
     assert meta["state"]["steps_scored_by_sampler"] == meta["state"]["steps"] > 0, meta["state"]
     # Where the sender has CPUs of its own it scored every step (the plain run), else the step did.
-    deferred = meta["state"]["sender_cpus"] and len(meta["state"]["sender_cpus"]) >= meta["worker_torch_threads"]
+    # (a sender process always, a sender thread where the worker's torch pool it inherits fits those CPUs).
+    state = meta["state"]
+    deferred = state["sender_cpus"] and ("sender_process" in state
+                                         or len(state["sender_cpus"]) >= meta["worker_torch_threads"])
     assert meta["state"]["steps_scored_by_sender"] == (meta["state"]["steps"] if deferred else 0), meta["state"]
     for i, (tokens, want) in enumerate(zip(meta["tokens"], meta["vllm_logprobs"])):
         got = seqs[f"{i}.logprobs"]

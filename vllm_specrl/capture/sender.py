@@ -59,6 +59,30 @@ def resolve_sender_cpus(setting: object) -> set[int]:
     raise ValueError(f'capture_sender_cpus must be "auto", "inherit" or a list of CPU ids, not {setting!r}')
 
 
+def resolve_sender_kind(setting: object, cpus: set[int]) -> str:
+    """``capture_sender``: "process" (``capture.sender_process``: the worker's GIL stays the forward's),
+    "thread" (this module's, in the worker), "auto": a process where it has CPUs of its own (a CPU
+    engine), a thread elsewhere (a GPU worker's step scores on the device and the thread only sends)."""
+    if setting in (None, "auto"):
+        return "process" if cpus else "thread"
+    if setting in ("process", "thread"):
+        return str(setting)
+    raise ValueError(f'capture_sender must be "auto", "process" or "thread", not {setting!r}')
+
+
+def resolve_sender_idle(setting: object, cpus: set[int], send_timeout_s: float) -> bool:
+    """``capture_sender_sched``: "idle" runs the sender thread (and ZeroMQ's I/O thread it starts) under
+    ``SCHED_IDLE``, "normal" at the worker's priority, "auto" idle where it runs on CPUs of its own and
+    drops rather than waits (``send_timeout_s`` 0). On a CPU engine those CPUs are where vLLM's engine
+    loop and API server run, which feed the forward: the sender's scoring and encoding must not delay
+    them. A sender that waits for its peer (the offline warm start) wants every row, so keeps its share."""
+    if setting in (None, "auto"):
+        return bool(cpus) and send_timeout_s == 0
+    if setting in ("idle", "normal"):
+        return setting == "idle"
+    raise ValueError(f'capture_sender_sched must be "auto", "idle" or "normal", not {setting!r}')
+
+
 class PendingFrames(Protocol):
     """A step's frames, built in the sender thread: ``len()`` of them, ``frames()`` to build them."""
 
@@ -68,8 +92,10 @@ class PendingFrames(Protocol):
 
 
 class CaptureSender:
+    own_process = False  # a thread of the process that offers (``capture.sender_process`` is the other kind)
+
     def __init__(self, address: str, queue_frames: int = DEFAULT_QUEUE_FRAMES, allow_remote: bool = False,
-                 send_timeout_s: float = 0.0, cpus: set[int] | None = None):
+                 send_timeout_s: float = 0.0, cpus: set[int] | None = None, idle: bool = False):
         self.address = require_local_zmq_address(
             address, allow_remote, "capture",
             'set "capture_allow_remote": true in --additional-config \'{"specrl": {...}}\'')
@@ -84,6 +110,8 @@ class CaptureSender:
         self._peers = 0  # live connections to a trainer, from the socket monitor's events
         self.cpus = sorted(cpus or ())  # where the sender thread runs; empty: where it was started
         self.cpus_error: str | None = None
+        self.idle = idle  # SCHED_IDLE (``resolve_sender_idle``)
+        self.sched_error: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specrl-capture", daemon=True)
         self._thread.start()
@@ -124,6 +152,11 @@ class CaptureSender:
                 os.sched_setaffinity(0, self.cpus)  # this thread only (Linux); before ZeroMQ starts its I/O thread
             except OSError as exc:
                 self.cpus_error, self.cpus = str(exc), []
+        if self.idle:
+            try:
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread; ZeroMQ's inherits it
+            except (AttributeError, OSError) as exc:
+                self.sched_error, self.idle = str(exc), False
         # A context of its own: its I/O thread starts here, with this thread's CPUs.
         ctx = zmq.Context()
         sock = ctx.socket(zmq.PUSH)
@@ -184,7 +217,9 @@ class CaptureSender:
     def state(self) -> dict[str, Any]:
         return {"address": self.address, **self.counters, "queued": self._queued,
                 "trainer_connected": self._peers > 0, "sender_cpus": self.cpus,
+                "sender_sched": "idle" if self.idle else "normal",
                 **({"sender_cpus_error": self.cpus_error} if self.cpus_error else {}),
+                **({"sender_sched_error": self.sched_error} if self.sched_error else {}),
                 **({"last_build_error": self.last_build_error} if self.last_build_error else {})}
 
     def close(self) -> None:

@@ -201,12 +201,13 @@ class CaptureTap:
         self.steps_scored_by_sender = 0   # steps whose scoring ran in the sender thread
 
     def scores_in_sender(self, view: dict[str, Any]) -> bool:
-        """Score in the sender thread where that saves the forward's cores something: logits on the CPU,
-        the sender on CPUs of its own, and a torch thread pool (which a new thread inherits) no wider
-        than those CPUs. Elsewhere (a GPU's logits, a wide CPU worker) the step scores as before."""
+        """Score in the sender where that saves the forward's cores something: logits on the CPU, the
+        sender on CPUs of its own, and either a process of its own (one torch thread) or a thread whose
+        torch pool (a new thread inherits the worker's) is no wider than those CPUs. Elsewhere (a GPU's
+        logits, a wide CPU worker's thread sender) the step scores as before."""
         logits = view.get("logits")
         return (logits is not None and logits.device.type == "cpu" and bool(self.sender.cpus)
-                and torch.get_num_threads() <= len(self.sender.cpus))
+                and (getattr(self.sender, "own_process", False) or torch.get_num_threads() <= len(self.sender.cpus)))
 
     def __call__(self, view: dict[str, Any]) -> None:
         self.steps += 1

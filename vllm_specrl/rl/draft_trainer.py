@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_specrl.rl.processes import start_niced
+from vllm_specrl.processes import start_niced
 
 
 @dataclass(frozen=True)

@@ -261,7 +261,9 @@ class SpecRLWorkerExtension(WeightWatchRPCs):
     def specrl_capture_start(self, address: str | None = None, fraction: float | None = None,
                              queue_frames: int | None = None, allow_remote: bool | None = None) -> dict:
         """Stream committed rows' hidden states to ``address`` (defaults: ``--additional-config``)."""
-        from vllm_specrl.capture.sender import DEFAULT_QUEUE_FRAMES, CaptureSender, resolve_sender_cpus
+        from vllm_specrl.capture.sender import (DEFAULT_QUEUE_FRAMES, CaptureSender, resolve_sender_cpus,
+                                                resolve_sender_idle, resolve_sender_kind)
+        from vllm_specrl.capture.sender_process import SenderProcess
         from vllm_specrl.capture.tap import CaptureTap
 
         cfg = engine_config.specrl_additional_config(self.vllm_config)
@@ -273,12 +275,15 @@ class SpecRLWorkerExtension(WeightWatchRPCs):
             return {"ok": True, "rank": self.rank, "note": "capture sends from rank 0 only"}
         self.specrl_capture_stop()
         try:
-            sender = CaptureSender(address, int(queue_frames or cfg.get("capture_queue_frames",
-                                                                         DEFAULT_QUEUE_FRAMES)),
-                                   bool(allow_remote if allow_remote is not None
-                                        else cfg.get("capture_allow_remote", False)),
-                                   send_timeout_s=float(cfg.get("capture_send_timeout_s", 0.0)),
-                                   cpus=resolve_sender_cpus(cfg.get("capture_sender_cpus", "auto")))
+            send_timeout_s = float(cfg.get("capture_send_timeout_s", 0.0))
+            cpus = resolve_sender_cpus(cfg.get("capture_sender_cpus", "auto"))
+            kind = resolve_sender_kind(cfg.get("capture_sender", "auto"), cpus)
+            sender_cls = SenderProcess if kind == "process" else CaptureSender
+            sender = sender_cls(address, int(queue_frames or cfg.get("capture_queue_frames", DEFAULT_QUEUE_FRAMES)),
+                                bool(allow_remote if allow_remote is not None
+                                     else cfg.get("capture_allow_remote", False)),
+                                send_timeout_s=send_timeout_s, cpus=cpus,
+                                idle=resolve_sender_idle(cfg.get("capture_sender_sched", "auto"), cpus, send_timeout_s))
         except ValueError as exc:
             return {"ok": False, "error": str(exc)}
         fraction = float(fraction if fraction is not None else cfg.get("capture_fraction", 1.0))

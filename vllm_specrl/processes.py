@@ -1,4 +1,4 @@
-"""Starting helper processes (the online draft trainer) from an RL trainer without forking it.
+"""Starting helper processes (the online draft trainer, the capture sender) from a big process without forking it.
 
 ``subprocess.Popen`` with a ``preexec_fn`` must ``fork()`` the calling process, and a fork
 write-protects every page of the parent for copy-on-write: a policy process holding a 10 GB

@@ -16,7 +16,7 @@ import pytest
 
 PROBE = r"""
 import json, os, resource, subprocess, sys
-from vllm_specrl.rl.processes import start_niced
+from vllm_specrl.processes import start_niced
 
 buf = bytearray(256 << 20)
 buf[::4096] = b"\1" * len(range(0, len(buf), 4096))    # every page written once: resident, private
@@ -58,7 +58,7 @@ def test_an_idle_trainer_runs_sched_idle_threads_included():
 
 
 def test_a_preexec_fn_is_refused():
-    from vllm_specrl.rl.processes import start_niced
+    from vllm_specrl.processes import start_niced
 
     with pytest.raises(ValueError, match="preexec_fn"):
         start_niced(["true"], 19, preexec_fn=lambda: None)
@@ -69,7 +69,7 @@ def test_a_preexec_fn_is_refused():
 def test_a_trainer_given_cpus_runs_only_there_threads_included():
     """``rl_demo.py`` starts the online draft trainer on the CPUs a CPU engine's worker leaves to its engine
     core, so it never takes the forward's core: the child and a thread it starts later run only there."""
-    from vllm_specrl.rl.processes import start_niced
+    from vllm_specrl.processes import start_niced
 
     cpu = max(os.sched_getaffinity(0))
     child = [sys.executable, "-c", "import json, os, threading, time; time.sleep(0.3); seen = []; "
