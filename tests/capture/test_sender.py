@@ -189,3 +189,23 @@ def test_a_steps_frames_are_built_in_the_sender_thread_counted_as_frames_and_a_b
     finally:
         sender.close()
         receiver.close()
+
+
+@pytest.mark.parametrize("idle", [True, False])
+def test_an_idle_sender_thread_runs_at_sched_idle(idle):
+    """``capture_sender_sched`` for the thread kind: the thread (and ZeroMQ's I/O thread it starts) at
+    SCHED_IDLE, and the state says so; the offering thread keeps its own policy."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    receiver = CaptureReceiver(address)
+    sender = CaptureSender(address, idle=idle)
+    try:
+        deadline = time.time() + 10
+        while not sender.state()["trainer_connected"] and time.time() < deadline:
+            time.sleep(0.05)
+        want = os.SCHED_IDLE if idle else os.SCHED_OTHER
+        assert os.sched_getscheduler(sender._thread.native_id) == want
+        assert sender.state()["sender_sched"] == ("idle" if idle else "normal")
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER
+    finally:
+        sender.close()
+        receiver.close()
