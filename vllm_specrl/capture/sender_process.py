@@ -2,12 +2,12 @@
 
 A sender *thread* in the worker shares the worker's GIL: whenever it holds it (building frames, the
 Python between its torch calls), the forward's thread waits to get it back between its own torch
-calls. A thread building one 16-request step's frames per step slowed a Python-heavy step on the
-other core by 13-27%; the same work in a separate process cost nothing (``bench_online_cost.py``
-has the served figures). So on a CPU engine the step hands its copied tensors to this process over
-a local ZeroMQ socket (``capture.step_message``: a few calls per step, no copy), and the process
-scores the logit rows, builds the per-request frames and sends them to the trainer with the thread
-sender (``CaptureSender``), on the CPUs the worker leaves to its engine core.
+calls, so a thread building frames slows the forward even on a core of its own, where the same
+work in a separate process does not (``bench_sender_gil.py``, and ``bench_online_cost.py`` served).
+So on a CPU engine the step hands its copied tensors to this process over a local ZeroMQ socket
+(``capture.step_message``: a few calls per step, no copy), and the process scores the logit rows,
+builds the per-request frames and sends them to the trainer with the thread sender
+(``CaptureSender``), on the CPUs the worker leaves to its engine core.
 
 Nothing waits on it: a step the socket cannot take (``transit_steps`` in flight) is dropped and
 counted, as a full queue is; a process that died leaves capture dropping and counting, and
