@@ -75,6 +75,24 @@ def receiver_ceiling(hidden: int, aux_layers: int, rows: int, seconds: float) ->
             "rejected": rx.counters["rejected"]}
 
 
+def synthetic_step(hidden: int, vocab: int, batch: int, rows: int, raw_logprobs: bool = False) -> dict:
+    """A capture tap's view of a verify step (``runner_hooks.capture_step_view``): ``batch`` requests that
+    each verified ``rows - 1`` drafts and committed all ``rows``; with ``raw_logprobs`` the sampler's
+    log-softmax of the logits too, as the one-pass verify at T = 1 hands it over."""
+    import torch
+
+    n = batch * rows
+    gen = torch.Generator().manual_seed(0)
+    view = {"input_ids": torch.arange(n), "positions": torch.arange(n), "logits": torch.randn(n, vocab, generator=gen),
+            "aux_hidden": [torch.randn(n, hidden, generator=gen).to(torch.bfloat16) for _ in range(3)],
+            "final_hidden": torch.randn(n, hidden, generator=gen).to(torch.bfloat16),
+            "requests": [{"request_id": f"r{i}", "start": i * rows, "end": (i + 1) * rows, "num_spec": rows - 1,
+                          "sampled": [5] * rows, "logit_row": i * rows} for i in range(batch)]}
+    if raw_logprobs:
+        view["raw_logprobs"] = view["logits"].log_softmax(-1)
+    return view
+
+
 def tap_cost(hidden: int, vocab: int, batch: int, rows: int, topk: int, reps: int = 30) -> dict:
     """What building one engine step's capture frames costs the worker (``capture.tap``: hidden states
     copied, sampled-token logprobs and the top-k scored, frames assembled), on a synthetic step of
@@ -91,13 +109,7 @@ def tap_cost(hidden: int, vocab: int, batch: int, rows: int, topk: int, reps: in
     cpu_malloc.tune_glibc_malloc()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    n = batch * rows
-    gen = torch.Generator().manual_seed(0)
-    view = {"input_ids": torch.arange(n), "positions": torch.arange(n), "logits": torch.randn(n, vocab, generator=gen),
-            "aux_hidden": [torch.randn(n, hidden, generator=gen).to(torch.bfloat16) for _ in range(3)],
-            "final_hidden": torch.randn(n, hidden, generator=gen).to(torch.bfloat16),
-            "requests": [{"request_id": f"r{i}", "start": i * rows, "end": (i + 1) * rows, "num_spec": rows - 1,
-                          "sampled": [5] * rows, "logit_row": i * rows} for i in range(batch)]}
+    view = synthetic_step(hidden, vocab, batch, rows)
 
     def median_ms(fn) -> float:
         times = []

@@ -30,22 +30,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_capture import synthetic_step  # noqa: E402
 from bench_engine import host_info  # noqa: E402
 
 from vllm_specrl.capture.protocol import encode_frame  # noqa: E402
 from vllm_specrl.capture.tap import collect_step  # noqa: E402
 
 
-def step_view(batch: int = 16, rows: int = 2, hidden: int = 576, vocab: int = 49152) -> dict:
-    """A verify step of SmolLM2's shapes: ``batch`` requests, ``rows`` committed rows each."""
-    n = batch * rows
-    view = {"input_ids": torch.arange(n), "positions": torch.arange(n), "logits": torch.randn(n, vocab),
-            "aux_hidden": [torch.randn(n, hidden).to(torch.bfloat16) for _ in range(3)],
-            "final_hidden": torch.randn(n, hidden).to(torch.bfloat16),
-            "requests": [{"request_id": f"r{i}", "start": i * rows, "end": (i + 1) * rows, "num_spec": rows - 1,
-                          "sampled": [5] * rows, "logit_row": i * rows, "num_prompt_tokens": 40} for i in range(batch)]}
-    view["raw_logprobs"] = view["logits"].log_softmax(-1)
-    return view
+def step_view() -> dict:
+    """A 16-request verify step of SmolLM2's shapes, 2 committed rows each, the sampler's log-softmax kept."""
+    return synthetic_step(hidden=576, vocab=49152, batch=16, rows=2, raw_logprobs=True)
 
 
 def build_frames(pending) -> None:

@@ -95,3 +95,16 @@ def test_the_sender_kind_and_priority_settings():
     for resolve, bad in ((lambda v: resolve_sender_kind(v, {1}), "fork"), (lambda v: resolve_sender_idle(v, {1}, 0), "low")):
         with pytest.raises(ValueError):
             resolve(bad)
+
+
+@pytest.mark.parametrize("send_timeout_s, want", [(0.0, 16), (5.0, 300)])
+def test_a_sender_that_waits_for_its_peer_takes_as_many_steps_in_flight_as_frames_queued(receiver, send_timeout_s,
+                                                                                          want):
+    """The offline warm start wants every row; online capture drops past ``TRANSIT_STEPS``."""
+    import zmq
+
+    sender = SenderProcess(receiver.address, queue_frames=300, send_timeout_s=send_timeout_s)
+    try:
+        assert sender._sock.getsockopt(zmq.SNDHWM) == want
+    finally:
+        sender.close()

@@ -59,6 +59,13 @@ def resolve_sender_cpus(setting: object) -> set[int]:
     raise ValueError(f'capture_sender_cpus must be "auto", "inherit" or a list of CPU ids, not {setting!r}')
 
 
+def capture_address(address: str, allow_remote: bool) -> str:
+    """The trainer's address, refused unless local or ``capture_allow_remote`` (hidden states leave the host)."""
+    return require_local_zmq_address(
+        address, allow_remote, "capture",
+        'set "capture_allow_remote": true in --additional-config \'{"specrl": {...}}\'')
+
+
 def resolve_sender_kind(setting: object, cpus: set[int]) -> str:
     """``capture_sender``: "process" (``capture.sender_process``: the worker's GIL stays the forward's),
     "thread" (this module's, in the worker), "auto": a process where it has CPUs of its own (a CPU
@@ -96,9 +103,7 @@ class CaptureSender:
 
     def __init__(self, address: str, queue_frames: int = DEFAULT_QUEUE_FRAMES, allow_remote: bool = False,
                  send_timeout_s: float = 0.0, cpus: set[int] | None = None, idle: bool = False):
-        self.address = require_local_zmq_address(
-            address, allow_remote, "capture",
-            'set "capture_allow_remote": true in --additional-config \'{"specrl": {...}}\'')
+        self.address = capture_address(address, allow_remote)
         self._queue: queue.Queue = queue.Queue()  # (frame count, a frame or PendingFrames)
         self.queue_frames = queue_frames
         self._queued = 0  # frames in the queue, under _queued_lock

@@ -9,8 +9,8 @@ So on a CPU engine the step hands its copied tensors to this process over a loca
 builds the per-request frames and sends them to the trainer with the thread sender
 (``CaptureSender``), on the CPUs the worker leaves to its engine core.
 
-Nothing waits on it: a step the socket cannot take (``transit_steps`` in flight) is dropped and
-counted, as a full queue is; a process that died leaves capture dropping and counting, and
+Nothing waits on it: a step the socket cannot take (``transit_steps`` in flight; a sender that waits
+for its peer, as many as frames queued) is dropped and counted, as a full queue is; a process that died leaves capture dropping and counting, and
 ``state()`` says so (``sender_process``). Run as ``python -m vllm_specrl.capture.sender_process``
 by ``SenderProcess`` only.
 """
@@ -28,10 +28,9 @@ import tempfile
 import time
 from typing import Any
 
-from vllm_specrl.capture.sender import DEFAULT_QUEUE_FRAMES, CaptureSender
+from vllm_specrl.capture.sender import DEFAULT_QUEUE_FRAMES, CaptureSender, capture_address
 from vllm_specrl.capture.step_message import StepMessageError, decode_step, encode_step
 from vllm_specrl.processes import start_niced
-from vllm_specrl.security import require_local_zmq_address
 
 TRANSIT_STEPS = 16  # steps on their way to the process before the worker drops one
 STATE_EVERY_S = 0.1  # how often the process reports its counters
@@ -44,12 +43,10 @@ class SenderProcess:
 
     def __init__(self, address: str, queue_frames: int = DEFAULT_QUEUE_FRAMES, allow_remote: bool = False,
                  send_timeout_s: float = 0.0, cpus: set[int] | None = None, idle: bool = False,
-                 transit_steps: int = TRANSIT_STEPS, start_timeout_s: float = 60.0):
+                 transit_steps: int | None = None, start_timeout_s: float = 60.0):
         import zmq
 
-        self.address = require_local_zmq_address(
-            address, allow_remote, "capture",
-            'set "capture_allow_remote": true in --additional-config \'{"specrl": {...}}\'')
+        self.address = capture_address(address, allow_remote)
         self.cpus = sorted(cpus or ())
         self.idle = idle
         self.counters = {"frames_offered": 0, "frames_dropped_in_transit": 0}
@@ -60,6 +57,8 @@ class SenderProcess:
         for cpu in self.cpus:  # its I/O thread (it moves the step's bytes) off the forward's cores
             self._ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, cpu)
         self._sock = self._ctx.socket(zmq.PAIR)
+        if transit_steps is None:  # a sender that waits for its peer wants every row: as many as frames queued
+            transit_steps = queue_frames if send_timeout_s > 0 else TRANSIT_STEPS
         self._sock.setsockopt(zmq.SNDHWM, transit_steps)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(self.ipc)

@@ -263,7 +263,7 @@ class SpecRLWorkerExtension(WeightWatchRPCs):
         """Stream committed rows' hidden states to ``address`` (defaults: ``--additional-config``)."""
         from vllm_specrl.capture.sender import (DEFAULT_QUEUE_FRAMES, CaptureSender, resolve_sender_cpus,
                                                 resolve_sender_idle, resolve_sender_kind)
-        from vllm_specrl.capture.sender_process import TRANSIT_STEPS, SenderProcess
+        from vllm_specrl.capture.sender_process import SenderProcess
         from vllm_specrl.capture.tap import CaptureTap
 
         cfg = engine_config.specrl_additional_config(self.vllm_config)
@@ -281,12 +281,8 @@ class SpecRLWorkerExtension(WeightWatchRPCs):
             frames = int(queue_frames or cfg.get("capture_queue_frames", DEFAULT_QUEUE_FRAMES))
             allow = bool(allow_remote if allow_remote is not None else cfg.get("capture_allow_remote", False))
             idle = resolve_sender_idle(cfg.get("capture_sender_sched", "auto"), cpus, send_timeout_s)
-            if kind == "process":
-                # A sender that waits for its peer wants every row: as many steps in flight as frames queued.
-                sender = SenderProcess(address, frames, allow, send_timeout_s=send_timeout_s, cpus=cpus, idle=idle,
-                                       transit_steps=frames if send_timeout_s > 0 else TRANSIT_STEPS)
-            else:
-                sender = CaptureSender(address, frames, allow, send_timeout_s=send_timeout_s, cpus=cpus, idle=idle)
+            sender_cls = SenderProcess if kind == "process" else CaptureSender
+            sender = sender_cls(address, frames, allow, send_timeout_s=send_timeout_s, cpus=cpus, idle=idle)
         except (ValueError, RuntimeError) as exc:  # a bad setting, or a sender process that did not start
             return {"ok": False, "error": str(exc)}
         fraction = float(fraction if fraction is not None else cfg.get("capture_fraction", 1.0))
