@@ -54,8 +54,8 @@ def update_capture_gauges(capture: dict | None) -> None:
     """Capture counters as gauges (refreshed whenever /specrl/status is gathered)."""
     if capture is None:
         return
-    for key in ("frames_sent", "frames_dropped_queue_full", "frames_dropped_no_peer", "bytes_sent",
-                "trainer_connected"):
+    for key in ("frames_sent", "frames_dropped_queue_full", "frames_dropped_no_peer", "frames_dropped_peer_busy",
+                "bytes_sent", "trainer_connected"):
         _gauge(f"specrl_capture_{key}", f"capture {key.replace('_', ' ')}").set(float(capture.get(key) or 0))
 
 

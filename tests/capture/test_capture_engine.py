@@ -37,8 +37,7 @@ while time.time() < deadline:
     for header, tensors in rx.receive(200):
         asm.add(header, tensors)
     state = llm.collective_rpc("specrl_capture_state")[0]
-    if state["frames_sent"] + state["frames_dropped_queue_full"] + state["frames_dropped_no_peer"] \\
-            >= state["frames_offered"] and state["queued"] == 0 and rx.socket.poll(300) == 0:
+    if frames_settled(state) >= state["frames_offered"] and state["queued"] == 0 and rx.socket.poll(300) == 0:
         break
 seqs, runs = {}, []
 for i, rid in enumerate(request_ids):
@@ -69,6 +68,7 @@ import torch
 from safetensors.torch import save_file
 from vllm import LLM, SamplingParams
 from vllm_specrl.capture.receiver import CaptureReceiver, SequenceAssembler
+from vllm_specrl.capture.sender import frames_settled
 OUT = {str(out)!r}
 rx = CaptureReceiver({addr!r})
 asm = SequenceAssembler()
@@ -153,6 +153,7 @@ def test_capture_streams_every_committed_row(capture_run):
     state = meta["state"]
     assert state["tap_errors"] == 0, state
     assert state["frames_dropped_queue_full"] == state["frames_dropped_no_peer"] == 0, state
+    assert state["frames_dropped_peer_busy"] == 0, state
     assert meta["rx"]["rejected"] == 0 and meta["rx"]["frames"] == state["frames_sent"]
     for i, tokens in enumerate(meta["tokens"]):
         n = len(tokens) - 1  # the last output token is never forwarded

@@ -175,11 +175,12 @@ def test_dead_trainer_never_stalls_generation_and_restart_resumes(setup):
     assert len(texts) == len(pool)
     after = status(srv)["capture"]
     delta = {k: after[k] - before[k] for k in ("frames_offered", "frames_sent", "frames_dropped_no_peer",
-                                               "frames_dropped_queue_full", "queued")}
+                                               "frames_dropped_peer_busy", "frames_dropped_queue_full", "queued")}
     # Every frame the tap offered is accounted for: handed to ZeroMQ, dropped (counted), or queued.
     assert delta["frames_offered"] > 2 * SEND_HWM, delta  # the premise: more than ZeroMQ can hold
     assert delta["frames_offered"] == (delta["frames_sent"] + delta["frames_dropped_no_peer"]
-                                       + delta["frames_dropped_queue_full"] + delta["queued"]), delta
+                                       + delta["frames_dropped_peer_busy"] + delta["frames_dropped_queue_full"]
+                                       + delta["queued"]), delta
     # With nobody reading, ZeroMQ absorbs at most its high-water marks; the rest were dropped.
     assert delta["frames_sent"] <= 2 * SEND_HWM + 8, delta
     restarted = start_trainer(setup, "c")

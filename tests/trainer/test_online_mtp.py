@@ -54,6 +54,7 @@ def aligned(mimo_model, tmp_path_factory):
         import json, time
         from vllm import LLM, SamplingParams
         from vllm_specrl import metrics
+        from vllm_specrl.capture.sender import frames_settled
         from vllm_specrl.server import free_port
         from vllm_specrl.sync.local import commit_update
         from vllm_specrl.trainer.core import TrainConfig
@@ -80,8 +81,7 @@ def aligned(mimo_model, tmp_path_factory):
             while quiet < 3:
                 got = trainer.pump(200)
                 st = rpc("specrl_capture_state")
-                done = st["frames_sent"] + st["frames_dropped_queue_full"] + st["frames_dropped_no_peer"] \\
-                    >= st["frames_offered"] and st["queued"] == 0
+                done = frames_settled(st) >= st["frames_offered"] and st["queued"] == 0
                 quiet = quiet + 1 if (got == 0 and done and not trainer.last_seen) else 0
             return st
 

@@ -7,6 +7,8 @@ Malformed or foreign frames are rejected and counted, never raised.
 from __future__ import annotations
 
 import math
+import threading
+from collections import deque
 from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +20,18 @@ from vllm_specrl.security import require_local_zmq_address
 
 
 class CaptureReceiver:
-    def __init__(self, address: str, rcv_hwm: int = 256, allow_remote: bool = False):
+    """A PULL socket for captured frames.
+
+    With ``background`` a thread of its own owns the socket and keeps taking frames into a buffer
+    of up to ``max_buffered`` while the caller is busy (an online trainer's training step can take
+    seconds at idle priority, and frames that wait in ZeroMQ's queues past their high-water marks
+    are dropped at the sender): ``receive`` then hands out what the thread took. A full buffer
+    stops the thread's reading, so the sender drops and counts (``frames_dropped_peer_busy``);
+    memory stays bounded.
+    """
+
+    def __init__(self, address: str, rcv_hwm: int = 256, allow_remote: bool = False,
+                 background: bool = False, max_buffered: int = 8192):
         """Binds ``address``; a non-loopback one (hidden states from anywhere) only with ``allow_remote``."""
         import zmq
 
@@ -31,8 +44,34 @@ class CaptureReceiver:
         self.socket.bind(address)
         self.counters = {"frames": 0, "rejected": 0, "bytes": 0}
         self.last_error: str | None = None
+        self.max_buffered = max_buffered
+        self._buffer: deque = deque()
+        self._ready = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(target=self._run, name="specrl-capture-receiver", daemon=True)
+            self._thread.start()
 
     def receive(self, timeout_ms: int = 100, max_frames: int = 1024) -> list[tuple[dict, dict[str, torch.Tensor]]]:
+        """Up to ``max_frames`` frames, waiting up to ``timeout_ms`` for the first."""
+        if self._thread is None:
+            return self._take(timeout_ms, max_frames)
+        with self._ready:
+            if not self._buffer:
+                self._ready.wait(timeout_ms / 1000)
+            out = [self._buffer.popleft() for _ in range(min(max_frames, len(self._buffer)))]
+            self._ready.notify_all()  # room again for the reading thread
+        return out
+
+    def pending(self) -> bool:
+        """Frames waiting to be received (in the socket, or in the background buffer)."""
+        if self._thread is None:
+            return bool(self.socket.poll(0))
+        with self._ready:
+            return bool(self._buffer)
+
+    def _take(self, timeout_ms: int, max_frames: int) -> list[tuple[dict, dict[str, torch.Tensor]]]:
         out = []
         if not self.socket.poll(timeout_ms):
             return out
@@ -50,7 +89,24 @@ class CaptureReceiver:
                 self.last_error = str(exc)
         return out
 
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._ready:
+                while len(self._buffer) >= self.max_buffered and not self._stop.is_set():
+                    self._ready.wait(0.1)
+                room = self.max_buffered - len(self._buffer)
+            frames = self._take(100, max(room, 1))
+            if frames:
+                with self._ready:
+                    self._buffer.extend(frames)
+                    self._ready.notify_all()
+
     def close(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            with self._ready:
+                self._ready.notify_all()
+            self._thread.join(timeout=2.0)
         self.socket.close(0)
 
 

@@ -59,6 +59,15 @@ def resolve_sender_cpus(setting: object) -> set[int]:
     raise ValueError(f'capture_sender_cpus must be "auto", "inherit" or a list of CPU ids, not {setting!r}')
 
 
+FRAME_DROP_KEYS = ("frames_dropped_queue_full", "frames_dropped_no_peer", "frames_dropped_peer_busy",
+                   "frames_dropped_build_error")
+
+
+def frames_settled(state: dict[str, Any]) -> int:
+    """Frames a sender is done with (sent, or dropped and counted), from its ``state()``."""
+    return state.get("frames_sent", 0) + sum(state.get(key, 0) for key in FRAME_DROP_KEYS)
+
+
 def capture_address(address: str, allow_remote: bool) -> str:
     """The trainer's address, refused unless local or ``capture_allow_remote`` (hidden states leave the host)."""
     return require_local_zmq_address(
@@ -110,7 +119,8 @@ class CaptureSender:
         self._queued_lock = threading.Lock()
         self.send_timeout_s = send_timeout_s
         self.counters = {"frames_offered": 0, "frames_sent": 0, "frames_dropped_queue_full": 0,
-                         "frames_dropped_no_peer": 0, "frames_dropped_build_error": 0, "bytes_sent": 0}
+                         "frames_dropped_no_peer": 0, "frames_dropped_peer_busy": 0, "frames_dropped_build_error": 0,
+                         "bytes_sent": 0}
         self.last_build_error: str | None = None
         self._peers = 0  # live connections to a trainer, from the socket monitor's events
         self.cpus = sorted(cpus or ())  # where the sender thread runs; empty: where it was started
@@ -180,7 +190,8 @@ class CaptureSender:
                     for header, tensors in self._frames_of(count, item):
                         parts = encode_frame(header, tensors)
                         if not self._send(sock, parts):
-                            self.counters["frames_dropped_no_peer"] += 1
+                            self._read_connection_events(monitor)
+                            self.counters["frames_dropped_peer_busy" if self._peers else "frames_dropped_no_peer"] += 1
                             continue
                         self.counters["frames_sent"] += 1
                         self.counters["bytes_sent"] += sum(len(p) for p in parts)

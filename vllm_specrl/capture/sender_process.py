@@ -108,8 +108,8 @@ class SenderProcess:
         self._read_states()
         remote = self._remote
         dropped_here = self.counters["frames_dropped_in_transit"]
-        return {"address": self.address, "frames_sent": 0, "frames_dropped_no_peer": 0, "frames_dropped_build_error": 0,
-                "bytes_sent": 0, "queued": 0, "trainer_connected": False, **remote,
+        return {"address": self.address, "frames_sent": 0, "frames_dropped_no_peer": 0, "frames_dropped_peer_busy": 0,
+                "frames_dropped_build_error": 0, "bytes_sent": 0, "queued": 0, "trainer_connected": False, **remote,
                 "frames_offered": self.counters["frames_offered"],
                 "frames_dropped_queue_full": remote.get("frames_dropped_queue_full", 0) + dropped_here,
                 "sender_cpus": self.cpus, "sender_sched": "idle" if self.idle else "normal",

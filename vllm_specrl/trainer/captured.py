@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import torch
 
 from vllm_specrl.capture.receiver import CaptureReceiver, SequenceAssembler
+from vllm_specrl.capture.sender import frames_settled
 from vllm_specrl.proposer.checkpoint import init_draft, target_lm_head
 from vllm_specrl.trainer.rollout_seeds import per_prompt_sampling_params
 
@@ -61,8 +62,7 @@ def _wait_for_flush(llm: Any, drain: _Drain, stall_s: float = 60.0) -> dict:
     progress, last_move = (-1, -1), time.time()
     while time.time() - last_move < stall_s:
         state = llm.collective_rpc("specrl_capture_state")[0] or {}
-        done = state.get("frames_sent", 0) + state.get("frames_dropped_queue_full", 0) \
-            + state.get("frames_dropped_no_peer", 0)
+        done = frames_settled(state)
         if done >= state.get("frames_offered", 0) and state.get("queued", 0) == 0 \
                 and drain.received >= state.get("frames_sent", 0):
             break
@@ -119,6 +119,7 @@ def describe_capture(counts: dict) -> str:
             f"{sender.get('frames_offered', 0)} offered, {sender.get('frames_sent', 0)} sent, "
             f"{sender.get('frames_dropped_queue_full', 0)} dropped (queue full), "
             f"{sender.get('frames_dropped_no_peer', 0)} dropped (no receiver), "
+            f"{sender.get('frames_dropped_peer_busy', 0)} dropped (receiver behind), "
             f"{sender.get('frames_dropped_build_error', 0)} failed to build, "
             f"tap errors {sender.get('tap_errors', 0)})")
 

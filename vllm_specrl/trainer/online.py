@@ -130,7 +130,8 @@ class OnlineDraftTrainer:
                                         train_cfg)
         self.resumed_from_step = self.trainer.step_count if resume else None
         self.rng = random.Random(cfg.seed)
-        self.receiver = CaptureReceiver(cfg.capture, allow_remote=cfg.capture_allow_remote)
+        # Received in a thread of its own: frames keep arriving while a training step runs.
+        self.receiver = CaptureReceiver(cfg.capture, allow_remote=cfg.capture_allow_remote, background=True)
         self.assembler = SequenceAssembler()
         self.last_seen: dict[str, float] = {}
         self.buffer: deque = deque(maxlen=cfg.buffer_sequences)
