@@ -48,14 +48,17 @@ def test_an_mtp_engines_frames_need_no_aux_layers_and_an_eagle3_frame_does():
         decode_frame(encode_frame(dict(header, drafter="medusa"), tensors))
 
 
-def test_receiver_counts_and_drops_foreign_frames():
+@pytest.mark.parametrize("background", [False, True], ids=["inline", "background_thread"])
+def test_receiver_counts_and_drops_foreign_frames(background):
+    """Either kind of receiver (the online trainer's reads in a thread) refuses and counts foreign
+    messages and goes on to take the valid frame after them."""
     import zmq
 
     from vllm_specrl.capture.receiver import CaptureReceiver
     from vllm_specrl.server import free_port
 
     addr = f"tcp://127.0.0.1:{free_port()}"
-    rx = CaptureReceiver(addr)
+    rx = CaptureReceiver(addr, background=background)
     tx = zmq.Context.instance().socket(zmq.PUSH)
     tx.connect(addr)
     tx.send_multipart([b"GET / HTTP/1.1"])
@@ -64,7 +67,7 @@ def test_receiver_counts_and_drops_foreign_frames():
     got = []
     for _ in range(20):
         got += rx.receive(100)
-        if rx.counters["frames"] + rx.counters["rejected"] == 3:
+        if rx.counters["frames"] + rx.counters["rejected"] == 3 and got:
             break
     tx.close(0)
     rx.close()

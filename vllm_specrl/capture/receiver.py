@@ -95,7 +95,13 @@ class CaptureReceiver:
                 while len(self._buffer) >= self.max_buffered and not self._stop.is_set():
                     self._ready.wait(0.1)
                 room = self.max_buffered - len(self._buffer)
-            frames = self._take(100, max(room, 1))
+            try:
+                frames = self._take(100, max(room, 1))
+            except Exception as exc:  # noqa: BLE001 - the reading thread outlives a bad read
+                self.counters["rejected"] += 1
+                self.last_error = repr(exc)
+                self._stop.wait(0.1)
+                continue
             if frames:
                 with self._ready:
                     self._buffer.extend(frames)
