@@ -37,7 +37,7 @@ while time.time() < deadline:
     for header, tensors in rx.receive(200):
         asm.add(header, tensors)
     state = llm.collective_rpc("specrl_capture_state")[0]
-    if frames_settled(state) >= state["frames_offered"] and state["queued"] == 0 and rx.socket.poll(300) == 0:
+    if frames_settled(state) >= state["frames_offered"] and state["queued"] == 0 and not rx.pending(300):
         break
 seqs, runs = {}, []
 for i, rid in enumerate(request_ids):

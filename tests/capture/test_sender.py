@@ -45,10 +45,8 @@ def offer_then_read_late(send_timeout_s: float, background: bool = False,
         while time.time() < deadline:
             received += len(receiver.receive(200))
             state = sender.state()
-            if state["queued"] == 0 and frames_settled(state) == FRAMES and not receiver.pending():
-                time.sleep(0.3)
-                if not receiver.pending():
-                    break
+            if state["queued"] == 0 and frames_settled(state) == FRAMES and not receiver.pending(300):
+                break
         return sender.state(), received, offer_s
     finally:
         sender.close()

@@ -90,7 +90,7 @@ def drain(receiver, wanted: int = 0) -> set:
     from vllm_specrl.capture.receiver import SequenceAssembler
 
     assembler, deadline = SequenceAssembler(), time.time() + 30
-    while time.time() < deadline and (len(assembler.requests) < wanted or receiver.socket.poll(1000)):
+    while time.time() < deadline and (len(assembler.requests) < wanted or receiver.pending(1000)):
         for header, tensors in receiver.receive(200):
             assembler.add(header, tensors)
     return {v for rows in assembler.requests.values() for v in rows.policy_versions}

@@ -64,11 +64,14 @@ class CaptureReceiver:
             self._ready.notify_all()  # room again for the reading thread
         return out
 
-    def pending(self) -> bool:
-        """Frames waiting to be received (in the socket, or in the background buffer)."""
+    def pending(self, timeout_ms: int = 0) -> bool:
+        """Frames waiting to be received (in the socket, or in the background buffer), waiting up to
+        ``timeout_ms`` for one: how a caller tells a quiet stream."""
         if self._thread is None:
-            return bool(self.socket.poll(0))
+            return bool(self.socket.poll(timeout_ms))
         with self._ready:
+            if not self._buffer:
+                self._ready.wait(timeout_ms / 1000)
             return bool(self._buffer)
 
     def _take(self, timeout_ms: int, max_frames: int) -> list[tuple[dict, dict[str, torch.Tensor]]]:
@@ -241,7 +244,7 @@ def receive_while(address: str, send: Callable[[], Any], wanted: int, timeout_s:
         time.sleep(settle_s)
         result = send()
         deadline = time.time() + timeout_s
-        while time.time() < deadline and (len(assembler.requests) < wanted or receiver.socket.poll(1000)):
+        while time.time() < deadline and (len(assembler.requests) < wanted or receiver.pending(1000)):
             for header, tensors in receiver.receive(200):
                 assembler.add(header, tensors)
     finally:
