@@ -93,6 +93,31 @@ def test_a_full_background_buffer_stops_reading_and_the_sender_counts_the_drops(
         receiver.close()
 
 
+def test_a_background_receivers_counters_move_only_when_frames_are_handed_out():
+    """The online trainer reports ``counters`` with a publish and logs them after it: the thread's
+    reading between the two must not make them disagree. What it read is counted at ``receive``."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    receiver = CaptureReceiver(address, background=True)
+    sender = CaptureSender(address)
+    try:
+        assert wait_for_connected(sender, True) is True
+        assert sender.offer(*frame(0))
+        assert len(receiver.receive(10_000)) == 1
+        handed_out = dict(receiver.counters)
+        assert handed_out["frames"] == 1 and handed_out["bytes"] > 0, handed_out
+        assert all(sender.offer(*frame(i)) for i in range(1, 4))
+        assert receiver.pending(10_000)  # the thread has read at least one more
+        assert receiver.counters == handed_out
+        got = []
+        deadline = time.time() + 10
+        while len(got) < 3 and time.time() < deadline:
+            got += receiver.receive(200)
+        assert len(got) == 3 and receiver.counters["frames"] == 4, receiver.counters
+    finally:
+        sender.close()
+        receiver.close()
+
+
 @pytest.mark.parametrize("send_timeout_s", [10.0])
 def test_with_a_send_timeout_the_sender_thread_waits_and_nothing_is_lost(send_timeout_s):
     state, received, offer_s = offer_then_read_late(send_timeout_s)

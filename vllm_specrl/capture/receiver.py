@@ -28,6 +28,9 @@ class CaptureReceiver:
     are dropped at the sender): ``receive`` then hands out what the thread took. A full buffer
     stops the thread's reading, so the sender drops and counts (``frames_dropped_peer_busy``);
     memory stays bounded.
+
+    ``counters`` (frames, rejected, bytes) change only in ``receive``: a background receiver keeps
+    its thread's counts aside and adds them there, so reports read between two receives agree.
     """
 
     def __init__(self, address: str, rcv_hwm: int = 256, allow_remote: bool = False,
@@ -43,6 +46,7 @@ class CaptureReceiver:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(address)
         self.counters = {"frames": 0, "rejected": 0, "bytes": 0}
+        self._counted_by_thread = dict.fromkeys(self.counters, 0)
         self.last_error: str | None = None
         self.max_buffered = max_buffered
         self._buffer: deque = deque()
@@ -61,6 +65,9 @@ class CaptureReceiver:
             if not self._buffer:
                 self._ready.wait(timeout_ms / 1000)
             out = [self._buffer.popleft() for _ in range(min(max_frames, len(self._buffer)))]
+            for key, count in self._counted_by_thread.items():
+                self.counters[key] += count
+                self._counted_by_thread[key] = 0
             self._ready.notify_all()  # room again for the reading thread
         return out
 
@@ -74,7 +81,9 @@ class CaptureReceiver:
                 self._ready.wait(timeout_ms / 1000)
             return bool(self._buffer)
 
-    def _take(self, timeout_ms: int, max_frames: int) -> list[tuple[dict, dict[str, torch.Tensor]]]:
+    def _take(self, timeout_ms: int, max_frames: int,
+              counters: dict[str, int] | None = None) -> list[tuple[dict, dict[str, torch.Tensor]]]:
+        counters = self.counters if counters is None else counters
         out = []
         if not self.socket.poll(timeout_ms):
             return out
@@ -83,12 +92,12 @@ class CaptureReceiver:
                 parts = self.socket.recv_multipart(flags=self._zmq.NOBLOCK)
             except self._zmq.Again:
                 break
-            self.counters["bytes"] += sum(len(p) for p in parts)
+            counters["bytes"] += sum(len(p) for p in parts)
             try:
                 out.append(decode_frame(parts))
-                self.counters["frames"] += 1
+                counters["frames"] += 1
             except FrameError as exc:
-                self.counters["rejected"] += 1
+                counters["rejected"] += 1
                 self.last_error = str(exc)
         return out
 
@@ -98,15 +107,18 @@ class CaptureReceiver:
                 while len(self._buffer) >= self.max_buffered and not self._stop.is_set():
                     self._ready.wait(0.1)
                 room = self.max_buffered - len(self._buffer)
+            counted = dict.fromkeys(self.counters, 0)
             try:
-                frames = self._take(100, max(room, 1))
+                frames = self._take(100, max(room, 1), counted)
             except Exception as exc:  # noqa: BLE001 - the reading thread outlives a bad read
-                self.counters["rejected"] += 1
+                frames = []
+                counted["rejected"] += 1
                 self.last_error = repr(exc)
                 self._stop.wait(0.1)
-                continue
-            if frames:
-                with self._ready:
+            with self._ready:
+                for key, count in counted.items():
+                    self._counted_by_thread[key] += count
+                if frames:
                     self._buffer.extend(frames)
                     self._ready.notify_all()
 
