@@ -97,7 +97,8 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path, replay: d
                         lambda text, answer: reward(text, answer, args.task), steps=total, group=args.group,
                         max_tokens=args.max_tokens, clip=args.clip, seed=args.seed,
                         policy_lag=1 if mode.endswith("-async") else 0, draft_trainer=trainer,
-                        trainer_yields=args.draft_trainer_yields, keep_mtp=mtp,
+                        trainer_yields=args.draft_trainer_yields,
+                        trainer_trains_during=args.draft_trainer_trains_during, keep_mtp=mtp,
                         mtp_head=policy_head if mtp and online else None, checkpoint_dir=policy_dir)
         try:
             with loop:
@@ -215,6 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="pause the online draft trainer's training (not its capture) during the policy's logprob, "
                          "update and sync phases, which share this machine's cores (on a GPU cluster it has "
                          "its own device)")
+    ap.add_argument("--draft-trainer-trains-during", choices=["rollouts", "policy"], default="rollouts",
+                    help="when the online draft trainer trains: during the rollouts (it takes the cycles generation "
+                         "leaves), or during the policy's logprob, update and sync phases (generation then shares "
+                         "its cores with capture alone); it ingests captured rows throughout")
     ap.add_argument("--draft-trainer-cpus", choices=["auto", "any"], default="auto",
                     help="where the online draft trainer runs: auto, the CPUs vLLM's CPU worker leaves to its engine "
                          "core (where the capture sender runs), so it never takes the forward's core; any: anywhere")
@@ -238,7 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    args = build_parser().parse_args()
+    parser = build_parser()
+    args = parser.parse_args()
+    if args.draft_trainer_trains_during == "policy" and not args.draft_trainer_yields:
+        parser.error("--draft-trainer-trains-during policy pauses the trainer for the rollouts: "
+                     "leave --draft-trainer-yields on")
     cpu_malloc.keep_every_block_on_heap()  # the policy's log-prob pass and update (vllm_specrl.cpu_malloc)
     args.dtype = resolve_serving_dtype(args.dtype or "auto")
     if args.proposer:

@@ -68,7 +68,9 @@ class GRPOLoop:
     """Steps of GRPO against a served engine: ``for i in range(steps): loop.step(i)``.
 
     ``tasks(i)`` gives step i's (prompt, answer) pairs, ``reward(text, answer)`` scores a completion.
-    ``draft_trainer``: an online draft trainer to pause for the policy phases (``yields``, not with lag).
+    ``draft_trainer``: an online draft trainer to pause for the policy phases (``yields``, not with lag);
+    with ``trainer_trains_during="policy"`` it pauses for the rollouts instead and trains while the policy
+    phases run (generation then shares its cores with capture alone).
     ``mtp_head``: for an MTP policy with an online trainer, the directory ``Policy.write_head`` keeps
     current for it; the update then sends the body alone (``keep_mtp``), the served MTP layer being
     the trainer's."""
@@ -77,9 +79,14 @@ class GRPOLoop:
                  reward: Callable[[str, Any], float], *, steps: int, group: int = 4, max_tokens: int = 256,
                  clip: float = 0.2, seed: int = 0, policy_lag: int = 0,
                  draft_trainer: DraftTrainerProcess | None = None, trainer_yields: bool = True,
-                 keep_mtp: bool = False, mtp_head: Path | None = None, checkpoint_dir: Path | None = None):
+                 trainer_trains_during: str = "rollouts", keep_mtp: bool = False, mtp_head: Path | None = None, checkpoint_dir: Path | None = None):
         if policy_lag not in (0, 1):
             raise ValueError("policy_lag is 0 (synchronous) or 1 (the next rollouts run while a step trains)")
+        if trainer_trains_during not in ("rollouts", "policy"):
+            raise ValueError("trainer_trains_during is 'rollouts' or 'policy'")
+        if trainer_trains_during == "policy" and policy_lag:
+            raise ValueError("with policy_lag=1 rollouts run during the policy phases: the trainer trains "
+                             "during the rollouts")
         if mtp_head is not None and checkpoint_dir is None:
             raise ValueError("mtp_head needs checkpoint_dir (the policy's config is copied from it)")
         self.engine, self.model, self.policy = engine, model, policy
@@ -87,6 +94,7 @@ class GRPOLoop:
         self.steps, self.group, self.max_tokens, self.clip, self.seed = steps, group, max_tokens, clip, seed
         self.policy_lag, self.draft_trainer = policy_lag, draft_trainer
         self.trainer_yields = trainer_yields and policy_lag == 0
+        self.trainer_trains_during = trainer_trains_during
         self.keep_mtp, self.mtp_head, self.checkpoint_dir = keep_mtp, mtp_head, checkpoint_dir
         self._pool = ThreadPoolExecutor(1)
         self._pending: Future | None = None
@@ -106,7 +114,10 @@ class GRPOLoop:
             if self.policy_lag:
                 self._pending = self._pool.submit(self.rollouts, i)
         if self.draft_trainer is not None:
-            self.draft_trainer.resume()  # it trains while rollouts run
+            if self.trainer_trains_during == "policy":
+                self.draft_trainer.pause()  # it ingests the rollouts' frames, trains after them
+            else:
+                self.draft_trainer.resume()  # it trains while rollouts run
         t_step = time.perf_counter()
         if self.policy_lag:
             samples, timing = self._pending.result()
@@ -116,7 +127,9 @@ class GRPOLoop:
         exposed = time.perf_counter() - t_step
         status = self.engine.status()
         check_rollouts(samples, i, len(samples) // self.group, self.group)
-        if self.draft_trainer is not None and self.trainer_yields:
+        if self.draft_trainer is not None and self.trainer_trains_during == "policy":
+            self.draft_trainer.resume()  # paused again before the next rollouts
+        elif self.draft_trainer is not None and self.trainer_yields:
             self.draft_trainer.pause()  # resumed before the next rollouts
         trained_version = self.policy.version
         logps, loss, logprob_s, training_s = self.policy.grpo_pass(samples, self.group, self.clip)
