@@ -17,6 +17,7 @@ COUNTERS = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "a
 class Trainer:
     def __init__(self):
         self.paused = False
+        self.paused_between_steps: list[bool] = []
 
     def pause(self) -> None:
         self.paused = True
@@ -65,18 +66,21 @@ def run_steps(steps: int, **kwargs) -> tuple[list, Trainer]:
     with loop:
         for i in range(steps):
             loop.step(i)
+            trainer.paused_between_steps.append(trainer.paused)
     return seen, trainer
 
 
 def test_by_default_the_trainer_trains_during_the_rollouts_and_pauses_for_the_policy_phases():
-    seen, _ = run_steps(2)
+    seen, trainer = run_steps(2)
     assert seen == [("rollouts", False), ("policy", True), ("sync", True)] * 2
+    assert trainer.paused_between_steps == [True, True]
 
 
 def test_trained_during_the_policy_phases_it_pauses_for_the_rollouts():
     seen, trainer = run_steps(2, trainer_trains_during="policy")
     assert seen == [("rollouts", True), ("policy", False), ("sync", False)] * 2
-    assert not trainer.paused  # left training after the last step, as after any policy phase
+    # Paused from each step's end: whatever runs between steps (another engine's turn) gets the cores.
+    assert trainer.paused_between_steps == [True, True]
 
 
 def test_training_during_the_policy_phases_is_refused_where_rollouts_overlap_them():

@@ -69,8 +69,9 @@ class GRPOLoop:
 
     ``tasks(i)`` gives step i's (prompt, answer) pairs, ``reward(text, answer)`` scores a completion.
     ``draft_trainer``: an online draft trainer to pause for the policy phases (``yields``, not with lag);
-    with ``trainer_trains_during="policy"`` it pauses for the rollouts instead and trains while the policy
-    phases run (generation then shares its cores with capture alone).
+    with ``trainer_trains_during="policy"`` it trains only while the step's policy phases run and is paused
+    from the step's end through the next rollouts (generation then shares its cores with capture alone,
+    and nothing else run between steps, another engine's turn, shares them with its training).
     ``mtp_head``: for an MTP policy with an online trainer, the directory ``Policy.write_head`` keeps
     current for it; the update then sends the body alone (``keep_mtp``), the served MTP layer being
     the trainer's."""
@@ -114,10 +115,10 @@ class GRPOLoop:
             if self.policy_lag:
                 self._pending = self._pool.submit(self.rollouts, i)
         if self.draft_trainer is not None:
-            if self.trainer_trains_during == "policy":
-                self.draft_trainer.pause()  # it ingests the rollouts' frames, trains after them
-            else:
+            if self.trainer_trains_during == "rollouts":
                 self.draft_trainer.resume()  # it trains while rollouts run
+            else:
+                self.draft_trainer.pause()  # (a trainer starts unpaused) it only ingests the rollouts
         t_step = time.perf_counter()
         if self.policy_lag:
             samples, timing = self._pending.result()
@@ -128,7 +129,7 @@ class GRPOLoop:
         status = self.engine.status()
         check_rollouts(samples, i, len(samples) // self.group, self.group)
         if self.draft_trainer is not None and self.trainer_trains_during == "policy":
-            self.draft_trainer.resume()  # paused again before the next rollouts
+            self.draft_trainer.resume()  # it ingested the rollouts' frames; it trains until the step ends
         elif self.draft_trainer is not None and self.trainer_yields:
             self.draft_trainer.pause()  # resumed before the next rollouts
         trained_version = self.policy.version
@@ -140,6 +141,8 @@ class GRPOLoop:
                                   pause="keep" if self.policy_lag else "wait", keep_mtp=self.keep_mtp)
         self.policy.version = trained_version + 1
         sync_s = time.perf_counter() - t0
+        if self.draft_trainer is not None and self.trainer_trains_during == "policy":
+            self.draft_trainer.pause()  # its training ends with the step's policy phases
         served = metrics.summary_delta(self._before["spec_decode"], status["spec_decode"])
         result = StepResult(i, samples, timing, exposed, logps, loss, logprob_s, training_s, sync_s,
                             time.perf_counter() - t_step, trained_version, served, self._before, status)
