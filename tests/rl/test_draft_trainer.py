@@ -22,6 +22,16 @@ def test_trainer_cpus_follow_the_capture_sender():
     assert trainer_cpus("any", {"capture": {"sender_cpus": [1]}}) is None
 
 
+def test_a_trainer_started_without_a_pause_file_refuses_to_pause(tmp_path):
+    """A loop that pauses it (``GRPOLoop(trainer_trains_during="policy")``) must not believe it paused a
+    trainer that trains on regardless."""
+    trainer = DraftTrainerProcess(None, tmp_path, "spec", pausable=False)
+    with pytest.raises(RuntimeError, match="pause file"):
+        trainer.pause()
+    assert not trainer.pause_file.exists()
+    trainer.resume()  # nothing to undo
+
+
 def test_a_trainer_starts_pauses_resumes_and_stops_with_a_checkpoint(tiny_model, tmp_path):
     from vllm_specrl.proposer.checkpoint import init_draft
 

@@ -48,8 +48,9 @@ def trainer_cpus(setting: str, engine_status: dict) -> set[int] | None:
 class DraftTrainerProcess:
     """One ``train-draft`` process: trains on ``capture``, publishes to ``engine_url``."""
 
-    def __init__(self, proc: subprocess.Popen, work_dir: Path, name: str):
+    def __init__(self, proc: subprocess.Popen, work_dir: Path, name: str, pausable: bool = True):
         self.proc, self.work_dir, self.name = proc, work_dir, name
+        self.pausable = pausable  # started watching its pause file (``DraftTrainerSettings.yields``)
 
     @property
     def pause_file(self) -> Path:
@@ -87,7 +88,7 @@ class DraftTrainerProcess:
         proc = start_niced(cmd, niceness=s.niceness, idle=s.sched_idle, cpus=cpus,
                            stdout=open(out, "w"), stderr=subprocess.STDOUT,  # noqa: SIM115 - the child owns it
                            env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
-        trainer = cls(proc, work_dir, name)
+        trainer = cls(proc, work_dir, name, pausable=s.yields)
         trainer.wait_started(start_timeout_s)
         return trainer
 
@@ -104,6 +105,9 @@ class DraftTrainerProcess:
 
     def pause(self) -> None:
         """Stop training (it keeps ingesting captured rows) until ``resume``."""
+        if not self.pausable:
+            raise RuntimeError(f"the draft trainer {self.name!r} was started without a pause file "
+                               "(DraftTrainerSettings.yields=False): it cannot be paused")
         self.pause_file.touch()
 
     def resume(self) -> None:

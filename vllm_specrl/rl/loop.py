@@ -80,7 +80,8 @@ class GRPOLoop:
                  reward: Callable[[str, Any], float], *, steps: int, group: int = 4, max_tokens: int = 256,
                  clip: float = 0.2, seed: int = 0, policy_lag: int = 0,
                  draft_trainer: DraftTrainerProcess | None = None, trainer_yields: bool = True,
-                 trainer_trains_during: str = "rollouts", keep_mtp: bool = False, mtp_head: Path | None = None, checkpoint_dir: Path | None = None):
+                 trainer_trains_during: str = "rollouts", keep_mtp: bool = False, mtp_head: Path | None = None,
+                 checkpoint_dir: Path | None = None):
         if policy_lag not in (0, 1):
             raise ValueError("policy_lag is 0 (synchronous) or 1 (the next rollouts run while a step trains)")
         if trainer_trains_during not in ("rollouts", "policy"):
