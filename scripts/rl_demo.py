@@ -70,7 +70,9 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path, replay: d
     online = args.online_draft and proposer in ("eagle3", "mtp")
     serving = serve_args(proposer, k=args.k, draft=draft if proposer == "eagle3" else None,
                          adaptive_k=args.adaptive_k, capture=f"tcp://127.0.0.1:{free_port()}" if online else None,
-                         dtype=args.dtype, max_model_len=1024, seed=args.seed)
+                         dtype=args.dtype, max_model_len=1024, seed=args.seed,
+                         additional={"history": args.history_config} if proposer == "history" and args.history_config
+                         else None)
     trainer, calibration = None, None
     policy = Policy(policy_dir, args.lr, args.seed)
     if mtp and online:
@@ -138,6 +140,20 @@ def print_step(mode: str, rec: dict) -> None:
           f"versions {rec['rollout_policy_versions']}, |dlogp| max {rec['logprob_abs_diff_max']:.3f}", flush=True)
 
 
+def history_config_arg(text: str) -> dict:
+    """``--history-config``: a JSON object of the history proposer's knobs, checked before any engine starts."""
+    from vllm_specrl.proposer.history_index import HistoryConfig
+
+    try:
+        raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError("expected a JSON object")
+        HistoryConfig.from_dict(raw)
+    except (ValueError, TypeError) as err:
+        raise argparse.ArgumentTypeError(f"{text!r}: {err}") from None
+    return raw
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The demo's options (``scripts/bench/bench_online_cost.py`` reads the draft trainer's defaults here)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -192,6 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=2e-6)
     ap.add_argument("--clip", type=float, default=0.2, help="PPO clip of the importance ratio")
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--history-config", type=history_config_arg, default=None, metavar="JSON",
+                    help="the history runs' proposer knobs (other runs ignore them), as under --additional-config's "
+                         "specrl.history (e.g. '{\"cost_aware\": false, \"min_confidence\": 0.1}': a fixed threshold "
+                         "instead of the one fitted from the engine's step times)")
     ap.add_argument("--draft", default=None, help="EAGLE-3 draft to start from (default: fresh)")
     ap.add_argument("--draft-vocab-size", type=int, default=8192)
     ap.add_argument("--draft-replay-ratio", type=float, default=4.0,

@@ -22,6 +22,9 @@ from helpers import run_rl_demo
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 STEPS, PROMPTS, GROUP = 3, 2, 4
 WARM_UP = 1  # one untimed step per run first, as make demo takes
+# A fixed draft threshold for the history run: with the default cost fit, whether a tiny-fixture step found any
+# draft worth a row hung on that run's step timings (a run saw no step draft).
+HISTORY_CONFIG = {"cost_aware": False, "min_confidence": 0.1}
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +34,8 @@ def report(tiny_model, warm_draft, tmp_path_factory):
     out = tmp_path_factory.mktemp("rl_demo") / "rl_demo.json"
     return run_rl_demo(tiny_model, "spec-async,history,plain", out, STEPS, PROMPTS, GROUP,
                        "--draft", str(warm_draft), "--draft-vocab-size", str(WARM_DRAFT_VOCAB),
-                       "--draft-lr", "3e-4", "--draft-tv-weight", "0.5", warm_up_steps=WARM_UP)
+                       "--draft-lr", "3e-4", "--draft-tv-weight", "0.5",
+                       "--history-config", json.dumps(HISTORY_CONFIG), warm_up_steps=WARM_UP)
 
 
 def test_the_online_trainer_trains_with_the_demos_draft_options(report):
@@ -91,8 +95,11 @@ def test_history_run_serves_with_drafts(report):
     """Every step samples the same prompts, so the history proposer has the earlier steps' rollouts
     (older policy versions, aged but kept) besides its own group to draft from; vLLM's counters show
     drafts verified (the tiny fixture at T=1 accepts few). No adaptive k there: the proposer sets each
-    request's draft length from its own cost fit."""
+    request's draft length, here from ``--history-config``'s fixed threshold."""
     data, stdout = report
+    out = Path(data["settings"]["out"])
+    served_with = (out.parent / f"{out.stem}_work" / "serve_history.log").read_text()  # vLLM logs its non-default args
+    assert f"'history': {HISTORY_CONFIG}" in served_with
     steps = data["runs"]["history"]["steps"]
     assert all(s["mean_k"] is None for s in steps), steps
     assert any(s["acceptance_length"] is not None for s in steps), steps
