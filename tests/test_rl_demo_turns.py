@@ -1,6 +1,6 @@
 """``demo_harness.run_interleaved`` (the RL demo's harness): the order in which the parent starts the runs'
 processes, times their steps and finishes them (a stand-in for each run's process; the real processes
-are driven end to end by tests/test_rl_demo_mtp.py)."""
+are driven end to end by tests/test_rl_demo_mtp.py), and the demo's own checks of its options."""
 
 from __future__ import annotations
 
@@ -89,3 +89,17 @@ def test_a_run_reads_its_turns_and_a_quit_ends_it_cleanly():
         demo.next_turn(Turns({"quit": True}), "spec", "step")
     with pytest.raises(RuntimeError, match="expected a finish command"):
         demo.next_turn(Turns({"step": 4}), "spec", "finish")
+
+
+def test_history_config_is_checked_before_any_engine_starts(capsys):
+    """``--history-config`` reaches the history runs as given; a key the proposer does not know, or JSON that is
+    not an object, is refused by the parser (before a server starts) and names the known keys."""
+    parser = _rl_demo_module().build_parser()
+    given = {"cost_aware": False, "min_confidence": 0.1}
+    assert parser.parse_args(["--history-config", json.dumps(given)]).history_config == given
+    assert parser.parse_args([]).history_config is None
+    for bad in ('{"cost_awre": false}', "[0.1]", '{"min_confidence": 2}', "{not json"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--history-config", bad])
+        err = capsys.readouterr().err
+        assert "--history-config" in err and ("known:" in err or "cost_awre" not in bad), err
