@@ -1,7 +1,8 @@
-"""Run engine snippets in a fresh interpreter: vLLM allows one engine per process."""
+"""Run engine snippets in a fresh interpreter (vLLM allows one engine per process); load the repo's scripts."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -10,6 +11,14 @@ import textwrap
 from pathlib import Path
 
 from conftest import REPO
+
+
+def load_script(path: str):
+    """A script under the repo (``scripts/...``) imported as a module, to test its functions."""
+    spec = importlib.util.spec_from_file_location(Path(path).stem, REPO / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 600,

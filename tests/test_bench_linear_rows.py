@@ -3,21 +3,17 @@ so each timed call must compute the projection itself (x @ W.T) and the shapes m
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers import load_script
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_linear_rows", REPO / "scripts" / "bench" / "bench_linear_rows.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/bench/bench_linear_rows.py")
 
 
 def test_shapes_are_the_models_fused_projections(tiny_model):

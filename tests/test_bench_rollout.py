@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import load_script
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -52,12 +54,7 @@ def test_bench_rollout_sweep_on_tiny(tiny_model, warm_draft, tmp_path):
 
 
 def _bench_rollout_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_rollout", REPO / "scripts" / "bench" / "bench_rollout.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/bench/bench_rollout.py")
 
 
 def test_rounds_are_compared_within_a_round_and_pooled_over_rounds():

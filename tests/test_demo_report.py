@@ -3,19 +3,13 @@ and split into bulk and tail by the same rule (``rl.rollouts.bulk_and_tail``).""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers import load_script
 
 
 def _report_module():
-    spec = importlib.util.spec_from_file_location("demo_report", REPO / "scripts" / "demo_report.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/demo_report.py")
 
 
 def _step(step, gen, bulk, step_s=20.0):

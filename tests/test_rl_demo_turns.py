@@ -4,11 +4,12 @@ are driven end to end by tests/test_rl_demo_mtp.py), and the demo's own checks o
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from helpers import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -17,17 +18,11 @@ def _harness_module():
     import sys
 
     sys.path.insert(0, str(REPO / "scripts"))
-    spec = importlib.util.spec_from_file_location("demo_harness", REPO / "scripts" / "demo_harness.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/demo_harness.py")
 
 
 def _rl_demo_module():
-    spec = importlib.util.spec_from_file_location("rl_demo", REPO / "scripts" / "rl_demo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/rl_demo.py")
 
 
 def test_runs_start_one_by_one_step_in_rotating_turns_and_proposers_finish_first(tmp_path, monkeypatch):

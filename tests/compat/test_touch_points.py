@@ -6,24 +6,20 @@ of the check, not a silent skip."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import vllm
 
 from vllm_specrl import patches  # noqa: F401 - declares every patch and read
 from vllm_specrl.compat.registry import REGISTRY
+from helpers import load_script
 from vllm_specrl.compat.source_check import compare, patch_signatures, skipped_patches
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("check_vllm_touch_points",
-                                                  REPO / "scripts" / "check_vllm_touch_points.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/check_vllm_touch_points.py")
 
 
 def test_every_touch_point_holds_in_the_installed_vllm():
