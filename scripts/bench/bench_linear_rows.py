@@ -122,11 +122,12 @@ def main() -> None:
     torch.manual_seed(0)
     dtype, rows = getattr(torch, args.dtype), [int(r) for r in args.rows.split(",")]
     config = json.loads((args.model / "config.json").read_text())
-    layers, per_layer = {}, {m: 0.0 for m in rows}
-    for name, (fan_in, fan_out) in projection_shapes(config).items():
-        kind, layer = vllm_linear(torch.randn(fan_out, fan_in, dtype=dtype) * 0.02)
+    shapes = projection_shapes(config)
+    layers, modules, per_layer = {}, {}, {m: 0.0 for m in rows}
+    for name, (fan_in, fan_out) in shapes.items():
+        kind, modules[name] = vllm_linear(torch.randn(fan_out, fan_in, dtype=dtype) * 0.02)
         calls = max(args.calls // 10, 3) if name == "lm_head" else args.calls
-        seconds = time_rows(layer, fan_in, rows, dtype, args.rounds, calls)
+        seconds = time_rows(modules[name], fan_in, rows, dtype, args.rounds, calls)
         layers[name] = {"in": fan_in, "out": fan_out, "kernel": kind,
                         "us_per_call": {str(m): round(1e6 * s, 1) for m, s in seconds.items()}}
         if name != "lm_head":
@@ -137,9 +138,8 @@ def main() -> None:
     alone = {str(m): round(1e3 * layer_count * s, 2) for m, s in per_layer.items()}
     print(f"{layer_count} x one layer's projections alone (cache-warm), ms by rows: "
           + "  ".join(f"{m}:{v}" for m, v in alone.items()))
-    fan_in, fan_out = projection_shapes(config)["lm_head"]
-    _, head = vllm_linear(torch.randn(fan_out, fan_in, dtype=dtype) * 0.02)
-    streamed = time_stack(layer_stack(config, dtype), head, fan_in, rows, dtype, args.rounds)
+    streamed = time_stack(layer_stack(config, dtype), modules["lm_head"], shapes["lm_head"][0], rows, dtype,
+                          args.rounds)
     stack = {str(m): round(1e3 * s, 2) for m, (s, _) in streamed.items()}
     head_ms = {str(m): round(1e3 * h, 2) for m, (_, h) in streamed.items()}
     print(f"{layer_count} layers' projections, each its own weights (as a forward), ms by rows: "

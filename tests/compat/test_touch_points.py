@@ -12,8 +12,9 @@ import vllm
 
 from vllm_specrl import patches  # noqa: F401 - declares every patch and read
 from vllm_specrl.compat.registry import REGISTRY
-from helpers import load_script
 from vllm_specrl.compat.source_check import compare, patch_signatures, skipped_patches
+
+from helpers import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 
