@@ -119,6 +119,9 @@ def _wake_up(inner: Any) -> Any:
 
 
 def install_weight_events() -> str:
-    """The engine core's hooks (in every process that runs an engine core)."""
+    """The engine core's hooks (in every process that runs an engine core). A worker forked from an
+    engine core (``VLLM_SPECRL_CPU_START_METHOD=fork``) has them already."""
+    if REGISTRY.is_installed(RPC_PATCH.name):
+        return "installed"
     return REGISTRY.install_all([(RPC_PATCH, _collective_rpc), (LABEL_PATCH, _set_weight_version),
                                  (WAKE_PATCH, _wake_up)])

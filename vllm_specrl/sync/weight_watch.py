@@ -320,7 +320,10 @@ def watch_models(worker: Any) -> list[str]:
 
 
 def install_weight_watch() -> str:
-    """The worker-class hooks (in every process that runs a model)."""
+    """The worker-class hooks (in every process that runs a model). A worker forked from an engine
+    core that installed them (``VLLM_SPECRL_CPU_START_METHOD=fork``) has them already."""
+    if REGISTRY.is_installed(START_PATCH.name):
+        return "installed"
     return REGISTRY.install_all([
         (START_PATCH, _session_hook("policy")), (START_DRAFT_PATCH, _session_hook("draft")),
         (UPDATE_PATCH, _update_weights), (FINISH_PATCH, _finish_weight_update),
