@@ -8,9 +8,13 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 from conftest import REPO
+from vllm_specrl.server import VLLMServer
+
+STOCK_LAUNCH = VLLMServer.launch
 
 
 def load_script(path: str):
@@ -64,6 +68,42 @@ def _zygote():
         atexit.register(zygote.close)
         _ZYGOTE.append(zygote)
     return _ZYGOTE[0]
+
+
+_SERVER_ZYGOTE: list = []
+
+
+def launch_from_the_server_zygote(server) -> object:
+    """``VLLMServer.launch`` for the suite (tests/conftest.py): a ``vllm serve`` forked from the
+    session's server zygote, which imported vLLM and its OpenAI server once for all of them; any other
+    command (or an environment the zygote was not imported with) is launched as the class does."""
+    from vllm_specrl.server import vllm_executable
+
+    zygote = _server_zygote()
+    if zygote is None or server.cmd[:2] != [vllm_executable(), "serve"] or not zygote.serves(server.env):
+        return STOCK_LAUNCH(server)
+    if server.log_path:
+        server.log_path.parent.mkdir(parents=True, exist_ok=True)
+    server._log = None  # the child writes the log itself
+    server.proc = zygote.start(server.cmd, server.env, str(server.log_path or os.devnull))
+    server._deadline = time.time() + server.startup_timeout_s
+    return server
+
+
+def _server_zygote():
+    """The session's server zygote (tests/zygote.py, ``--servers``); ``SPECRL_TEST_ZYGOTE=0``: none."""
+    if os.environ.get("SPECRL_TEST_ZYGOTE", "1") == "0":
+        return None
+    if not _SERVER_ZYGOTE:
+        import atexit
+        import tempfile
+
+        from zygote import ServerZygote
+
+        zygote = ServerZygote(Path(tempfile.mkdtemp(prefix="specrl-server-zygote-")))
+        atexit.register(zygote.close)
+        _SERVER_ZYGOTE.append(zygote)
+    return _SERVER_ZYGOTE[0]
 
 
 def result_json(output: str, tag: str = "RESULT") -> dict:

@@ -3,7 +3,8 @@ environment and nothing else, its output, its exit status, a time limit that kil
 and no plugin or engine state carried over from the zygote. No engine starts here.
 
 Engines: short snippets in the session's zygote (no vLLM engine), one of which starts a sleeping
-child.
+child; the server zygote's children run ``vllm`` commands that start no engine (``--version``, a
+usage error, ``serve`` of a model that does not exist).
 """
 
 import os
@@ -14,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import _zygote, result_json, run_python
+from helpers import _server_zygote, _zygote, result_json, run_python
+from vllm_specrl.server import VLLMServer, cpu_env
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +82,50 @@ def test_a_snippet_past_its_time_is_killed_with_what_it_started(zygote, tmp_path
         pytest.fail("the snippet's own child outlived the time limit")
     # The zygote still serves the next snippet.
     assert result_json(run_python('print("RESULT 1")')) == 1
+
+
+@pytest.fixture(scope="module")
+def server_zygote():
+    z = _server_zygote()
+    if z is None:
+        pytest.skip("SPECRL_TEST_ZYGOTE=0: servers start as a user starts them")
+    return z
+
+
+def test_a_vllm_command_forked_by_the_server_zygote_prints_and_exits_as_the_script_would(server_zygote, tmp_path):
+    out = tmp_path / "out.log"
+    child = server_zygote.start(["vllm", "--version"], cpu_env(), str(out))
+    assert child.wait(120) == 0
+    import vllm
+
+    assert vllm.__version__ in out.read_text()
+    usage = server_zygote.start(["vllm", "no-such-command"], cpu_env(), str(tmp_path / "usage.log"))
+    assert usage.wait(120) == 2 and usage.poll() == 2 and usage.returncode == 2
+    assert "invalid choice" in (tmp_path / "usage.log").read_text()
+
+
+def test_a_server_launched_in_the_suite_comes_from_the_zygote_and_its_failure_is_seen(server_zygote, tmp_path):
+    """``VLLMServer.launch`` (patched by tests/conftest.py) forks ``vllm serve`` from the zygote; a server
+    that dies starting is reported as ``started`` reports a fresh process's death, with its log."""
+    from zygote import ZygoteChild
+
+    server = VLLMServer(tmp_path / "no-such-model", log_path=tmp_path / "serve.log", startup_timeout_s=120)
+    with pytest.raises(RuntimeError, match="vllm serve exited with 1"):
+        server.start()
+    assert isinstance(server.proc, ZygoteChild) and server.proc.poll() == 1
+    assert "no-such-model" in (tmp_path / "serve.log").read_text()
+    server.stop()  # nothing left to stop: no error
+
+
+def test_a_variable_the_zygotes_imports_set_does_not_keep_a_process_that_imported_vllm_away():
+    from zygote import same_import_time_environment
+
+    started = {"LD_PRELOAD": "libiomp5.so", "HOME": "/root"}
+    after = {**started, "TORCHINDUCTOR_CACHE_DIR": "/tmp/inductor"}
+    assert same_import_time_environment({"LD_PRELOAD": "libiomp5.so"}, started, after)
+    assert same_import_time_environment({"LD_PRELOAD": "libiomp5.so", "TORCHINDUCTOR_CACHE_DIR": "/tmp/inductor",
+                                         "VLLM_PLUGINS": "specrl"}, started, after)
+    assert not same_import_time_environment({"LD_PRELOAD": "libiomp5.so", "TORCHINDUCTOR_CACHE_DIR": "/x"},
+                                            started, after)
+    assert not same_import_time_environment({}, started, after)  # no Intel OpenMP preloaded
+    assert not same_import_time_environment({"LD_PRELOAD": "libiomp5.so", "OMP_NUM_THREADS": "1"}, started, after)

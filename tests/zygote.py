@@ -9,6 +9,12 @@ child loads the plugin (or not) from its own ``VLLM_PLUGINS`` exactly as a fresh
 
 Run as a script it is the zygote: one JSON request a line on stdin, answered on stdout with the
 child's pid, then its exit status.
+
+``--servers`` runs the other kind, for ``vllm serve`` (``ServerZygote``): it also imports the OpenAI
+server, forks a ``vllm serve`` per request without waiting for it (servers run side by side and for a
+whole module), and reports each one's exit status when it ends. A server's own engine core and worker
+start as they would under a fresh ``vllm serve``; what is saved is the API server's imports (~14 s on 2
+cores of a tiny model's ~20 s to ready).
 """
 
 from __future__ import annotations
@@ -29,15 +35,32 @@ IMPORT_TIME_PREFIXES = ("VLLM_LOGGING", "VLLM_CONFIGURE_LOGGING", "LD_", "PYTHON
 PRELOAD = ("torch", "transformers", "vllm", "vllm.entrypoints.llm", "vllm.v1.engine.llm_engine",
            "vllm.v1.engine.core", "vllm.v1.worker.gpu_model_runner", "vllm.model_executor.models.llama",
            "vllm.model_executor.models.qwen2", "scipy.stats", "safetensors.torch")
+SERVER_PRELOAD = (*PRELOAD, "vllm.entrypoints.cli.main", "vllm.entrypoints.cli.serve",
+                  "vllm.entrypoints.openai.api_server")
 
 
-def _run_child(request: dict, reply_fd: int) -> None:
+def same_import_time_environment(env: dict[str, str], started_with: dict[str, str],
+                                 after_imports: dict[str, str]) -> bool:
+    """Whether ``env`` agrees with a zygote's, in the variables read while the preloaded libraries load.
+    A variable the zygote's own imports set (vLLM sets a few, e.g. ``TORCHINDUCTOR_CACHE_DIR``) agrees
+    when ``env`` lacks it or holds the same value: a process that imported vLLM holds it too."""
+    set_by_imports = after_imports.keys() - started_with.keys()
+    for key in {*env, *started_with}:
+        if not key.startswith(IMPORT_TIME_PREFIXES) or env.get(key) == started_with.get(key):
+            continue
+        if key in set_by_imports and env.get(key) in (None, after_imports[key]):
+            continue
+        return False
+    return True
+
+
+def _run_child(request: dict, reply_fd: int, sigint=signal.SIG_DFL) -> None:
     """In the forked child: become the requested ``python -c`` and never return."""
     rc = 1
     try:
         os.close(reply_fd)
         os.setpgrp()  # a timeout kills the snippet and whatever it started
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, sigint)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -83,7 +106,7 @@ def serve() -> None:
     reply = os.fdopen(reply_fd, "w", buffering=1)
     for name in PRELOAD:
         __import__(name)
-    reply.write(json.dumps({"ready": True}) + "\n")
+    reply.write(json.dumps({"ready": True, "env": dict(os.environ)}) + "\n")
     while line := sys.stdin.readline():
         request = json.loads(line)
         sys.stdout.flush()
@@ -94,6 +117,152 @@ def serve() -> None:
         reply.write(json.dumps({"pid": pid}) + "\n")
         _, status = os.waitpid(pid, 0)
         reply.write(json.dumps({"rc": os.waitstatus_to_exitcode(status)}) + "\n")
+
+
+def serve_servers() -> None:
+    """The server zygote's loop: import once, fork a ``vllm serve`` per request and reply with its pid
+    at once; report each child's exit status (``{"exited": pid, "rc": rc}``) when it ends."""
+    reply_fd = os.dup(1)
+    os.dup2(2, 1)
+    reply = os.fdopen(reply_fd, "w", buffering=1)
+    for name in SERVER_PRELOAD:
+        __import__(name)
+    # vLLM names its processes (VLLM::EngineCore, ...) with setproctitle, which finds the memory it
+    # writes the title into on its first call: make that call here, before a child replaces its environment.
+    import setproctitle
+
+    setproctitle.setproctitle(setproctitle.getproctitle())
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w)
+    reply.write(json.dumps({"ready": True, "env": dict(os.environ)}) + "\n")
+    stdin = sys.stdin.fileno()
+    while True:
+        readable, _, _ = select.select([stdin, wake_r], [], [])
+        if wake_r in readable:
+            os.read(wake_r, 4096)
+            while True:
+                try:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid == 0:
+                    break
+                reply.write(json.dumps({"exited": pid, "rc": os.waitstatus_to_exitcode(status)}) + "\n")
+        if stdin in readable:
+            line = sys.stdin.readline()
+            if not line:
+                return
+            request = json.loads(line)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                # A fresh interpreter's signal set-up: vLLM and uvicorn install their own handlers.
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                os.close(wake_r)
+                os.close(wake_w)
+                _run_child(request, reply_fd, sigint=signal.default_int_handler)
+            reply.write(json.dumps({"id": request["id"], "pid": pid}) + "\n")
+
+
+class ZygoteChild:
+    """A server forked by the server zygote, with the parts of ``subprocess.Popen`` that
+    ``VLLMServer`` uses (it is the zygote's child, not ours: its exit status comes from the zygote)."""
+
+    def __init__(self, pid: int, exited: threading.Condition, statuses: dict[int, int]):
+        self.pid = pid
+        self._exited = exited
+        self._statuses = statuses
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        with self._exited:
+            self.returncode = self._statuses.get(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        with self._exited:
+            if not self._exited.wait_for(lambda: self.pid in self._statuses, timeout):
+                raise subprocess.TimeoutExpired(f"<zygote child {self.pid}>", timeout)
+        return self.poll()
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ServerZygote:
+    """The test process's handle on the server zygote (``--servers``), started on first use with the
+    first server's environment; a server whose import-time environment differs is not its to start."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.proc: subprocess.Popen | None = None
+        self.env: dict[str, str] = {}
+        self.env_after_imports: dict[str, str] = {}
+        self.lock = threading.Lock()
+        self.exited = threading.Condition()
+        self.statuses: dict[int, int] = {}
+        self.pids: dict[int, int] = {}
+        self.requests = 0
+
+    def serves(self, env: dict[str, str]) -> bool:
+        return self.proc is None or same_import_time_environment(env, self.env, self.env_after_imports)
+
+    def _start(self, env: dict[str, str]) -> None:
+        self.env = dict(env)
+        with open(self.workdir / "server-zygote.log", "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, __file__, "--servers"], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=log, env=env, text=True, bufsize=1)
+        ready = self.proc.stdout.readline()
+        if not ready:
+            raise RuntimeError("the server zygote died while importing vLLM")
+        self.env_after_imports = json.loads(ready)["env"]
+        threading.Thread(target=self._read_replies, args=(self.proc,), daemon=True).start()
+
+    def _read_replies(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            message = json.loads(line)
+            with self.exited:
+                if "exited" in message:
+                    self.statuses[message["exited"]] = message["rc"]
+                else:
+                    self.pids[message["id"]] = message["pid"]
+                self.exited.notify_all()
+
+    def start(self, argv: list[str], env: dict[str, str], out: str, timeout: float = 60) -> ZygoteChild:
+        """Fork ``argv`` (``vllm serve ...``, the ``vllm`` script's main) with ``env``, output to ``out``."""
+        code = ("import sys\nfrom vllm.entrypoints.cli.main import main\n"
+                f"sys.argv = {['vllm', *argv[1:]]!r}\nsys.exit(main())\n")
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                self._start(env)
+            self.requests += 1
+            request_id = self.requests
+            self.proc.stdin.write(json.dumps({"id": request_id, "code": code, "env": env, "cwd": os.getcwd(),
+                                              "out": out}) + "\n")
+            self.proc.stdin.flush()
+        with self.exited:
+            if not self.exited.wait_for(lambda: request_id in self.pids, timeout):
+                raise RuntimeError("the server zygote did not fork the server")
+            return ZygoteChild(self.pids.pop(request_id), self.exited, self.statuses)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
 
 
 class Zygote:
@@ -113,14 +282,11 @@ class Zygote:
         ready = self.proc.stdout.readline()
         if not ready:
             raise RuntimeError("the test zygote died while importing vLLM")
+        self.env_after_imports = json.loads(ready)["env"]
 
     def serves(self, env: dict[str, str]) -> bool:
         """Whether a child of this zygote is the same as a fresh interpreter in ``env``."""
-        if self.proc is None:
-            return True
-        def import_time(e):
-            return {k: v for k, v in e.items() if k.startswith(IMPORT_TIME_PREFIXES)}
-        return import_time(env) == import_time(self.env)
+        return self.proc is None or same_import_time_environment(env, self.env, self.env_after_imports)
 
     def _read(self, timeout: float | None) -> dict | None:
         if timeout is not None and not select.select([self.proc.stdout], [], [], max(timeout, 0))[0]:
@@ -161,4 +327,4 @@ class Zygote:
 
 
 if __name__ == "__main__":
-    serve()
+    serve_servers() if sys.argv[1:] == ["--servers"] else serve()
