@@ -50,27 +50,34 @@ def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 60
     return out
 
 
-_ZYGOTE: list = []
+_ZYGOTES: dict[str, object] = {}
 
 
-def _zygote():
-    """The session's pre-imported interpreter (tests/zygote.py); ``SPECRL_TEST_ZYGOTE=0``: a fresh
-    interpreter per snippet, as before."""
+def _session_zygote(kind: str):
+    """The session's zygote of ``kind`` (``Zygote``: snippets; ``ServerZygote``: ``vllm serve``), started on
+    first use; ``SPECRL_TEST_ZYGOTE=0``: none, every snippet and server a fresh process."""
     if os.environ.get("SPECRL_TEST_ZYGOTE", "1") == "0":
         return None
-    if not _ZYGOTE:
+    if kind not in _ZYGOTES:
         import atexit
         import tempfile
 
-        from zygote import Zygote
+        import zygote
 
-        zygote = Zygote(Path(tempfile.mkdtemp(prefix="specrl-zygote-")))
-        atexit.register(zygote.close)
-        _ZYGOTE.append(zygote)
-    return _ZYGOTE[0]
+        handle = getattr(zygote, kind)(Path(tempfile.mkdtemp(prefix=f"specrl-{kind.lower()}-")))
+        atexit.register(handle.close)
+        _ZYGOTES[kind] = handle
+    return _ZYGOTES[kind]
 
 
-_SERVER_ZYGOTE: list = []
+def _zygote():
+    """The snippets' zygote (``run_python``)."""
+    return _session_zygote("Zygote")
+
+
+def _server_zygote():
+    """The servers' zygote (``launch_from_the_server_zygote``)."""
+    return _session_zygote("ServerZygote")
 
 
 def launch_from_the_server_zygote(server) -> object:
@@ -88,22 +95,6 @@ def launch_from_the_server_zygote(server) -> object:
     server.proc = zygote.start(server.cmd, server.env, str(server.log_path or os.devnull))
     server._deadline = time.time() + server.startup_timeout_s
     return server
-
-
-def _server_zygote():
-    """The session's server zygote (tests/zygote.py, ``--servers``); ``SPECRL_TEST_ZYGOTE=0``: none."""
-    if os.environ.get("SPECRL_TEST_ZYGOTE", "1") == "0":
-        return None
-    if not _SERVER_ZYGOTE:
-        import atexit
-        import tempfile
-
-        from zygote import ServerZygote
-
-        zygote = ServerZygote(Path(tempfile.mkdtemp(prefix="specrl-server-zygote-")))
-        atexit.register(zygote.close)
-        _SERVER_ZYGOTE.append(zygote)
-    return _SERVER_ZYGOTE[0]
 
 
 def result_json(output: str, tag: str = "RESULT") -> dict:

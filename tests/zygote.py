@@ -200,9 +200,12 @@ class ZygoteChild:
         self.send_signal(signal.SIGKILL)
 
 
-class ServerZygote:
-    """The test process's handle on the server zygote (``--servers``), started on first use with the
-    first server's environment; a server whose import-time environment differs is not its to start."""
+class ZygoteHandle:
+    """The test process's handle on a zygote process: started on first use with the environment of the
+    first request, it then serves the environments that agree with that one at import time."""
+
+    ARGS: tuple[str, ...] = ()
+    LOG = "zygote.log"
 
     def __init__(self, workdir: Path):
         self.workdir = workdir
@@ -210,23 +213,46 @@ class ServerZygote:
         self.env: dict[str, str] = {}
         self.env_after_imports: dict[str, str] = {}
         self.lock = threading.Lock()
+
+    def serves(self, env: dict[str, str]) -> bool:
+        """Whether a child of this zygote is the same as a fresh interpreter in ``env``."""
+        return self.proc is None or same_import_time_environment(env, self.env, self.env_after_imports)
+
+    def _start(self, env: dict[str, str]) -> None:
+        self.env = dict(env)
+        with open(self.workdir / self.LOG, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, __file__, *self.ARGS], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=log, env=env, text=True, bufsize=1)
+        ready = self.proc.stdout.readline()
+        if not ready:
+            raise RuntimeError(f"the test zygote {' '.join(self.ARGS)} died while importing vLLM")
+        self.env_after_imports = json.loads(ready)["env"]
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+class ServerZygote(ZygoteHandle):
+    """The server zygote (``--servers``): a server whose import-time environment differs from the first
+    one's is not its to start."""
+
+    ARGS = ("--servers",)
+    LOG = "server-zygote.log"
+
+    def __init__(self, workdir: Path):
+        super().__init__(workdir)
         self.exited = threading.Condition()
         self.statuses: dict[int, int] = {}
         self.pids: dict[int, int] = {}
         self.requests = 0
 
-    def serves(self, env: dict[str, str]) -> bool:
-        return self.proc is None or same_import_time_environment(env, self.env, self.env_after_imports)
-
     def _start(self, env: dict[str, str]) -> None:
-        self.env = dict(env)
-        with open(self.workdir / "server-zygote.log", "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, __file__, "--servers"], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=log, env=env, text=True, bufsize=1)
-        ready = self.proc.stdout.readline()
-        if not ready:
-            raise RuntimeError("the server zygote died while importing vLLM")
-        self.env_after_imports = json.loads(ready)["env"]
+        super()._start(env)
         threading.Thread(target=self._read_replies, args=(self.proc,), daemon=True).start()
 
     def _read_replies(self, proc: subprocess.Popen) -> None:
@@ -256,37 +282,14 @@ class ServerZygote:
                 raise RuntimeError("the server zygote did not fork the server")
             return ZygoteChild(self.pids.pop(request_id), self.exited, self.statuses)
 
-    def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
 
 
-class Zygote:
-    """The test process's handle on one zygote (started on first use, one request at a time)."""
+class Zygote(ZygoteHandle):
+    """The snippet zygote: one request at a time."""
 
     def __init__(self, workdir: Path):
-        self.workdir = workdir
-        self.proc: subprocess.Popen | None = None
-        self.lock = threading.Lock()
+        super().__init__(workdir)
         self.runs = 0
-
-    def _start(self, env: dict[str, str]) -> None:
-        self.env = dict(env)
-        with open(self.workdir / "zygote.log", "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=log, env=env, text=True, bufsize=1)
-        ready = self.proc.stdout.readline()
-        if not ready:
-            raise RuntimeError("the test zygote died while importing vLLM")
-        self.env_after_imports = json.loads(ready)["env"]
-
-    def serves(self, env: dict[str, str]) -> bool:
-        """Whether a child of this zygote is the same as a fresh interpreter in ``env``."""
-        return self.proc is None or same_import_time_environment(env, self.env, self.env_after_imports)
 
     def _read(self, timeout: float | None) -> dict | None:
         if timeout is not None and not select.select([self.proc.stdout], [], [], max(timeout, 0))[0]:
@@ -316,14 +319,6 @@ class Zygote:
             text = out.read_text(errors="replace")
             out.unlink(missing_ok=True)
             return done["rc"], text
-
-    def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
 
 
 if __name__ == "__main__":
