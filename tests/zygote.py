@@ -168,6 +168,14 @@ def serve_servers() -> None:
             reply.write(json.dumps({"id": request["id"], "pid": pid}) + "\n")
 
 
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 class ZygoteChild:
     """A server forked by the server zygote, with the parts of ``subprocess.Popen`` that
     ``VLLMServer`` uses (it is the zygote's child, not ours: its exit status comes from the zygote)."""
@@ -180,6 +188,9 @@ class ZygoteChild:
 
     def poll(self) -> int | None:
         with self._exited:
+            if self.pid not in self._statuses and not _exists(self.pid):
+                # reaped by the zygote, its exit status on the way: wait for it rather than report it running
+                self._exited.wait_for(lambda: self.pid in self._statuses, 10)
             self.returncode = self._statuses.get(self.pid)
         return self.returncode
 
