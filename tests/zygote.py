@@ -137,7 +137,7 @@ def serve_servers() -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.set_wakeup_fd(wake_w)
     reply.write(json.dumps({"ready": True, "env": dict(os.environ)}) + "\n")
-    stdin = sys.stdin.fileno()
+    stdin, pending = sys.stdin.fileno(), b""
     while True:
         readable, _, _ = select.select([stdin, wake_r], [], [])
         if wake_r in readable:
@@ -151,21 +151,26 @@ def serve_servers() -> None:
                     break
                 reply.write(json.dumps({"exited": pid, "rc": os.waitstatus_to_exitcode(status)}) + "\n")
         if stdin in readable:
-            line = sys.stdin.readline()
-            if not line:
+            # Read the descriptor itself (select sees it, not what a buffered reader holds): every
+            # complete line is a request, however many arrived together.
+            data = os.read(stdin, 1 << 16)
+            if not data:
                 return
-            request = json.loads(line)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                # A fresh interpreter's signal set-up: vLLM and uvicorn install their own handlers.
-                signal.set_wakeup_fd(-1)
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                os.close(wake_r)
-                os.close(wake_w)
-                _run_child(request, reply_fd, sigint=signal.default_int_handler)
-            reply.write(json.dumps({"id": request["id"], "pid": pid}) + "\n")
+            pending += data
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                request = json.loads(line)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    # A fresh interpreter's signal set-up: vLLM and uvicorn install their own handlers.
+                    signal.set_wakeup_fd(-1)
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    os.close(wake_r)
+                    os.close(wake_w)
+                    _run_child(request, reply_fd, sigint=signal.default_int_handler)
+                reply.write(json.dumps({"id": request["id"], "pid": pid}) + "\n")
 
 
 def _exists(pid: int) -> bool:
