@@ -32,12 +32,12 @@ def servers_from_the_server_zygote():
     """Every ``vllm serve`` a test starts through ``VLLMServer`` is forked from one pre-imported
     interpreter (tests/zygote.py, ``--servers``): ready in ~5 s instead of ~20 on 2 cores.
     ``SPECRL_TEST_ZYGOTE=0``: started as a user starts them."""
-    from helpers import STOCK_LAUNCH, launch_from_the_server_zygote
+    from helpers import STOCK_START_PROCESS, start_from_the_server_zygote
     from vllm_specrl.server import VLLMServer
 
-    VLLMServer.launch = launch_from_the_server_zygote
+    VLLMServer._start_process = start_from_the_server_zygote
     yield
-    VLLMServer.launch = STOCK_LAUNCH
+    VLLMServer._start_process = STOCK_START_PROCESS
 
 
 @pytest.fixture(scope="session")

@@ -8,13 +8,12 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 from conftest import REPO
 from vllm_specrl.server import VLLMServer
 
-STOCK_LAUNCH = VLLMServer.launch
+STOCK_START_PROCESS = VLLMServer._start_process
 
 
 def load_script(path: str):
@@ -76,25 +75,20 @@ def _zygote():
 
 
 def _server_zygote():
-    """The servers' zygote (``launch_from_the_server_zygote``)."""
+    """The servers' zygote (``start_from_the_server_zygote``)."""
     return _session_zygote("ServerZygote")
 
 
-def launch_from_the_server_zygote(server) -> object:
-    """``VLLMServer.launch`` for the suite (tests/conftest.py): a ``vllm serve`` forked from the
+def start_from_the_server_zygote(server) -> object:
+    """``VLLMServer._start_process`` for the suite (tests/conftest.py): a ``vllm serve`` forked from the
     session's server zygote, which imported vLLM and its OpenAI server once for all of them; any other
-    command (or an environment the zygote was not imported with) is launched as the class does."""
+    command (or an environment the zygote was not imported with) is started as the class does."""
     from vllm_specrl.server import vllm_executable
 
     zygote = _server_zygote()
     if zygote is None or server.cmd[:2] != [vllm_executable(), "serve"] or not zygote.serves(server.env):
-        return STOCK_LAUNCH(server)
-    if server.log_path:
-        server.log_path.parent.mkdir(parents=True, exist_ok=True)
-    server._log = None  # the child writes the log itself
-    server.proc = zygote.start(server.cmd, server.env, str(server.log_path or os.devnull))
-    server._deadline = time.time() + server.startup_timeout_s
-    return server
+        return STOCK_START_PROCESS(server)
+    return zygote.start(server.cmd, server.env, str(server.log_path or os.devnull))  # the child writes the log
 
 
 def result_json(output: str, tag: str = "RESULT") -> dict:

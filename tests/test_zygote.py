@@ -105,7 +105,7 @@ def test_a_vllm_command_forked_by_the_server_zygote_prints_and_exits_as_the_scri
 
 
 def test_a_server_launched_in_the_suite_comes_from_the_zygote_and_its_failure_is_seen(server_zygote, tmp_path):
-    """``VLLMServer.launch`` (patched by tests/conftest.py) forks ``vllm serve`` from the zygote; a server
+    """``VLLMServer._start_process`` (patched by tests/conftest.py) forks ``vllm serve`` from the zygote; a server
     that dies starting is reported as ``started`` reports a fresh process's death, with its log."""
     from zygote import ZygoteChild
 

@@ -127,11 +127,15 @@ class VLLMServer:
         side by side, each mostly one core's worth of imports."""
         if self.log_path:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = self._start_process()
         self._deadline = time.time() + self.startup_timeout_s
         return self
+
+    def _start_process(self) -> subprocess.Popen:
+        """The ``vllm serve`` process: a session of its own (``stop`` signals its group), output to the log."""
+        self._log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        return subprocess.Popen(self.cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
 
     def wait_ready(self) -> VLLMServer:
         """Block until ``/health`` answers; a server that exits or overruns its startup timeout fails."""
