@@ -1,0 +1,66 @@
+"""HF-forward features in a training process: the heap stays the size of what is kept.
+
+A training process keeps every block on the heap (``cpu_malloc.keep_every_block_on_heap``). Computing
+features batch after batch keeps each batch's hidden states while its logits, of a size that changes
+with the batch's length, pass; on the heap those logits fragmented it, and the process grew by about a
+batch's transients each batch (the full demo draft's 2,600 saved rollouts were killed for memory on a
+24 GiB machine). ``sequence_features`` maps such blocks again while it runs.
+
+Engines: none; one fresh interpreter (malloc settings are process state), the tiny target through
+transformers.
+"""
+
+import json
+import subprocess
+import sys
+
+from vllm_specrl import cpu_malloc
+
+PROBE = r"""
+import ctypes, json, sys
+import torch
+from transformers import AutoModelForCausalLM
+from vllm_specrl import cpu_malloc
+from vllm_specrl.trainer.features import sequence_features
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype = ctypes.c_void_p
+heap = cpu_malloc.keep_every_block_on_heap()
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+g = torch.Generator().manual_seed(0)
+# 8 x 300-500 tokens x the tiny model's 4096-token vocabulary: 40-65 MiB of float32 logits a batch,
+# above glibc's mmap ceiling, each batch a different size.
+seqs = [torch.randint(0, 4096, (int(n),), generator=g).tolist() for n in torch.randint(300, 500, (320,), generator=g)]
+
+def rss():
+    return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) << 10
+
+def size(items):
+    return sum(t.numel() * t.element_size() for x in items for t in x.values() if torch.is_tensor(t))
+
+kept = sequence_features(model, seqs[:16], [0, 1, 2])
+first = rss()
+more = sequence_features(model, seqs[16:], [0, 1, 2])
+grown = rss() - first
+mapped = libc.mallinfo2().hblkhd
+block = libc.malloc(64 << 20)
+print(json.dumps({"heap": heap, "extra_mib": (grown - size(more)) / 2**20,
+                  "mapped_after_mib": (libc.mallinfo2().hblkhd - mapped) / 2**20}))
+"""
+
+
+def test_features_leave_the_heap_the_size_of_what_they_keep(tiny_model):
+    out = subprocess.run([sys.executable, "-c", PROBE, str(tiny_model)], capture_output=True, text=True,
+                         check=True, timeout=300, env=cpu_malloc.environ_without_malloc_settings())
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["heap"] == cpu_malloc.HEAP_INSTALLED, got
+    # Kept: ~120 MiB of hidden states for 304 sequences. On the heap without the fix the process grew
+    # ~420 MiB beyond them; with it ~60 (allocator and torch caches).
+    assert got["extra_mib"] < 150, got
+    assert got["mapped_after_mib"] == 0, got   # the training process's heap mode is back afterwards
