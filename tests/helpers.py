@@ -91,6 +91,32 @@ def start_from_the_server_zygote(server) -> object:
     return zygote.start(server.cmd, server.env, str(server.log_path or os.devnull))  # the child writes the log
 
 
+# glibc's own heap accounting for probe scripts: ``libc.mallinfo2()`` (``hblkhd``: mmapped blocks, ``arena``:
+# the heap); ``libc.malloc`` returns a pointer.
+GLIBC_MALLINFO = r"""
+import ctypes
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype = ctypes.c_void_p
+"""
+
+
+def run_probe(script: str, *argv: str, timeout: float = 60, **env: str) -> dict:
+    """``script`` in a fresh interpreter (malloc settings are process state), without the caller's malloc
+    settings (plus ``env``); the JSON of its last line."""
+    from vllm_specrl import cpu_malloc
+
+    out = subprocess.run([sys.executable, "-c", script, *argv], env={**cpu_malloc.environ_without_malloc_settings(), **env},
+                         capture_output=True, text=True, check=True, timeout=timeout)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def result_json(output: str, tag: str = "RESULT") -> dict:
     """The JSON a snippet printed on a line starting with ``tag``."""
     for line in reversed(output.splitlines()):

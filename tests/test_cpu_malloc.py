@@ -6,26 +6,15 @@ accounting (``mallinfo2``): ``hblkhd`` is memory served by fresh mmaps, ``arena`
 Engines: a fresh interpreter per case: malloc thresholds are process state.
 """
 
-import json
-import subprocess
-import sys
-
 import pytest
 
+from helpers import GLIBC_MALLINFO, run_probe
 from vllm_specrl import cpu_malloc
 
-PROBE = r"""
-import ctypes, json, sys
+PROBE = GLIBC_MALLINFO + r"""
+import json, sys
 from vllm_specrl import cpu_malloc
 
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
-
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = MallInfo2
-libc.malloc.restype = ctypes.c_void_p
 result = cpu_malloc.tune_glibc_malloc() if sys.argv[1] == "tune" else "untouched"
 size = 20 << 20
 block = libc.malloc(size)
@@ -36,13 +25,6 @@ after = libc.mallinfo2()
 print(json.dumps({"result": result, "again": cpu_malloc.tune_glibc_malloc() if sys.argv[1] == "tune" else None,
                   "mmapped_during": during.hblkhd, "heap_during": during.arena, "heap_after_free": after.arena}))
 """
-
-
-def run_probe(script: str, *argv: str, **env: str) -> dict:
-    """``script`` in a fresh interpreter, without the caller's malloc settings (plus ``env``); its last line."""
-    out = subprocess.run([sys.executable, "-c", script, *argv], env={**cpu_malloc.environ_without_malloc_settings(), **env},
-                         capture_output=True, text=True, check=True, timeout=60)
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_a_child_environment_drops_the_callers_malloc_settings_and_switch():

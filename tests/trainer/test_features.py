@@ -10,27 +10,16 @@ Engines: none; one fresh interpreter (malloc settings are process state), the ti
 transformers.
 """
 
-import json
-import subprocess
-import sys
-
+from helpers import GLIBC_MALLINFO, run_probe
 from vllm_specrl import cpu_malloc
 
-PROBE = r"""
-import ctypes, json, sys
+PROBE = GLIBC_MALLINFO + r"""
+import json, sys
 import torch
 from transformers import AutoModelForCausalLM
 from vllm_specrl import cpu_malloc
 from vllm_specrl.trainer.features import sequence_features
 
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
-
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = MallInfo2
-libc.malloc.restype = ctypes.c_void_p
 heap = cpu_malloc.keep_every_block_on_heap()
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
 g = torch.Generator().manual_seed(0)
@@ -56,9 +45,7 @@ print(json.dumps({"heap": heap, "extra_mib": (grown - size(more)) / 2**20,
 
 
 def test_features_leave_the_heap_the_size_of_what_they_keep(tiny_model):
-    out = subprocess.run([sys.executable, "-c", PROBE, str(tiny_model)], capture_output=True, text=True,
-                         check=True, timeout=300, env=cpu_malloc.environ_without_malloc_settings())
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = run_probe(PROBE, str(tiny_model), timeout=300)
     assert got["heap"] == cpu_malloc.HEAP_INSTALLED, got
     # Kept: ~120 MiB of hidden states for 304 sequences. On the heap without the fix the process grew
     # ~420 MiB beyond them; with it ~60 (allocator and torch caches).
