@@ -133,15 +133,12 @@ def test_a_variable_the_zygotes_imports_set_does_not_keep_a_process_that_importe
 
 def test_requests_that_reach_the_server_zygote_together_are_all_forked(server_zygote, tmp_path):
     """Two requests in one write (threads launching servers at once): both forked, both statuses reported."""
-    import json
-
     server_zygote.start(["vllm", "--version"], cpu_env(), str(tmp_path / "first.log")).wait(120)
     with server_zygote.lock:
-        ids = [server_zygote.requests + 1, server_zygote.requests + 2]
-        server_zygote.requests += 2
-        server_zygote.proc.stdin.write("".join(json.dumps(
-            {"id": i, "code": "import sys\nsys.exit(3)\n", "env": cpu_env(), "cwd": str(tmp_path),
-             "out": str(tmp_path / f"{i}.log")}) + "\n" for i in ids))
+        requests = [server_zygote.request_line("import sys\nsys.exit(3)\n", cpu_env(), str(tmp_path / f"{n}.log"))
+                    for n in range(2)]
+        ids = [i for i, _ in requests]
+        server_zygote.proc.stdin.write("".join(line for _, line in requests))
         server_zygote.proc.stdin.flush()
     with server_zygote.exited:
         assert server_zygote.exited.wait_for(lambda: all(i in server_zygote.pids for i in ids), 60)

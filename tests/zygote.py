@@ -281,6 +281,12 @@ class ServerZygote(ZygoteHandle):
                     self.pids[message["id"]] = message["pid"]
                 self.exited.notify_all()
 
+    def request_line(self, code: str, env: dict[str, str], out: str) -> tuple[int, str]:
+        """A new request's id and its line for the zygote: fork and run ``code`` (the caller holds ``lock``)."""
+        self.requests += 1
+        return self.requests, json.dumps({"id": self.requests, "code": code, "env": env, "cwd": os.getcwd(),
+                                          "out": out}) + "\n"
+
     def start(self, argv: list[str], env: dict[str, str], out: str, timeout: float = 60) -> ZygoteChild:
         """Fork ``argv`` (``vllm serve ...``, the ``vllm`` script's main) with ``env``, output to ``out``."""
         code = ("import sys\nfrom vllm.entrypoints.cli.main import main\n"
@@ -288,10 +294,8 @@ class ServerZygote(ZygoteHandle):
         with self.lock:
             if self.proc is None or self.proc.poll() is not None:
                 self._start(env)
-            self.requests += 1
-            request_id = self.requests
-            self.proc.stdin.write(json.dumps({"id": request_id, "code": code, "env": env, "cwd": os.getcwd(),
-                                              "out": out}) + "\n")
+            request_id, line = self.request_line(code, env, out)
+            self.proc.stdin.write(line)
             self.proc.stdin.flush()
         with self.exited:
             if not self.exited.wait_for(lambda: request_id in self.pids, timeout):

@@ -113,8 +113,8 @@ def large_blocks_mapped() -> Iterator[None]:
     For work that keeps small tensors while it allocates large passing ones of changing sizes (a
     transformers forward per batch of rollouts, keeping each batch's hidden states): on the heap every
     batch's logits land above the tensors kept before them and their hole is too small for the next,
-    larger batch, so the heap grows by about a batch's transients each time (~45 MiB a SmolLM2 rollout:
-    2,600 rollouts' features were killed for memory on a 24 GiB machine). A no-op elsewhere."""
+    larger batch, so the heap grows by about a batch's transients each time. A no-op elsewhere; usable
+    as a decorator (``@large_blocks_mapped()``)."""
     libc = _glibc() if _heap_result == HEAP_INSTALLED else None
     if libc is None:
         yield

@@ -32,6 +32,7 @@ def target_features(model, token_ids: torch.Tensor, aux_layer_ids: Sequence[int]
     return aux.float(), states[-1].float(), out.logits.float().logsumexp(-1)
 
 
+@large_blocks_mapped()
 def sequence_features(model, sequences: list[list[int]], aux_layer_ids: Sequence[int],
                       batch_size: int = 8, dtype: torch.dtype = torch.bfloat16,
                       prompt_lengths: Sequence[int] | None = None) -> list[dict[str, torch.Tensor]]:
@@ -39,12 +40,6 @@ def sequence_features(model, sequences: list[list[int]], aux_layer_ids: Sequence
     stored in ``dtype`` to save memory. ``first_draft`` = prompt length - 1 (0 without lengths).
     Each batch's logits are mapped and unmapped, not kept on the heap of a training process
     (``cpu_malloc.large_blocks_mapped``)."""
-    with large_blocks_mapped():
-        return _sequence_features(model, sequences, aux_layer_ids, batch_size, dtype, prompt_lengths)
-
-
-def _sequence_features(model, sequences: list[list[int]], aux_layer_ids: Sequence[int], batch_size: int,
-                       dtype: torch.dtype, prompt_lengths: Sequence[int] | None) -> list[dict[str, torch.Tensor]]:
     items = []
     device = next(model.parameters()).device
     for start in range(0, len(sequences), batch_size):
