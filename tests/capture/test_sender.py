@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from vllm_specrl.capture.receiver import CaptureReceiver
-from vllm_specrl.capture.sender import SEND_HWM, CaptureSender, frames_settled, resolve_sender_cpus
+from vllm_specrl.capture.sender import (SEND_HWM, CaptureSender, frames_settled, omp_bound_cpus, resolve_sender_cpus,
+                                       spare_cpus)
 from vllm_specrl.server import free_port
 
 FRAMES = 10 * SEND_HWM  # 64 MB: more than the high-water marks and the kernel's socket buffers hold
@@ -203,6 +204,33 @@ def test_the_sender_thread_leaves_the_cores_the_worker_is_bound_to():
     assert out["received"] >= 1 and out["inherit"] == set()
     with pytest.raises(ValueError, match="auto.*inherit"):
         resolve_sender_cpus([-1])
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and two CPUs")
+def test_cpus_bound_to_any_rank_are_not_spare(monkeypatch):
+    """Under tensor or data parallelism on one host (``VLLM_CPU_OMP_THREADS_BIND="0|1"``), rank 1's worker
+    sees CPU 0 outside its own binding, but rank 0's forward runs there: the sender stays off it (a
+    sender process placed there at SCHED_IDLE starved and dropped steps while rank 0 computed)."""
+    mine = sorted(os.sched_getaffinity(0))
+    out: dict = {}
+
+    def rank1_worker() -> None:
+        os.sched_setaffinity(0, {mine[1]})
+        out["unbound_mask"] = spare_cpus()
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{mine[0]}|{mine[1]}")
+        out["two_ranks"] = spare_cpus()
+
+    worker = threading.Thread(target=rank1_worker)
+    worker.start()
+    worker.join(30)
+    parent = os.sched_getaffinity(os.getppid())
+    assert out["unbound_mask"] == parent - {mine[1]}, out
+    assert out["two_ranks"] == parent - {mine[0], mine[1]}, out
+    assert omp_bound_cpus("0-3,8|4-7") == set(range(9)) and omp_bound_cpus("2|5") == {2, 5}
+    assert omp_bound_cpus("auto") == omp_bound_cpus("nobind") == omp_bound_cpus("") == set()
+    with pytest.raises(ValueError, match="VLLM_CPU_OMP_THREADS_BIND"):
+        omp_bound_cpus("0|x")
 
 
 class Step:

@@ -41,11 +41,32 @@ SEND_HWM = 64
 def spare_cpus() -> set[int]:
     """CPUs this process's parent (vLLM's engine core) may run on that the calling thread may not: on
     vLLM's CPU backend, those its worker did not bind to its compute threads. Empty where the worker
-    is not bound (GPU workers) or the platform cannot say."""
+    is not bound (GPU workers) or the platform cannot say. CPUs that ``VLLM_CPU_OMP_THREADS_BIND``
+    gives any rank are never spare: under tensor or data parallelism on one host the other ranks'
+    forwards run there, and a sender placed on them (at ``SCHED_IDLE``) starved while they computed."""
     try:
-        return os.sched_getaffinity(os.getppid()) - os.sched_getaffinity(0)
+        spare = os.sched_getaffinity(os.getppid()) - os.sched_getaffinity(0)
     except (AttributeError, OSError):
         return set()
+    return spare - omp_bound_cpus(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", ""))
+
+
+def omp_bound_cpus(mask: str) -> set[int]:
+    """Every CPU an explicit ``VLLM_CPU_OMP_THREADS_BIND`` binds ("0-3,8|4-7": ranks split by "|",
+    ranges with "-"); none for "auto", "nobind" or unset (vLLM then picks one NUMA node per rank)."""
+    if mask in ("", "auto", "nobind"):
+        return set()
+    cpus: set[int] = set()
+    for part in mask.replace("|", ",").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        low, _, high = part.partition("-")
+        try:
+            cpus.update(range(int(low), int(high or low) + 1))
+        except ValueError:
+            raise ValueError(f"VLLM_CPU_OMP_THREADS_BIND: cannot read {part!r} in {mask!r}") from None
+    return cpus
 
 
 def resolve_sender_cpus(setting: object) -> set[int]:
