@@ -64,6 +64,19 @@ def test_train_draft_trains_three_chained_positions_for_eagle3_and_one_for_an_mt
     assert cli._train_config(args).ttt_steps == want
 
 
+def test_train_draft_passes_weight_decay_and_feature_noise_and_refuses_noise_for_an_mtp_layer(monkeypatch, capsys):
+    parse = cli.build_parser().parse_args
+    cfg = cli._train_config(parse(["train-draft", "--target", "t", "--draft", "d", "--weight-decay", "0.1",
+                                   "--feature-noise", "0.2"]))
+    assert (cfg.weight_decay, cfg.feature_noise) == (0.1, 0.2)
+    assert (cli._train_config(parse(["train-draft", "--target", "t", "--draft", "d"])).feature_noise) == 0.0
+    monkeypatch.setattr("vllm_specrl.cpu_malloc.keep_every_block_on_heap", lambda: None)
+    args = parse(["train-draft", "--target", "t", "--draft", "d", "--mtp", "--capture", "tcp://127.0.0.1:1",
+                  "--feature-noise", "0.2"])
+    assert cli._cmd_train_draft(args) == 2
+    assert "--feature-noise applies to EAGLE-3 drafts" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("native", "want"), [(True, "bfloat16"), (False, "float32")])
 def test_train_draft_generates_at_the_dtype_auto_resolves_to(monkeypatch, tmp_path, native, want):
     """``--dtype auto`` (the demo draft's) reaches the warm start resolved: vLLM gets a real dtype,

@@ -133,7 +133,8 @@ def _train_config(args: argparse.Namespace):
     return TrainConfig(lr=args.lr, ttt_steps=ttt_steps, seed=args.seed, decay=args.decay,
                        tv_weight=args.tv_weight, accept_weighted=args.accept_weighted,
                        mixed_precision=args.mixed_precision, lr_schedule=args.lr_schedule,
-                       warmup_steps=args.warmup_steps, total_steps=args.steps)
+                       warmup_steps=args.warmup_steps, total_steps=args.steps,
+                       weight_decay=args.weight_decay, feature_noise=args.feature_noise)
 
 
 def _cmd_train_online(args: argparse.Namespace) -> int:
@@ -178,6 +179,10 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
     from vllm_specrl.cpu_malloc import keep_every_block_on_heap
 
     keep_every_block_on_heap()  # a training process: its pages are reused step after step
+    if args.mtp and args.feature_noise:
+        print("error: --feature-noise applies to EAGLE-3 drafts (an MTP layer reads the policy's final "
+              "hidden state, which it is trained to follow exactly)", file=sys.stderr)
+        return 2
     if args.capture:
         return _cmd_train_online(args)
     if args.mtp and not args.capture:
@@ -339,6 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="draft positions trained on the draft's own chain (training-time test); "
                          "default 3, with --mtp 1")
     tr.add_argument("--decay", type=float, default=0.8, help="weight of TTT step k is decay**k")
+    tr.add_argument("--weight-decay", type=float, default=0.0, help="AdamW's decoupled weight decay")
+    tr.add_argument("--feature-noise", type=float, default=0.0,
+                    help="training only: Gaussian noise on the target's hidden-state features, this many "
+                         "times each channel's standard deviation (EAGLE's feature noise)")
     tr.add_argument("--tv-weight", type=float, default=0.0,
                     help="add this times TV(p, q) = 1 - acceptance at T=1 to the loss")
     tr.add_argument("--accept-weighted", action="store_true",

@@ -30,7 +30,10 @@ import torch
 
 OBJECTIVES = {"ce": {}, "ce+tv": {"tv_weight": 1.0}, "ce+tv4": {"tv_weight": 4.0},
               "ce+accept_weighted": {"accept_weighted": True},
-              "ce+tv+accept_weighted": {"tv_weight": 1.0, "accept_weighted": True}}
+              "ce+tv+accept_weighted": {"tv_weight": 1.0, "accept_weighted": True},
+              "ce+noise0.1": {"feature_noise": 0.1}, "ce+noise0.2": {"feature_noise": 0.2},
+              "ce+noise0.5": {"feature_noise": 0.5}, "ce+wd0.1": {"weight_decay": 0.1},
+              "ce+wd0.5": {"weight_decay": 0.5}}
 
 
 def train_one(target: Path, features: list[dict], counts: torch.Tensor, train_idx: list[int],
@@ -38,17 +41,21 @@ def train_one(target: Path, features: list[dict], counts: torch.Tensor, train_id
               target_layer: int | None = None) -> dict:
     from vllm_specrl.proposer.checkpoint import init_draft, load_draft, target_lm_head
     from vllm_specrl.trainer.core import DraftTrainer, TrainConfig, collate
+    from vllm_specrl.trainer.offline import length_grouped_batches
 
     draft = (load_draft(args.init_from, target) if args.init_from
              else init_draft(target, None, args.draft_vocab_size, token_counts=counts, seed=0,
                              target_layer=target_layer))
-    cfg = TrainConfig(lr=args.lr, ttt_steps=args.k, seed=0, mixed_precision=args.mixed_precision, **objective)
+    cfg = TrainConfig(lr=args.lr, ttt_steps=args.k, seed=0, mixed_precision=args.mixed_precision,
+                      lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, total_steps=args.steps,
+                      **objective)
     trainer = DraftTrainer(draft, target_lm_head(target), cfg)
     rng = random.Random(0)
     items = [features[i] for i in train_idx]
+    grouped = length_grouped_batches(items, args.batch_size, rng) if args.group_by_length else None
     t0 = time.time()
     for _ in range(args.steps):
-        trainer.step(collate(rng.sample(items, min(args.batch_size, len(items)))))
+        trainer.step(collate(next(grouped) if grouped else rng.sample(items, min(args.batch_size, len(items)))))
     seconds = time.time() - t0
     m = trainer.evaluate_many(eval_items)
     return {"per_position": [m[f"served_accept_pos{j}"] for j in range(args.k)],
@@ -78,6 +85,11 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--draft-vocab-size", type=int, default=8192)
     ap.add_argument("--mixed-precision", default="no", choices=["no", "bf16"])
+    ap.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine"])
+    ap.add_argument("--group-by-length", action="store_true", help="batches as train-draft --group-by-length makes")
+    ap.add_argument("--warmup-steps", type=int, default=0)
+    ap.add_argument("--start", default="none",
+                    help="the budgets' and objectives' fresh-draft start: none (random), last or a layer index")
     ap.add_argument("--target-layers", default="",
                     help="comma list of fresh-draft starts to compare (none, last or a layer index), full budget")
     ap.add_argument("--init-from", type=Path, default=None,
@@ -101,7 +113,9 @@ def main() -> None:
     eval_items = [f for f, i in zip(features, index) if i in eval_prompts]
     vocab = read_config(args.target)["vocab_size"]
     report = {"target": str(args.target), "rollouts": str(args.rollouts), "steps": args.steps,
-              "batch_size": args.batch_size, "lr": args.lr, "k": args.k, "eval_rollouts": len(eval_items),
+              "batch_size": args.batch_size, "lr": args.lr, "lr_schedule": args.lr_schedule,
+              "warmup_steps": args.warmup_steps, "start": args.start,
+              "group_by_length": args.group_by_length, "k": args.k, "eval_rollouts": len(eval_items),
               "feature_seconds": round(feature_seconds, 1), "host": host_info(), "budgets": [], "objectives": [],
               "starts": []}
     if initial is not None:
@@ -121,7 +135,8 @@ def main() -> None:
         chosen = set(train_prompts[: max(1, round(fraction * len(train_prompts)))])
         idx = [j for j, i in enumerate(index) if i in chosen]
         row = {"fraction": fraction, "prompts": len(chosen),
-               **train_one(args.target, features, counts_for(chosen), idx, eval_items, args, {})}
+               **train_one(args.target, features, counts_for(chosen), idx, eval_items, args, {},
+                           parse_target_layer(args.start))}
         report["budgets"].append(row)
         print(json.dumps(row), flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -129,7 +144,7 @@ def main() -> None:
     all_idx = [j for j, i in enumerate(index) if i in set(train_prompts)]
     for name in [o for o in args.objectives.split(",") if o]:
         row = {"objective": name, **train_one(args.target, features, counts_for(set(train_prompts)), all_idx,
-                                              eval_items, args, OBJECTIVES[name])}
+                                              eval_items, args, OBJECTIVES[name], parse_target_layer(args.start))}
         report["objectives"].append(row)
         print(json.dumps(row), flush=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")

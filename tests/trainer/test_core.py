@@ -137,3 +137,36 @@ def test_a_cpu_trainer_on_a_machine_with_a_gpu_asks_the_cpu(monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     assert resolve_mixed_precision("auto") == "bf16"
     assert resolve_mixed_precision("auto", on_cpu=True) == "no"
+
+
+def test_feature_noise_scales_with_each_channel():
+    from vllm_specrl.trainer.core import with_feature_noise
+
+    torch.manual_seed(0)
+    scales = torch.tensor([0.01, 1.0, 100.0])   # a target's hidden states: a few channels far larger
+    aux = (torch.randn(4, 2000, 3) * scales).to(torch.bfloat16)
+    noisy = with_feature_noise(aux, 0.2)
+    assert noisy.dtype == torch.bfloat16
+    noise = noisy.float() - aux.float()
+    ratio = noise.reshape(-1, 3).std(dim=0) / aux.float().reshape(-1, 3).std(dim=0)
+    torch.testing.assert_close(ratio, torch.full((3,), 0.2), rtol=0.1, atol=0.0)
+    assert noise.reshape(-1, 3).mean(dim=0).abs().lt(0.02 * scales).all()
+
+
+def test_feature_noise_trains_on_noisy_features_and_evaluates_on_clean_ones(tiny_model, features):
+    batch = collate(features[:8])
+
+    def trainer(noise: float) -> DraftTrainer:
+        return DraftTrainer(init_draft(tiny_model, None, seed=0), target_lm_head(tiny_model),
+                            TrainConfig(lr=2e-3, ttt_steps=2, feature_noise=noise, seed=0))
+
+    clean, noisy = trainer(0.0), trainer(0.5)
+    assert noisy.evaluate(batch)["loss"] == noisy.evaluate(batch)["loss"] == clean.evaluate(batch)["loss"]
+    clean.step(batch)
+    noisy.step(batch)
+    moved = [(a - b).abs().max().item() for a, b in zip(clean.unwrapped.parameters(), noisy.unwrapped.parameters())]
+    assert max(moved) > 1e-5, "the noisy trainer's step must see other features than the clean one's"
+    twin = trainer(0.0)
+    twin.step(batch)
+    for a, b in zip(clean.unwrapped.parameters(), twin.unwrapped.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -31,6 +31,10 @@ TRAINER_META = "trainer_meta.json"
 class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
+    # Training only: Gaussian noise added to the target's hidden-state features, this many times
+    # each channel's standard deviation in the batch (EAGLE's feature noise: the draft learns to
+    # tolerate the error its own chained states carry, and overfits a small rollout set less).
+    feature_noise: float = 0.0
     ttt_steps: int = 3
     decay: float = 0.8
     tv_weight: float = 0.0           # weight of the TV(p, q) term (1 - acceptance at T=1)
@@ -147,6 +151,15 @@ def collate(sequences: list[dict[str, torch.Tensor]]) -> Batch:
     )
 
 
+def with_feature_noise(aux_hidden: torch.Tensor, scale: float) -> torch.Tensor:
+    """``aux_hidden`` [B, T, C] plus Gaussian noise of ``scale`` times each channel's standard
+    deviation over the batch's rows (per channel: a target's hidden states carry a few channels far
+    larger than the rest, which a single scale would let drown the others)."""
+    std = aux_hidden.float().reshape(-1, aux_hidden.shape[-1]).std(dim=0)
+    noise = torch.randn(aux_hidden.shape, dtype=torch.float32, device=aux_hidden.device) * (scale * std)
+    return (aux_hidden.float() + noise).to(aux_hidden.dtype)
+
+
 class DraftTrainer:
     drafter = "eagle3"  # the capture frames it learns from (``MTPTrainer`` takes "mtp" ones)
 
@@ -212,11 +225,14 @@ class DraftTrainer:
         c = self.config
         return LossConfig(decay=c.decay, tv_weight=c.tv_weight, accept_weighted=c.accept_weighted)
 
-    def _loss(self, batch: Batch, with_metrics: bool, served: bool = False):
+    def _loss(self, batch: Batch, with_metrics: bool, served: bool = False, noisy: bool = False):
         dev = self.accelerator.device
         lengths, first = batch.lengths.to(dev), batch.first.to(dev)
         masks = [valid_mask(lengths, batch.token_ids.shape[1], k, first) for k in range(self.config.ttt_steps)]
-        logits = self.unwrapped.unroll(batch.aux_hidden.to(dev), batch.token_ids.to(dev),
+        aux = batch.aux_hidden.to(dev)
+        if noisy and self.config.feature_noise > 0:
+            aux = with_feature_noise(aux, self.config.feature_noise)
+        logits = self.unwrapped.unroll(aux, batch.token_ids.to(dev),
                                        self.config.ttt_steps, logits_masks=masks)
         return eagle3_loss(logits, batch.target_rows(dev), self.target_head,
                            self.unwrapped.draft_token_ids(), lengths, first,
@@ -231,7 +247,7 @@ class DraftTrainer:
         draft = self.draft
         draft.train()
         with self._autocast():
-            out = self._loss(batch, with_metrics=True)
+            out = self._loss(batch, with_metrics=True, noisy=True)
         self.optimizer.zero_grad(set_to_none=True)
         self.accelerator.backward(out.loss)
         lr = scheduled_lr(self.config, self.step_count - self.schedule_origin)
