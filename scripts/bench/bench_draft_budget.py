@@ -38,19 +38,19 @@ OBJECTIVES = {"ce": {}, "ce+tv": {"tv_weight": 1.0}, "ce+tv4": {"tv_weight": 4.0
 
 def train_one(target: Path, features: list[dict], counts: torch.Tensor, train_idx: list[int],
               eval_items: list[dict], args: argparse.Namespace, objective: dict,
-              target_layer: int | None = None) -> dict:
+              target_layer: int | None = None, seed: int = 0) -> dict:
     from vllm_specrl.proposer.checkpoint import init_draft, load_draft, target_lm_head
     from vllm_specrl.trainer.core import DraftTrainer, TrainConfig, collate
     from vllm_specrl.trainer.offline import length_grouped_batches
 
     draft = (load_draft(args.init_from, target) if args.init_from
-             else init_draft(target, None, args.draft_vocab_size, token_counts=counts, seed=0,
+             else init_draft(target, None, args.draft_vocab_size, token_counts=counts, seed=seed,
                              target_layer=target_layer))
-    cfg = TrainConfig(lr=args.lr, ttt_steps=args.k, seed=0, mixed_precision=args.mixed_precision,
+    cfg = TrainConfig(lr=args.lr, ttt_steps=args.k, seed=seed, mixed_precision=args.mixed_precision,
                       lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, total_steps=args.steps,
                       **objective)
     trainer = DraftTrainer(draft, target_lm_head(target), cfg)
-    rng = random.Random(0)
+    rng = random.Random(seed)
     items = [features[i] for i in train_idx]
     grouped = length_grouped_batches(items, args.batch_size, rng) if args.group_by_length else None
     t0 = time.time()
@@ -86,6 +86,8 @@ def main() -> None:
     ap.add_argument("--draft-vocab-size", type=int, default=8192)
     ap.add_argument("--mixed-precision", default="no", choices=["no", "bf16"])
     ap.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine"])
+    ap.add_argument("--seeds", default="0", help="comma list: each objective is trained once per seed (the draft's "
+                    "initial weights, batch order and feature noise), so a difference can be read against the seeds' spread")
     ap.add_argument("--group-by-length", action="store_true", help="batches as train-draft --group-by-length makes")
     ap.add_argument("--warmup-steps", type=int, default=0)
     ap.add_argument("--start", default="none",
@@ -142,9 +144,10 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
     all_idx = [j for j, i in enumerate(index) if i in set(train_prompts)]
-    for name in [o for o in args.objectives.split(",") if o]:
-        row = {"objective": name, **train_one(args.target, features, counts_for(set(train_prompts)), all_idx,
-                                              eval_items, args, OBJECTIVES[name], parse_target_layer(args.start))}
+    for name, seed in [(o, int(s)) for o in args.objectives.split(",") if o for s in args.seeds.split(",")]:
+        row = {"objective": name, "seed": seed,
+               **train_one(args.target, features, counts_for(set(train_prompts)), all_idx, eval_items, args,
+                           OBJECTIVES[name], parse_target_layer(args.start), seed)}
         report["objectives"].append(row)
         print(json.dumps(row), flush=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
