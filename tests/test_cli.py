@@ -75,6 +75,9 @@ def test_train_draft_passes_weight_decay_and_feature_noise_and_refuses_noise_for
                   "--feature-noise", "0.2"])
     assert cli._cmd_train_draft(args) == 2
     assert "--feature-noise applies to EAGLE-3 drafts" in capsys.readouterr().err
+    assert cli._cmd_train_draft(parse(["train-draft", "--target", "t", "--draft", "d", "--offline",
+                                       "--feature-noise", "-0.1"])) == 2
+    assert "must be >= 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("native", "want"), [(True, "bfloat16"), (False, "float32")])

@@ -179,6 +179,9 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
     from vllm_specrl.cpu_malloc import keep_every_block_on_heap
 
     keep_every_block_on_heap()  # a training process: its pages are reused step after step
+    if args.feature_noise < 0 or args.weight_decay < 0:
+        print("error: --feature-noise and --weight-decay must be >= 0", file=sys.stderr)
+        return 2
     if args.mtp and args.feature_noise:
         print("error: --feature-noise applies to EAGLE-3 drafts (an MTP layer reads the policy's final "
               "hidden state, which it is trained to follow exactly)", file=sys.stderr)
