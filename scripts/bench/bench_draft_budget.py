@@ -41,7 +41,7 @@ def train_one(target: Path, features: list[dict], counts: torch.Tensor, train_id
               target_layer: int | None = None, seed: int = 0) -> dict:
     from vllm_specrl.proposer.checkpoint import init_draft, load_draft, target_lm_head
     from vllm_specrl.trainer.core import DraftTrainer, TrainConfig, collate
-    from vllm_specrl.trainer.offline import length_grouped_batches
+    from vllm_specrl.trainer.offline import training_batches
 
     draft = (load_draft(args.init_from, target) if args.init_from
              else init_draft(target, None, args.draft_vocab_size, token_counts=counts, seed=seed,
@@ -52,10 +52,10 @@ def train_one(target: Path, features: list[dict], counts: torch.Tensor, train_id
     trainer = DraftTrainer(draft, target_lm_head(target), cfg)
     rng = random.Random(seed)
     items = [features[i] for i in train_idx]
-    grouped = length_grouped_batches(items, args.batch_size, rng) if args.group_by_length else None
+    batches = training_batches(items, args.batch_size, rng, args.group_by_length)
     t0 = time.time()
     for _ in range(args.steps):
-        trainer.step(collate(next(grouped) if grouped else rng.sample(items, min(args.batch_size, len(items)))))
+        trainer.step(collate(next(batches)))
     seconds = time.time() - t0
     m = trainer.evaluate_many(eval_items)
     return {"per_position": [m[f"served_accept_pos{j}"] for j in range(args.k)],
@@ -86,8 +86,9 @@ def main() -> None:
     ap.add_argument("--draft-vocab-size", type=int, default=8192)
     ap.add_argument("--mixed-precision", default="no", choices=["no", "bf16"])
     ap.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine"])
-    ap.add_argument("--seeds", default="0", help="comma list: each objective is trained once per seed (the draft's "
-                    "initial weights, batch order and feature noise), so a difference can be read against the seeds' spread")
+    ap.add_argument("--seeds", default="0",
+                    help="comma list: each objective is trained once per seed (the draft's initial weights, batch "
+                         "order and feature noise), so a difference can be read against the seeds' spread")
     ap.add_argument("--group-by-length", action="store_true", help="batches as train-draft --group-by-length makes")
     ap.add_argument("--warmup-steps", type=int, default=0)
     ap.add_argument("--start", default="none",

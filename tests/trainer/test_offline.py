@@ -9,7 +9,7 @@ from itertools import islice
 
 import torch
 
-from vllm_specrl.trainer.offline import length_grouped_batches
+from vllm_specrl.trainer.offline import length_grouped_batches, training_batches
 
 
 def _rollouts(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -77,3 +77,15 @@ def test_batch_order_is_not_sorted_by_length() -> None:
                for b in islice(length_grouped_batches(items, 8, random.Random(3)), 81)]
     rises = sum(b > a for a, b in zip(longest, longest[1:]))
     assert 20 < rises < 60
+
+
+def test_training_batches_group_by_length_only_when_asked() -> None:
+    """What the warm start and ``bench_draft_budget`` train on: grouped batches with
+    ``group_by_length``, else ``batch_size`` distinct rollouts drawn at random each step."""
+    items = _rollouts(648)
+    random_ones = list(islice(training_batches(items, 8, random.Random(5)), 300))
+    assert all(len({int(f["id"]) for f in b}) == 8 for b in random_ones)
+    assert _padding(random_ones) > 0.3
+    grouped = list(islice(training_batches(items, 8, random.Random(5), group_by_length=True), 300))
+    want = list(islice(length_grouped_batches(items, 8, random.Random(5)), 300))
+    assert [[int(f["id"]) for f in b] for b in grouped] == [[int(f["id"]) for f in b] for b in want]

@@ -153,8 +153,8 @@ def collate(sequences: list[dict[str, torch.Tensor]]) -> Batch:
 
 def with_feature_noise(aux_hidden: torch.Tensor, scale: float) -> torch.Tensor:
     """``aux_hidden`` [B, T, C] plus Gaussian noise of ``scale`` times each channel's standard
-    deviation over the batch's rows, padding included (per channel: a target's hidden states carry a few channels far
-    larger than the rest, which a single scale would let drown the others)."""
+    deviation over the batch's rows, padding included (per channel: a target's hidden states carry a
+    few channels far larger than the rest, which a single scale would let drown the others)."""
     std = aux_hidden.float().reshape(-1, aux_hidden.shape[-1]).std(dim=0)
     noise = torch.randn(aux_hidden.shape, dtype=torch.float32, device=aux_hidden.device) * (scale * std)
     return (aux_hidden.float() + noise).to(aux_hidden.dtype)

@@ -245,9 +245,9 @@ def warm_start(target_dir: Path | str, draft_dir: Path | str, prompts: list[str]
     curve = [{"step": 0, "completion_tokens": 0, **_curve_point(before)}]
     seen_tokens = 0
     log = open(log_path, "w") if log_path else None  # noqa: SIM115
-    grouped = length_grouped_batches(train_items, cfg.batch_size, rng) if cfg.group_by_length else None
+    batches = training_batches(train_items, cfg.batch_size, rng, cfg.group_by_length)
     for step in tqdm(range(1, cfg.steps + 1), desc="warm start", mininterval=5):
-        picked = next(grouped) if grouped else rng.sample(train_items, min(cfg.batch_size, len(train_items)))
+        picked = next(batches)
         seen_tokens += sum(len(f["token_ids"]) - int(f["first_draft"]) - 1 for f in picked)
         metrics = trainer.step(collate(picked))
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
@@ -282,6 +282,16 @@ def warm_start(target_dir: Path | str, draft_dir: Path | str, prompts: list[str]
         "prompts": prompts, "sequences": sequences, "prompt_lengths": prompt_lengths,
         "prompt_index": prompt_index, "eval_prompts": sorted(eval_prompts)}))
     return summary
+
+
+def training_batches(items: list[dict[str, torch.Tensor]], batch_size: int, rng: random.Random,
+                     group_by_length: bool = False) -> Iterator[list[dict[str, torch.Tensor]]]:
+    """Endless training batches: ``length_grouped_batches`` with ``group_by_length``, else
+    ``batch_size`` items drawn at random for each."""
+    if group_by_length:
+        yield from length_grouped_batches(items, batch_size, rng)
+    while True:
+        yield rng.sample(items, min(batch_size, len(items)))
 
 
 def length_grouped_batches(items: list[dict[str, torch.Tensor]], batch_size: int, rng: random.Random,
