@@ -183,3 +183,36 @@ def test_sampled_drafts_follow_the_shares_they_report():
     assert abs((seconds == 5).mean() - 0.5) < 0.04
     heaviest = ix.draft(corpus, full[-ix.cfg.max_match:], 2)
     assert heaviest.tokens[0] == 4 and heaviest.dists is None
+
+
+def test_shares_along_a_continuation_are_what_the_sampled_draft_reports_on_that_path():
+    """``shares_along`` (for estimates from rollouts) must give, step by step, the q the sampled draft
+    reports when its draws were the continuation's tokens, and stop where that path leaves the
+    continuations (or where the draft would stop). Reference: ``draft`` itself, sampled many times,
+    on the draws that followed each path."""
+    ix = index(min_confidence=0.01)
+    key, _ = ix.group(PROMPT)
+    live = [with_tail(1, 2, 3, 4, 5, 8), with_tail(1, 2, 3, 4, 6, 8), with_tail(1, 2, 3, 9, 7, 8),
+            with_tail(1, 2, 3)]
+    full = np.concatenate([PROMPT, live[3][TAIL:]])
+    corpus = ix.corpus(key, live)
+    context = full[-ix.cfg.max_match:]
+    rng = np.random.default_rng(1)
+    seen = {}
+    for _ in range(400):
+        d = ix.draft(corpus, context, 3, rng)
+        seen.setdefault(tuple(d.tokens), d.dists)
+    assert {(4, 5, 8), (4, 6, 8), (9, 7, 8)} <= set(seen)
+    for path, dists in seen.items():
+        along = ix.shares_along(corpus, context, arr(*path), 3)
+        assert len(along) == len(dists) == 3
+        for (ids, q), (want_ids, want_q) in zip(along, dists):
+            assert ids.tolist() == want_ids.tolist() and np.allclose(q, want_q)
+    # A continuation the history never wrote: the first step's shares, then nothing (rejected there).
+    off = ix.shares_along(corpus, context, arr(7, 7, 7), 3)
+    assert len(off) == 1 and off[0][0].tolist() == [4, 9]
+    # Leaving after one matching step: two steps, the second among the siblings that agreed on 4.
+    left = ix.shares_along(corpus, context, arr(4, 7, 8), 3)
+    assert [ids.tolist() for ids, _ in left] == [[4, 9], [5, 6]]
+    # The draft's own stopping rule applies: a threshold no step reaches gives nothing.
+    assert ix.shares_along(corpus, context, arr(4, 5, 8), 3, min_confidence=0.99) == []

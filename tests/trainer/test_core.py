@@ -170,3 +170,19 @@ def test_feature_noise_trains_on_noisy_features_and_evaluates_on_clean_ones(tiny
     twin.step(batch)
     for a, b in zip(clean.unwrapped.parameters(), twin.unwrapped.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_per_start_acceptance_pools_to_the_served_estimate(tiny_model, features):
+    """``acceptance`` hands out the per-start weights behind ``evaluate``'s served estimate: pooled by
+    ``served_acceptance`` they must give the same acceptance length (a script mixes them with another
+    source's weights, so they must be the ones the estimate is made of)."""
+    from vllm_specrl.trainer.acceptance import served_acceptance
+
+    trainer = DraftTrainer(init_draft(tiny_model, None, seed=0), target_lm_head(tiny_model), TrainConfig(ttt_steps=3))
+    prompted = [dict(f, first_draft=5) for f in features[:8]]
+    batch = collate(prompted)
+    steps = trainer.acceptance(batch)
+    assert len(steps.valid) == len(steps.accept_weight) == 3
+    assert not steps.valid[0][:, :5].any(), "no draft starts before the prompt's last position"
+    pooled = served_acceptance(steps, batch.first)["acceptance_length"]
+    assert pooled == pytest.approx(trainer.evaluate(batch)["served_acceptance_length"], rel=1e-6)

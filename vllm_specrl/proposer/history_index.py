@@ -257,38 +257,19 @@ class HistoryIndex:
         """The draft for a sequence ending in ``context`` (its last tokens), at most ``max_tokens``
         long; with ``rng``, each token sampled from the continuations' shares (``Draft.dists``)."""
         tokens, weights = corpus
-        cfg = self.cfg
-        threshold = cfg.min_confidence if min_confidence is None else min_confidence
-        n = len(tokens)
-        if max_tokens <= 0 or len(context) < cfg.min_match or n < 2:
+        threshold = self.cfg.min_confidence if min_confidence is None else min_confidence
+        found = self._suffix_occurrences(tokens, context) if max_tokens > 0 else None
+        if found is None:
             return NO_DRAFT
-        # Occurrences p of the suffix with a continuation token at p + 1 (which also leaves out
-        # the drafting sequence's own end: it matches its own suffix in full and continues nowhere).
-        cand = np.flatnonzero((tokens[:-1] == context[-1]) & (tokens[1:] != SEPARATOR))
-        matched = 1
-        for j in range(1, min(cfg.max_match, len(context))):
-            prev = cand - j
-            ok = prev >= 0
-            longer = cand[ok][tokens[prev[ok]] == context[-1 - j]]
-            if not len(longer):
-                break
-            cand, matched = longer, j + 1
-        if matched < cfg.min_match or not len(cand):
-            return NO_DRAFT
+        cand, matched = found
         out: list[int] = []
         dists: list[tuple[np.ndarray, np.ndarray]] = []
         confidence = 1.0
         for d in range(max_tokens):
-            pos = cand + 1 + d
-            pos = pos[pos < n]
-            nxt = tokens[pos]
-            live = nxt != SEPARATOR
-            if not live.any():
+            step = self._continuations(tokens, weights, cand, d)
+            if step is None:
                 break
-            cand_live, nxt = pos[live] - 1 - d, nxt[live]
-            w = weights[cand_live]
-            uniq, inverse = np.unique(nxt, return_inverse=True)
-            mass = np.bincount(inverse, weights=w)
+            cand_live, uniq, inverse, mass = step
             total = mass.sum()
             # Estimated chance this token is accepted given the ones before were: the continuations'
             # share with one pseudo-count against them, times m / (m + 1) for a match of m tokens (the
@@ -317,6 +298,74 @@ class HistoryIndex:
             if rng is not None:
                 self.counts["sampled_drafts"] += 1
         return Draft(out, dists if rng is not None else None)
+
+    def shares_along(self, corpus: tuple[np.ndarray, np.ndarray], context: np.ndarray,
+                     continuation: np.ndarray, max_tokens: int,
+                     min_confidence: float | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The sampled draft's distributions (ids, q) per step when its draws were ``continuation``'s
+        tokens: what the rejection sampler sees while the draft is being accepted. It ends at the
+        step where the draft stops, or after the first step whose draw cannot be the continuation's
+        token (q of it is 0: that step is rejected whatever was drawn). For estimates from rollouts
+        (``min(1, q(x) / p(x))`` per step); counts nothing."""
+        tokens, weights = corpus
+        threshold = self.cfg.min_confidence if min_confidence is None else min_confidence
+        found = self._suffix_occurrences(tokens, context) if max_tokens > 0 else None
+        if found is None:
+            return []
+        cand, matched = found
+        dists: list[tuple[np.ndarray, np.ndarray]] = []
+        confidence = 1.0
+        for d in range(min(max_tokens, len(continuation))):
+            step = self._continuations(tokens, weights, cand, d)
+            if step is None:
+                break
+            cand_live, uniq, inverse, mass = step
+            total = mass.sum()
+            confidence *= (matched + d) / (matched + d + 1.0) * total / (total + 1.0)
+            if confidence < threshold:
+                break
+            dists.append((uniq.astype(np.int64), mass / total))
+            hit = np.flatnonzero(uniq == continuation[d])
+            if not len(hit):
+                break
+            cand = cand_live[inverse == int(hit[0])]
+        return dists
+
+    def _suffix_occurrences(self, tokens: np.ndarray, context: np.ndarray) -> tuple[np.ndarray, int] | None:
+        """Positions where the longest suffix of ``context`` (``min_match``..``max_match`` tokens) ends
+        in the corpus with a continuation token after it, and that suffix's length; None: no match."""
+        cfg = self.cfg
+        if len(context) < cfg.min_match or len(tokens) < 2:
+            return None
+        # Occurrences p of the suffix with a continuation token at p + 1 (which also leaves out
+        # the drafting sequence's own end: it matches its own suffix in full and continues nowhere).
+        cand = np.flatnonzero((tokens[:-1] == context[-1]) & (tokens[1:] != SEPARATOR))
+        matched = 1
+        for j in range(1, min(cfg.max_match, len(context))):
+            prev = cand - j
+            ok = prev >= 0
+            longer = cand[ok][tokens[prev[ok]] == context[-1 - j]]
+            if not len(longer):
+                break
+            cand, matched = longer, j + 1
+        if matched < cfg.min_match or not len(cand):
+            return None
+        return cand, matched
+
+    @staticmethod
+    def _continuations(tokens: np.ndarray, weights: np.ndarray, cand: np.ndarray, d: int
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+        """The tokens ``d + 1`` after each occurrence: (occurrences that continue, distinct next tokens,
+        each occurrence's index into them, each token's weighted mass); None: no occurrence continues."""
+        pos = cand + 1 + d
+        pos = pos[pos < len(tokens)]
+        nxt = tokens[pos]
+        live = nxt != SEPARATOR
+        if not live.any():
+            return None
+        cand_live, nxt = pos[live] - 1 - d, nxt[live]
+        uniq, inverse = np.unique(nxt, return_inverse=True)
+        return cand_live, uniq, inverse, np.bincount(inverse, weights=weights[cand_live])
 
     def status(self) -> dict:
         """For /specrl/status: size against the caps, ages, what was drafted."""

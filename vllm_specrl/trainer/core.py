@@ -21,6 +21,7 @@ from accelerate import Accelerator
 
 from vllm_specrl.proposer.checkpoint import load_draft, save_draft, target_embedding, target_lm_head
 from vllm_specrl.proposer.eagle3_torch import Eagle3Draft
+from vllm_specrl.trainer.acceptance import StepAcceptance
 from vllm_specrl.trainer.loss import LossConfig, TargetRows, eagle3_loss, valid_mask
 
 TRAINER_STATE = "trainer_state.pt"
@@ -264,6 +265,13 @@ class DraftTrainer:
         """Loss and metrics, including the expected vLLM counters (``served_*``)."""
         self.draft.eval()
         return self._loss(batch, with_metrics=True, served=True).metrics
+
+    @torch.no_grad()
+    def acceptance(self, batch: Batch) -> StepAcceptance:
+        """Per draft start and step, whether vLLM drafts there and the chance the step is accepted given
+        the emitted token (``trainer.acceptance``): for estimates that mix this draft with another source."""
+        self.draft.eval()
+        return self._loss(batch, with_metrics=False, served=True).acceptance
 
     def evaluate_many(self, sequences: list[dict[str, torch.Tensor]], batch_size: int = 16) -> dict[str, float]:
         """``evaluate`` over many sequences, the served estimate pooled exactly across batches."""
