@@ -33,7 +33,7 @@ OBJECTIVES = {"ce": {}, "ce+tv": {"tv_weight": 1.0}, "ce+tv4": {"tv_weight": 4.0
               "ce+tv+accept_weighted": {"tv_weight": 1.0, "accept_weighted": True},
               "ce+noise0.1": {"feature_noise": 0.1}, "ce+noise0.2": {"feature_noise": 0.2},
               "ce+noise0.5": {"feature_noise": 0.5}, "ce+wd0.1": {"weight_decay": 0.1},
-              "ce+wd0.5": {"weight_decay": 0.5}}
+              "ce+wd0.5": {"weight_decay": 0.5}, "ce+wd1.0": {"weight_decay": 1.0}}
 
 
 def train_one(target: Path, features: list[dict], counts: torch.Tensor, train_idx: list[int],
