@@ -45,6 +45,7 @@ def eagle_weights(target: Path, draft: Path, sequences: list[list[int]], prompt_
     from transformers import AutoModelForCausalLM
 
     from vllm_specrl.proposer.checkpoint import load_draft, target_lm_head
+    from vllm_specrl.trainer.acceptance import pool, served_acceptance
     from vllm_specrl.trainer.core import DraftTrainer, TrainConfig, collate
     from vllm_specrl.trainer.features import sequence_features
 
@@ -60,16 +61,17 @@ def eagle_weights(target: Path, draft: Path, sequences: list[list[int]], prompt_
         logit = (f["final_hidden"][:-1].float() * head[ids[1:]]).sum(-1)
         p_next.append(np.append((logit - f["target_lse"][:-1]).exp().numpy(), 0.0))
     trainer = DraftTrainer(drafter, head, TrainConfig(ttt_steps=k))
-    valid, weight = [], []
+    valid, weight, parts = [], [], []
     for i in range(0, len(features), batch_size):
         chunk = features[i:i + batch_size]
-        steps = trainer.acceptance(collate(chunk))
+        batch = collate(chunk)
+        steps = trainer.acceptance(batch)
+        parts.append(served_acceptance(steps, batch.first))   # as evaluate_many pools it, from the same unroll
         for b, f in enumerate(chunk):
             n = len(f["token_ids"])
             valid.append(np.stack([v[b, :n].cpu().numpy() for v in steps.valid]))
             weight.append(np.stack([w[b, :n].float().cpu().numpy() for w in steps.accept_weight]))
-    served = float(trainer.evaluate_many(features, batch_size)["served_acceptance_length"])
-    return valid, weight, p_next, served
+    return valid, weight, p_next, float(pool(parts)["acceptance_length"])
 
 
 def history_drafts(groups: list[list[int]], kept: dict[int, list[int]], sequences: list[list[int]],
