@@ -36,31 +36,43 @@ def isa_kind(cpuinfo: str = "/proc/cpuinfo") -> str:
     return "avx2"
 
 
-def nearest_run(runs: list[dict], kind: str, cpus: int) -> dict | None:
-    """The measured run on the CPU kind nearest this one (ISA first, then core count)."""
+def nearest_runs(runs: list[dict], kind: str, cpus: int) -> list[dict]:
+    """The measured runs on the CPU kind nearest this one (ISA first, then core count): every run of that
+    kind, since VMs of one kind differ in speed."""
     if not runs:
-        return None
-    return min(runs, key=lambda r: (abs(RANKS.get(r["isa_kind"], 0) - RANKS[kind]), abs(r["cpus"] - cpus)))
+        return []
+    key = lambda r: (abs(RANKS.get(r["isa_kind"], 0) - RANKS[kind]), abs(r["cpus"] - cpus))  # noqa: E731
+    first = min(runs, key=key)   # of two kinds one rank away, the first listed
+    return [r for r in runs if (r["isa_kind"], r["cpus"]) == (first["isa_kind"], first["cpus"])]
+
+
+def _minutes(low: float, high: float, width: int = 0) -> str:
+    text = f"{low / 60:.1f}" if round(low / 6) == round(high / 6) else f"{low / 60:.1f}-{high / 60:.1f}"
+    return f"{text:>{width}s}"
 
 
 def plan(runs: list[dict], kind: str, cpus: int, done: set[str]) -> list[str]:
-    """The lines to print: each phase still to run with its measured minutes, and the total."""
-    run = nearest_run(runs, kind, cpus)
-    if run is None:
+    """The lines to print: each phase still to run with its measured minutes (their range where several
+    runs of the nearest kind were measured), and the total."""
+    near = nearest_runs(runs, kind, cpus)
+    if not near:
         return ["[demo] no first run measured yet: each phase shows its own progress"]
-    where = f"{run['cpus']}-core {run['isa_kind'].upper()} CPU ({run['cpu_model']}, {run['date']})"
+    run = near[0]
+    dates = ", ".join(sorted({r["date"] for r in near}))
+    where = f"{run['cpus']}-core {run['isa_kind'].upper()} CPU ({run['cpu_model']}, {dates})"
     same = run["isa_kind"] == kind and run["cpus"] == cpus
     lines = [f"[demo] on a {where}{' like this one' if same else ' (the nearest measured to this one)'}, "
-             "a first `make demo` took:"]
-    total = 0.0
+             f"a first `make demo` took{' (the range over the runs measured)' if len(near) > 1 else ''}:"]
+    low = high = 0.0
     for phase, what in PHASES:
-        seconds = run["phases_s"][phase]
+        seconds = [r["phases_s"][phase] for r in near]
         if phase in done:
             lines.append(f"[demo]   {phase:8s} done already here ({what})")
             continue
-        total += seconds
-        lines.append(f"[demo]   {phase:8s} {seconds / 60:5.1f} min  {what}")
-    lines.append(f"[demo]   about {total / 60:.0f} min in all from here")
+        low, high = low + min(seconds), high + max(seconds)
+        lines.append(f"[demo]   {phase:8s} {_minutes(min(seconds), max(seconds), 9)} min  {what}")
+    total = f"{low / 60:.0f}" if round(low / 60) == round(high / 60) else f"{low / 60:.0f}-{high / 60:.0f}"
+    lines.append(f"[demo]   about {total} min in all from here")
     return lines
 
 

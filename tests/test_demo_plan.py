@@ -20,10 +20,10 @@ RUNS = [{"isa_kind": "avx2", "cpus": 2, "cpu_model": "AMD EPYC", "date": "2026-1
 
 
 def test_the_nearest_measured_cpu_kind_is_used():
-    assert demo_plan.nearest_run(RUNS, "avx2", 2)["cpu_model"] == "AMD EPYC"
-    assert demo_plan.nearest_run(RUNS, "amx", 2)["cpu_model"] == "Intel Xeon"
-    assert demo_plan.nearest_run(RUNS, "avx512", 8)["cpus"] == 2  # one rank from either: the first
-    assert demo_plan.nearest_run([], "avx2", 2) is None
+    assert [r["cpu_model"] for r in demo_plan.nearest_runs(RUNS, "avx2", 2)] == ["AMD EPYC"]
+    assert [r["cpu_model"] for r in demo_plan.nearest_runs(RUNS, "amx", 2)] == ["Intel Xeon"]
+    assert [r["isa_kind"] for r in demo_plan.nearest_runs(RUNS, "avx512", 8)] == ["avx2"]  # one rank from either
+    assert demo_plan.nearest_runs([], "avx2", 2) == []
 
 
 def test_the_plan_adds_only_what_is_left_to_do():
@@ -32,6 +32,19 @@ def test_the_plan_adds_only_what_is_left_to_do():
     lines = demo_plan.plan(RUNS, "avx2", 2, done={"setup", "fixture", "draft"})
     assert sum("done already" in line for line in lines) == 3 and lines[-1].endswith("about 15 min in all from here")
     assert "nearest measured" in demo_plan.plan(RUNS, "avx512", 2, done=set())[0]
+
+
+def test_several_runs_of_the_kind_give_each_phase_its_range():
+    slower = {"isa_kind": "avx2", "cpus": 2, "cpu_model": "AMD EPYC", "date": "2026-12-01",
+              "phases_s": {"setup": 240, "fixture": 30, "draft": 540, "demo": 1200}}
+    lines = demo_plan.plan(RUNS + [slower], "avx2", 2, done=set())
+    assert "2026-11-29, 2026-12-01" in lines[0] and "range" in lines[0]
+    draft = next(line for line in lines if "draft " in line)
+    assert "5.0-9.0 min" in draft
+    assert next(line for line in lines if "setup " in line).split()[2] == "4.0"   # equal: one figure
+    assert lines[-1].endswith("about 24-34 min in all from here")
+    # The Intel run is not of the kind: it stays out of the range.
+    assert all("Intel" not in line for line in lines)
 
 
 def test_the_phases_end_where_the_log_says():

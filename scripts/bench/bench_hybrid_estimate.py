@@ -123,7 +123,8 @@ def history_drafts(groups: list[list[int]], kept: dict[int, list[int]], sequence
 
 
 def walk(n: int, first: int, k: int, source) -> dict[str, float]:
-    """Expected vLLM counters over one rollout: ``source(s)`` gives (valid [k] bool, weights [k], tag)."""
+    """Expected vLLM counters over one rollout: ``source(s)`` gives (valid [k] bool, weights [k], tag), or
+    with a fourth element a dict of per-start costs (e.g. expected verified rows) summed as expectations."""
     mass = np.zeros(n + k + 3)
     mass[first] = 1.0
     c = {"drafts": 0.0, "steps": 0.0, "tokens": 0.0, "history_drafts": 0.0, "accepted": np.zeros(k)}
@@ -131,7 +132,9 @@ def walk(n: int, first: int, k: int, source) -> dict[str, float]:
         m = mass[s]
         if m == 0.0 or s + 2 >= n:   # the token at s + 1 was the rollout's last: done
             continue
-        valid, weights, tag = source(s)
+        valid, weights, tag, *costs = source(s)
+        for name, value in (costs[0] if costs else {}).items():
+            c[name] = c.get(name, 0.0) + m * value
         c["steps"] += m
         if not valid[0]:
             mass[s + 1] += m

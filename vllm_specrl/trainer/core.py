@@ -226,15 +226,19 @@ class DraftTrainer:
         c = self.config
         return LossConfig(decay=c.decay, tv_weight=c.tv_weight, accept_weighted=c.accept_weighted)
 
-    def _loss(self, batch: Batch, with_metrics: bool, served: bool = False, noisy: bool = False):
+    def _unroll(self, batch: Batch, noisy: bool = False) -> list[torch.Tensor]:
         dev = self.accelerator.device
         lengths, first = batch.lengths.to(dev), batch.first.to(dev)
         masks = [valid_mask(lengths, batch.token_ids.shape[1], k, first) for k in range(self.config.ttt_steps)]
         aux = batch.aux_hidden.to(dev)
         if noisy and self.config.feature_noise > 0:
             aux = with_feature_noise(aux, self.config.feature_noise)
-        logits = self.unwrapped.unroll(aux, batch.token_ids.to(dev),
-                                       self.config.ttt_steps, logits_masks=masks)
+        return self.unwrapped.unroll(aux, batch.token_ids.to(dev), self.config.ttt_steps, logits_masks=masks)
+
+    def _loss(self, batch: Batch, with_metrics: bool, served: bool = False, noisy: bool = False):
+        dev = self.accelerator.device
+        lengths, first = batch.lengths.to(dev), batch.first.to(dev)
+        logits = self._unroll(batch, noisy)
         return eagle3_loss(logits, batch.target_rows(dev), self.target_head,
                            self.unwrapped.draft_token_ids(), lengths, first,
                            self.loss_config, with_metrics=with_metrics, served=served)
@@ -272,6 +276,14 @@ class DraftTrainer:
         the emitted token (``trainer.acceptance``): for estimates that mix this draft with another source."""
         self.draft.eval()
         return self._loss(batch, with_metrics=False, served=True).acceptance
+
+    @torch.no_grad()
+    def draft_logits(self, batch: Batch) -> list[torch.Tensor]:
+        """The draft's logits [B, T, draft vocab] per TTT step, teacher-forced on the batch's tokens (rows no
+        draft start reads stay 0): the distributions it would draft from wherever its earlier steps were
+        accepted, for estimates of rules that read the draft's confidence."""
+        self.draft.eval()
+        return self._unroll(batch)
 
     def evaluate_many(self, sequences: list[dict[str, torch.Tensor]], batch_size: int = 16) -> dict[str, float]:
         """``evaluate`` over many sequences, the served estimate pooled exactly across batches."""
