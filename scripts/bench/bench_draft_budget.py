@@ -4,7 +4,8 @@ Reads the rollouts a warm start saved (``warm_start_rollouts.json`` in its draft
 directory), computes the target's features once, and trains fresh drafts:
 - budgets: the first N training prompts (all their rollouts) for several N, same
   steps, same held-out prompts: held-out served acceptance vs completion tokens;
-- objectives (``--objectives``): soft CE, + TV term, acceptance-weighted TTT, both;
+- objectives (``--objectives``): soft CE and terms added to it (``ce+wd0.5+tv4``: weight decay, TV term,
+  acceptance-weighted TTT, feature noise);
 - starts (``--target-layers none,last``): a fresh draft's decoder layer from random weights or
   from a target layer (``train-draft --target-layer``), full budget;
 - ``--init-from DRAFT``: every run fine-tunes that draft instead of a fresh one (what the online
@@ -28,12 +29,30 @@ from pathlib import Path
 
 import torch
 
-OBJECTIVES = {"ce": {}, "ce+tv": {"tv_weight": 1.0}, "ce+tv4": {"tv_weight": 4.0},
-              "ce+accept_weighted": {"accept_weighted": True},
-              "ce+tv+accept_weighted": {"tv_weight": 1.0, "accept_weighted": True},
-              "ce+noise0.1": {"feature_noise": 0.1}, "ce+noise0.2": {"feature_noise": 0.2},
-              "ce+noise0.5": {"feature_noise": 0.5}, "ce+wd0.1": {"weight_decay": 0.1},
-              "ce+wd0.5": {"weight_decay": 0.5}, "ce+wd1.0": {"weight_decay": 1.0}}
+# An objective is soft CE plus terms joined by "+": "ce+wd0.5+tv4" is soft CE with weight decay 0.5 and
+# the TV term at weight 4. A term is its name, or its name and a number (the bare name takes the default).
+OBJECTIVE_TERMS = {"tv": ("tv_weight", 1.0), "accept_weighted": ("accept_weighted", True),
+                   "noise": ("feature_noise", 0.2), "wd": ("weight_decay", 0.5)}
+
+
+def parse_objective(name: str) -> dict:
+    """TrainConfig overrides for an objective name such as ``ce+wd0.5+tv4``; ValueError on an unknown term."""
+    terms = name.split("+")
+    if terms[0] != "ce":
+        raise ValueError(f"objective {name!r}: must start with 'ce' (soft cross-entropy)")
+    out: dict = {}
+    for term in terms[1:]:
+        key = next((k for k in OBJECTIVE_TERMS if term.startswith(k)), None)
+        if key is None:
+            raise ValueError(f"objective {name!r}: unknown term {term!r} (known: {', '.join(OBJECTIVE_TERMS)})")
+        field, default = OBJECTIVE_TERMS[key]
+        number = term[len(key):]
+        if number and isinstance(default, bool):
+            raise ValueError(f"objective {name!r}: {key} takes no number")
+        if field in out:
+            raise ValueError(f"objective {name!r}: {key} given twice")
+        out[field] = float(number) if number else default
+    return out
 
 
 def train_one(target: Path, features: list[dict], counts: torch.Tensor, train_idx: list[int],
@@ -78,7 +97,7 @@ def main() -> None:
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--rollouts", type=Path, required=True)
     ap.add_argument("--budgets", default="0.25,0.5,1.0", help="fractions of the training prompts")
-    ap.add_argument("--objectives", default="ce", help=f"comma list of {','.join(OBJECTIVES)} (full budget)")
+    ap.add_argument("--objectives", default="ce", help="comma list of objectives, each ce[+term...], terms tv[W], accept_weighted, noise[S], wd[D] (full budget)")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=2e-3)
@@ -99,6 +118,7 @@ def main() -> None:
                     help="fine-tune this draft in every run instead of training a fresh one")
     ap.add_argument("--out", type=Path, default=Path("results/bench_draft_budget.json"))
     args = ap.parse_args()
+    objectives = {o: parse_objective(o) for o in args.objectives.split(",") if o}  # fail before the features
 
     data = json.loads(args.rollouts.read_text())
     seqs, lengths, index = data["sequences"], data["prompt_lengths"], data["prompt_index"]
@@ -148,7 +168,7 @@ def main() -> None:
     for name, seed in [(o, int(s)) for o in args.objectives.split(",") if o for s in args.seeds.split(",")]:
         row = {"objective": name, "seed": seed,
                **train_one(args.target, features, counts_for(set(train_prompts)), all_idx, eval_items, args,
-                           OBJECTIVES[name], parse_target_layer(args.start), seed)}
+                           objectives[name], parse_target_layer(args.start), seed)}
         report["objectives"].append(row)
         print(json.dumps(row), flush=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
