@@ -22,6 +22,8 @@ _spec.loader.exec_module(bench)
     ("ce+wd0.5+tv4", {"weight_decay": 0.5, "tv_weight": 4.0}),
     ("ce+wd0.5+accept_weighted", {"weight_decay": 0.5, "accept_weighted": True}),
     ("ce+noise0.2+wd1", {"feature_noise": 0.2, "weight_decay": 1.0}),
+    ("ce+wd0.5+decay1", {"weight_decay": 0.5, "decay": 1.0}),
+    ("ce+anchor2", {"start_anchor": 2.0}),
 ])
 def test_objective_terms_become_train_config_fields(name: str, expected: dict) -> None:
     overrides = bench.parse_objective(name)

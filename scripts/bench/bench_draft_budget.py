@@ -5,7 +5,7 @@ directory), computes the target's features once, and trains fresh drafts:
 - budgets: the first N training prompts (all their rollouts) for several N, same
   steps, same held-out prompts: held-out served acceptance vs completion tokens;
 - objectives (``--objectives``): soft CE and terms added to it (``ce+wd0.5+tv4``: weight decay, TV term,
-  acceptance-weighted TTT, feature noise);
+  acceptance-weighted TTT, feature noise, the TTT steps' decay, decay toward the starting weights);
 - starts (``--target-layers none,last``): a fresh draft's decoder layer from random weights or
   from a target layer (``train-draft --target-layer``), full budget;
 - ``--init-from DRAFT``: every run fine-tunes that draft instead of a fresh one (what the online
@@ -30,9 +30,12 @@ from pathlib import Path
 import torch
 
 # An objective is soft CE plus terms joined by "+": "ce+wd0.5+tv4" is soft CE with weight decay 0.5 and
-# the TV term at weight 4. A term is its name, or its name and a number (the bare name takes the default).
+# the TV term at weight 4; "decay0.6" weights TTT step k by 0.6**k instead of the default 0.8**k;
+# "anchor1" decays toward the starting weights instead of zero (TrainConfig.start_anchor).
+# A term is its name, or its name and a number (the bare name takes the default).
 OBJECTIVE_TERMS = {"tv": ("tv_weight", 1.0), "accept_weighted": ("accept_weighted", True),
-                   "noise": ("feature_noise", 0.2), "wd": ("weight_decay", 0.5)}
+                   "noise": ("feature_noise", 0.2), "wd": ("weight_decay", 0.5),
+                   "decay": ("decay", 0.8), "anchor": ("start_anchor", 0.5)}
 
 
 def parse_objective(name: str) -> dict:
@@ -97,7 +100,7 @@ def main() -> None:
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--rollouts", type=Path, required=True)
     ap.add_argument("--budgets", default="0.25,0.5,1.0", help="fractions of the training prompts")
-    ap.add_argument("--objectives", default="ce", help="comma list of objectives, each ce[+term...], terms tv[W], accept_weighted, noise[S], wd[D] (full budget)")
+    ap.add_argument("--objectives", default="ce", help="comma list of objectives, each ce[+term...], terms tv[W], accept_weighted, noise[S], wd[D], decay[G], anchor[A] (full budget)")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=2e-3)

@@ -172,6 +172,28 @@ def test_feature_noise_trains_on_noisy_features_and_evaluates_on_clean_ones(tiny
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_start_anchor_pulls_each_step_back_toward_the_starting_weights(tiny_model, features):
+    """With ``start_anchor`` a step is the plain step, then every trainable weight moves lr * anchor of the
+    way back to where the trainer started (not toward zero, as weight decay does)."""
+    batch = collate(features[:8])
+
+    def trainer(anchor: float) -> DraftTrainer:
+        return DraftTrainer(init_draft(tiny_model, None, seed=0, target_layer=-1), target_lm_head(tiny_model),
+                            TrainConfig(lr=2e-3, ttt_steps=2, start_anchor=anchor, seed=0))
+
+    plain, anchored = trainer(0.0), trainer(50.0)
+    start = [p.detach().clone() for p in anchored.unwrapped.parameters() if p.requires_grad]
+    fraction = 2e-3 * 50.0
+    plain.step(batch)
+    anchored.step(batch)
+    moved = 0.0
+    for a, b, s0 in zip([p for p in plain.unwrapped.parameters() if p.requires_grad],
+                        [p for p in anchored.unwrapped.parameters() if p.requires_grad], start):
+        moved = max(moved, (a - s0).abs().max().item())
+        torch.testing.assert_close(b, a + fraction * (s0 - a), rtol=1e-6, atol=1e-6)
+    assert moved > 1e-4, "the plain step must move the weights, or the check above says nothing"
+
+
 def test_per_start_acceptance_pools_to_the_served_estimate(tiny_model, features):
     """``acceptance`` hands out the per-start weights behind ``evaluate``'s served estimate: pooled by
     ``served_acceptance`` they must give the same acceptance length (a script mixes them with another

@@ -32,6 +32,10 @@ TRAINER_META = "trainer_meta.json"
 class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
+    # Decoupled decay toward the weights the trainer started from instead of toward zero (L2-SP): each
+    # step moves every trainable weight lr * start_anchor of the way back to its start. A draft that
+    # starts from the target's last layer and LM head keeps what it was given where its data is thin.
+    start_anchor: float = 0.0
     # Training only: Gaussian noise added to the target's hidden-state features, this many times
     # each channel's standard deviation in the batch (EAGLE's feature noise: the draft learns to
     # tolerate the error its own chained states carry, and overfits a small rollout set less).
@@ -174,6 +178,8 @@ class DraftTrainer:
         params = [p for n, p in draft.named_parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=self.config.lr, weight_decay=self.config.weight_decay)
         self.draft, self.optimizer = self.accelerator.prepare(draft, opt)
+        self._start = ([p.detach().clone() for g in self.optimizer.param_groups for p in g["params"]]
+                       if self.config.start_anchor else None)
         self.set_target_head(target_head)
         self.step_count = 0
         self.schedule_origin = 0   # the step the schedule counts from (a resumed run restarts it)
@@ -261,8 +267,16 @@ class DraftTrainer:
         if self.config.grad_clip:
             self.accelerator.clip_grad_norm_(draft.parameters(), self.config.grad_clip)
         self.optimizer.step()
+        if self._start is not None:
+            self._pull_to_start(min(1.0, lr * self.config.start_anchor))
         self.step_count += 1
         return dict(out.metrics, step=self.step_count, lr=lr)
+
+    @torch.no_grad()
+    def _pull_to_start(self, fraction: float) -> None:
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        for p, start in zip(params, self._start):
+            p.lerp_(start, fraction)
 
     @torch.no_grad()
     def evaluate(self, batch: Batch) -> dict[str, float]:
