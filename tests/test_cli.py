@@ -70,11 +70,16 @@ def test_train_draft_passes_weight_decay_and_feature_noise_and_refuses_noise_for
                                    "--feature-noise", "0.2"]))
     assert (cfg.weight_decay, cfg.feature_noise) == (0.1, 0.2)
     assert (cli._train_config(parse(["train-draft", "--target", "t", "--draft", "d"])).feature_noise) == 0.0
+    assert cli._train_config(parse(["train-draft", "--target", "t", "--draft", "d", "--start-anchor", "4"])
+                             ).start_anchor == 4.0
     monkeypatch.setattr("vllm_specrl.cpu_malloc.keep_every_block_on_heap", lambda: None)
     args = parse(["train-draft", "--target", "t", "--draft", "d", "--mtp", "--capture", "tcp://127.0.0.1:1",
                   "--feature-noise", "0.2"])
     assert cli._cmd_train_draft(args) == 2
     assert "--feature-noise applies to EAGLE-3 drafts" in capsys.readouterr().err
+    assert cli._cmd_train_draft(parse(["train-draft", "--target", "t", "--draft", "d", "--mtp", "--offline",
+                                       "--start-anchor", "1"])) == 2
+    assert "--start-anchor applies to EAGLE-3 drafts" in capsys.readouterr().err
     assert cli._cmd_train_draft(parse(["train-draft", "--target", "t", "--draft", "d", "--offline",
                                        "--feature-noise", "-0.1"])) == 2
     assert "must be >= 0" in capsys.readouterr().err

@@ -134,7 +134,8 @@ def _train_config(args: argparse.Namespace):
                        tv_weight=args.tv_weight, accept_weighted=args.accept_weighted,
                        mixed_precision=args.mixed_precision, lr_schedule=args.lr_schedule,
                        warmup_steps=args.warmup_steps, total_steps=args.steps,
-                       weight_decay=args.weight_decay, feature_noise=args.feature_noise)
+                       weight_decay=args.weight_decay, feature_noise=args.feature_noise,
+                       start_anchor=args.start_anchor)
 
 
 def _cmd_train_online(args: argparse.Namespace) -> int:
@@ -179,12 +180,16 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
     from vllm_specrl.cpu_malloc import keep_every_block_on_heap
 
     keep_every_block_on_heap()  # a training process: its pages are reused step after step
-    if args.feature_noise < 0 or args.weight_decay < 0:
-        print("error: --feature-noise and --weight-decay must be >= 0", file=sys.stderr)
+    if args.feature_noise < 0 or args.weight_decay < 0 or args.start_anchor < 0:
+        print("error: --feature-noise, --weight-decay and --start-anchor must be >= 0", file=sys.stderr)
         return 2
     if args.mtp and args.feature_noise:
         print("error: --feature-noise applies to EAGLE-3 drafts (an MTP layer reads the policy's final "
               "hidden state, which it is trained to follow exactly)", file=sys.stderr)
+        return 2
+    if args.mtp and args.start_anchor:
+        print("error: --start-anchor applies to EAGLE-3 drafts (the MTP trainer decays toward zero only: "
+              "--weight-decay)", file=sys.stderr)
         return 2
     if args.capture:
         return _cmd_train_online(args)
@@ -348,6 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "default 3, with --mtp 1")
     tr.add_argument("--decay", type=float, default=0.8, help="weight of TTT step k is decay**k")
     tr.add_argument("--weight-decay", type=float, default=0.0, help="AdamW's decoupled weight decay")
+    tr.add_argument("--start-anchor", type=float, default=0.0,
+                    help="decoupled decay toward the draft's starting weights instead of zero: each step "
+                         "moves every weight lr times this of the way back to its start")
     tr.add_argument("--feature-noise", type=float, default=0.0,
                     help="training only: Gaussian noise on the target's hidden-state features, this many "
                          "times each channel's standard deviation (EAGLE's feature noise)")
