@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
+from helpers import load_script
 from vllm_specrl.trainer.core import TrainConfig
 
-_PATH = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "bench_draft_budget.py"
-_spec = importlib.util.spec_from_file_location("bench_draft_budget", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+bench = load_script("scripts/bench/bench_draft_budget.py")
 
 
 @pytest.mark.parametrize("name, expected", [

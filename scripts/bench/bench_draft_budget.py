@@ -100,7 +100,9 @@ def main() -> None:
     ap.add_argument("--target", type=Path, required=True)
     ap.add_argument("--rollouts", type=Path, required=True)
     ap.add_argument("--budgets", default="0.25,0.5,1.0", help="fractions of the training prompts")
-    ap.add_argument("--objectives", default="ce", help="comma list of objectives, each ce[+term...], terms tv[W], accept_weighted, noise[S], wd[D], decay[G], anchor[A] (full budget)")
+    ap.add_argument("--objectives", default="ce",
+                    help="comma list of objectives, each ce[+term...], terms tv[W], accept_weighted, noise[S], "
+                         "wd[D], decay[G], anchor[A] (full budget)")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=2e-3)
@@ -168,7 +170,7 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
     all_idx = [j for j, i in enumerate(index) if i in set(train_prompts)]
-    for name, seed in [(o, int(s)) for o in args.objectives.split(",") if o for s in args.seeds.split(",")]:
+    for name, seed in [(o, int(s)) for o in objectives for s in args.seeds.split(",")]:
         row = {"objective": name, "seed": seed,
                **train_one(args.target, features, counts_for(set(train_prompts)), all_idx, eval_items, args,
                            objectives[name], parse_target_layer(args.start), seed)}

@@ -33,8 +33,8 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     # Decoupled decay toward the weights the trainer started from instead of toward zero (L2-SP): each
-    # step moves every trainable weight lr * start_anchor of the way back to its start. A draft that
-    # starts from the target's last layer and LM head keeps what it was given where its data is thin.
+    # step moves every trainable weight lr * start_anchor of the way back to its start, so a fine-tuned
+    # draft stays near the one it started from (on a fresh build it cost acceptance: docs/eagle3.md).
     start_anchor: float = 0.0
     # Training only: Gaussian noise added to the target's hidden-state features, this many times
     # each channel's standard deviation in the batch (EAGLE's feature noise: the draft learns to
@@ -178,7 +178,8 @@ class DraftTrainer:
         params = [p for n, p in draft.named_parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=self.config.lr, weight_decay=self.config.weight_decay)
         self.draft, self.optimizer = self.accelerator.prepare(draft, opt)
-        self._start = ([p.detach().clone() for g in self.optimizer.param_groups for p in g["params"]]
+        # (weight, its starting value) for every trained weight, when the steps pull toward the start.
+        self._start = ([(p, p.detach().clone()) for g in self.optimizer.param_groups for p in g["params"]]
                        if self.config.start_anchor else None)
         self.set_target_head(target_head)
         self.step_count = 0
@@ -274,8 +275,7 @@ class DraftTrainer:
 
     @torch.no_grad()
     def _pull_to_start(self, fraction: float) -> None:
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        for p, start in zip(params, self._start):
+        for p, start in self._start:
             p.lerp_(start, fraction)
 
     @torch.no_grad()
