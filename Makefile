@@ -27,7 +27,7 @@ DRAFT_ARGS ?= --task arithmetic --num-prompts 128 --samples 8 --max-tokens 96 --
 DEMO_DRAFT_COMMON := --task explain --num-prompts 81 --max-tokens 256 --batch-size 8 --lr 2e-3 --lr-schedule cosine \
 	--warmup-steps 25 --draft-vocab-size 4096 --dtype auto --mixed-precision auto --group-by-length
 DEMO_DRAFT ?= $(FIXTURES)/real/drafts/demo-explain-quick
-DEMO_DRAFT_ARGS ?= $(DEMO_DRAFT_COMMON) --samples 4 --steps 600 --eval-every 150 --weight-decay 0.5
+DEMO_DRAFT_ARGS ?= $(DEMO_DRAFT_COMMON) --samples 4 --steps 600 --eval-every 150 --weight-decay 0.5 --tv-weight 4
 DEMO_DRAFT_FULL ?= $(FIXTURES)/real/drafts/demo-explain
 DEMO_DRAFT_FULL_ARGS ?= $(DEMO_DRAFT_COMMON) --samples 32 --steps 1800 --eval-every 300
 # Bumped when the draft recipe changes under the same arguments (2: warm-start rollouts seeded per
