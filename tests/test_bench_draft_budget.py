@@ -1,10 +1,17 @@
-"""The objective names ``bench_draft_budget.py --objectives`` takes: soft CE plus terms."""
+"""``bench_draft_budget.py``: the objective names ``--objectives`` takes (soft CE plus terms), and the
+drafts ``--save-drafts`` keeps for serving."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 
+from conftest import REPO
 from helpers import load_script
+from vllm_specrl.proposer.checkpoint import load_draft
 from vllm_specrl.trainer.core import TrainConfig
 
 bench = load_script("scripts/bench/bench_draft_budget.py")
@@ -32,3 +39,26 @@ def test_objective_terms_become_train_config_fields(name: str, expected: dict) -
 def test_a_malformed_objective_is_refused(name: str) -> None:
     with pytest.raises(ValueError):
         bench.parse_objective(name)
+
+
+def test_saved_drafts_serve_and_hold_out_what_they_trained_on(tiny_model, warm_draft, tmp_path) -> None:
+    """``--save-drafts``: the screened draft itself is servable, and its metadata names the prompts it
+    trained on, so ``bench_calibration.py`` serves it on held-out prompts only (the warm start's own
+    record of its training prompts is the reference)."""
+    out = tmp_path / "drafts"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts/bench/bench_draft_budget.py"), "--target", str(tiny_model),
+         "--rollouts", str(warm_draft / "warm_start_rollouts.json"), "--budgets", "", "--objectives", "ce+tv4",
+         "--steps", "2", "--draft-vocab-size", "1024", "--save-drafts", str(out),
+         "--out", str(tmp_path / "report.json")],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    saved = out / "ce+tv4-s0"
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["objectives"][0]["saved_to"] == str(saved)
+    draft = load_draft(saved, tiny_model)
+    assert draft.shape.draft_vocab_size == 1024
+    calibration = load_script("scripts/bench/bench_calibration.py")
+    trained = json.loads((warm_draft / "trainer_meta.json").read_text())["warm_start"]["train_prompt_texts"]
+    assert trained and calibration.prompts_trained_on(saved) == set(trained)
+    assert json.loads((saved / "trainer_meta.json").read_text())["config"]["tv_weight"] == 4.0

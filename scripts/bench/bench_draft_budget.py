@@ -60,7 +60,10 @@ def parse_objective(name: str) -> dict:
 
 def train_one(target: Path, features: list[dict], counts: torch.Tensor, train_idx: list[int],
               eval_items: list[dict], args: argparse.Namespace, objective: dict,
-              target_layer: int | None = None, seed: int = 0) -> dict:
+              target_layer: int | None = None, seed: int = 0, save_to: Path | None = None,
+              train_prompt_texts: list[str] | None = None) -> dict:
+    """Train one draft and return its held-out estimate; ``save_to``: also save it, servable, with the
+    prompts it trained on in its metadata (``bench_calibration.py`` holds those out)."""
     from vllm_specrl.proposer.checkpoint import init_draft, load_draft, target_lm_head
     from vllm_specrl.trainer.core import DraftTrainer, TrainConfig, collate
     from vllm_specrl.trainer.offline import training_batches
@@ -80,10 +83,15 @@ def train_one(target: Path, features: list[dict], counts: torch.Tensor, train_id
         trainer.step(collate(next(batches)))
     seconds = time.time() - t0
     m = trainer.evaluate_many(eval_items)
-    return {"per_position": [m[f"served_accept_pos{j}"] for j in range(args.k)],
-            "acceptance_length": m["served_acceptance_length"], "train_seconds": round(seconds, 1),
-            "completion_tokens": sum(len(f["token_ids"]) - f["first_draft"] - 1 for f in items),
-            "rollouts": len(items)}
+    row = {"per_position": [m[f"served_accept_pos{j}"] for j in range(args.k)],
+           "acceptance_length": m["served_acceptance_length"], "train_seconds": round(seconds, 1),
+           "completion_tokens": sum(len(f["token_ids"]) - f["first_draft"] - 1 for f in items),
+           "rollouts": len(items)}
+    if save_to is not None:
+        trainer.save(save_to, extra={"warm_start": {"train_prompt_texts": train_prompt_texts or [],
+                                                    "bench_draft_budget": {**objective, **row}}})
+        row["saved_to"] = str(save_to)
+    return row
 
 
 def main() -> None:
@@ -121,6 +129,9 @@ def main() -> None:
                     help="comma list of fresh-draft starts to compare (none, last or a layer index), full budget")
     ap.add_argument("--init-from", type=Path, default=None,
                     help="fine-tune this draft in every run instead of training a fresh one")
+    ap.add_argument("--save-drafts", type=Path, default=None,
+                    help="save each objective's draft under DIR/<objective>-s<seed>, servable, so that "
+                         "bench_calibration.py can serve the very drafts the screen compared")
     ap.add_argument("--out", type=Path, default=Path("results/bench_draft_budget.json"))
     args = ap.parse_args()
     objectives = {o: parse_objective(o) for o in args.objectives.split(",") if o}  # fail before the features
@@ -170,10 +181,12 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
     all_idx = [j for j, i in enumerate(index) if i in set(train_prompts)]
+    train_texts = [data["prompts"][i] for i in train_prompts]
     for name, seed in [(o, int(s)) for o in objectives for s in args.seeds.split(",")]:
+        save_to = args.save_drafts / f"{name}-s{seed}" if args.save_drafts else None
         row = {"objective": name, "seed": seed,
                **train_one(args.target, features, counts_for(set(train_prompts)), all_idx, eval_items, args,
-                           objectives[name], parse_target_layer(args.start), seed)}
+                           objectives[name], parse_target_layer(args.start), seed, save_to, train_texts)}
         report["objectives"].append(row)
         print(json.dumps(row), flush=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
