@@ -1,5 +1,8 @@
 """``bench_draft_budget.py``: the objective names ``--objectives`` takes (soft CE plus terms), and the
-drafts ``--save-drafts`` keeps for serving."""
+drafts ``--save-drafts`` keeps for serving.
+
+Engines: none; one interpreter runs the script itself (two training steps on the session's tiny warm
+draft's rollouts), since ``--save-drafts`` is wired through its command line."""
 
 from __future__ import annotations
 
