@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vllm_specrl.rl.draft_trainer import DraftTrainerSettings
+from vllm_specrl.rl.draft_trainer import DraftTrainerProcess, DraftTrainerSettings
 from vllm_specrl.rl.loop import StepResult, rollout_seed
 from vllm_specrl.rl.policy import Policy
 from vllm_specrl.rl.rollouts import generate_at_lengths
@@ -85,6 +86,16 @@ def draft_trainer_settings(args: argparse.Namespace) -> DraftTrainerSettings:
                                 replay_ratio=args.draft_replay_ratio, holdout_every=args.draft_holdout_every,
                                 mixed_precision=args.draft_mixed_precision, niceness=args.draft_nice,
                                 sched_idle=args.draft_sched_idle, yields=args.draft_trainer_yields)
+
+
+def clear_stale_run(work: Path, mode: str) -> None:
+    """Remove what an earlier run of ``mode`` left in ``work`` that a new run must not inherit: its policy copy
+    and policy head, its online trainer's checkpoint (a trainer resumes from one) and its trainer's log (the
+    trainer appends to it, and the report reads every publish-gate verdict in it as this run's)."""
+    trainer_log = DraftTrainerProcess(None, work, mode).log
+    for path in (work / f"policy_{mode}", work / f"policy_head_{mode}", work / f"draft-online-{mode}"):
+        shutil.rmtree(path, ignore_errors=True)
+    trainer_log.unlink(missing_ok=True)
 
 
 def publish_gate_verdicts(log: Path) -> list[dict]:

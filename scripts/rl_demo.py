@@ -40,9 +40,9 @@ from vllm_specrl.rl.tasks import TASKS, make_tasks, reward
 from vllm_specrl.trainer.core import resolve_serving_dtype
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness and the report, beside it
-from demo_harness import (ParentTurns, draft_trainer_settings, next_turn, page_faults,  # noqa: E402
-                          publish_gate_verdicts, read_run, replay_lengths, run_in_own_process, run_interleaved,
-                          step_record, warm_up_trainer)
+from demo_harness import (ParentTurns, clear_stale_run, draft_trainer_settings, next_turn,  # noqa: E402
+                          page_faults, publish_gate_verdicts, read_run, replay_lengths, run_in_own_process,
+                          run_interleaved, step_record, warm_up_trainer)
 from demo_report import PROPOSERS, plot, print_table, summarize  # noqa: E402
 from vllm_specrl.host import host_info  # noqa: E402
 
@@ -58,8 +58,7 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path, replay: d
     from vllm_specrl.sync.client import EngineClient
 
     policy_dir, policy_head = work / f"policy_{mode}", work / f"policy_head_{mode}"
-    for stale in (policy_dir, work / f"draft-online-{mode}", policy_head):
-        shutil.rmtree(stale, ignore_errors=True)
+    clear_stale_run(work, mode)
     pause_file(work, mode).unlink(missing_ok=True)
     shutil.copytree(target, policy_dir)
     proposer = {"spec": "eagle3", "history": "history", "mtp": "mtp"}.get(mode.split("-")[0], "plain")
