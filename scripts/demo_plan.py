@@ -59,7 +59,8 @@ def plan(runs: list[dict], kind: str, cpus: int, done: set[str]) -> list[str]:
         return ["[demo] no first run measured yet: each phase shows its own progress"]
     run = near[0]
     dates = ", ".join(sorted({r["date"] for r in near}))
-    where = f"{run['cpus']}-core {run['isa_kind'].upper()} CPU ({run['cpu_model']}, {dates})"
+    models = " / ".join(sorted({r["cpu_model"] for r in near}))  # one ISA kind spans CPUs of twice the speed
+    where = f"{run['cpus']}-core {run['isa_kind'].upper()} CPU ({models}, {dates})"
     same = run["isa_kind"] == kind and run["cpus"] == cpus
     lines = [f"[demo] on a {where}{' like this one' if same else ' (the nearest measured to this one)'}, "
              f"a first `make demo` took{' (the range over the runs measured)' if len(near) > 1 else ''}:"]

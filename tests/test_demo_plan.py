@@ -45,6 +45,10 @@ def test_several_runs_of_the_kind_give_each_phase_its_range():
     assert lines[-1].endswith("about 24-34 min in all from here")
     # The Intel run is not of the kind: it stays out of the range.
     assert all("Intel" not in line for line in lines)
+    # Runs of one kind on other CPUs: the header names each, not only the first.
+    other = {**slower, "cpu_model": "Intel Xeon", "date": "2026-12-02"}
+    header = demo_plan.plan(RUNS + [slower, other], "avx2", 2, done=set())[0]
+    assert "AMD EPYC / Intel Xeon" in header and "2026-12-02" in header
 
 
 def test_the_phases_end_where_the_log_says():
