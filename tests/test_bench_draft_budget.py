@@ -45,9 +45,9 @@ def test_a_malformed_objective_is_refused(name: str) -> None:
 
 
 def test_saved_drafts_serve_and_hold_out_what_they_trained_on(tiny_model, warm_draft, tmp_path) -> None:
-    """``--save-drafts``: the screened draft itself is servable, and its metadata names the prompts it
-    trained on, so ``bench_calibration.py`` serves it on held-out prompts only (the warm start's own
-    record of its training prompts is the reference)."""
+    """``--save-drafts``: the screened draft is saved as ``train-draft`` saves one (the checkpoint vLLM
+    serves), and its metadata names the prompts it trained on, so ``bench_calibration.py`` serves it on
+    held-out prompts only (the warm start's own record of its training prompts is the reference)."""
     out = tmp_path / "drafts"
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts/bench/bench_draft_budget.py"), "--target", str(tiny_model),
