@@ -88,14 +88,19 @@ def draft_trainer_settings(args: argparse.Namespace) -> DraftTrainerSettings:
                                 sched_idle=args.draft_sched_idle, yields=args.draft_trainer_yields)
 
 
+def policy_paths(work: Path, mode: str) -> tuple[Path, Path]:
+    """A run's own copy of the policy checkpoint and the policy head it writes for an MTP drafter."""
+    return work / f"policy_{mode}", work / f"policy_head_{mode}"
+
+
 def clear_stale_run(work: Path, mode: str) -> None:
     """Remove what an earlier run of ``mode`` left in ``work`` that a new run must not inherit: its policy copy
     and policy head, its online trainer's checkpoint (a trainer resumes from one) and its trainer's log (the
     trainer appends to it, and the report reads every publish-gate verdict in it as this run's)."""
-    trainer_log = DraftTrainerProcess(None, work, mode).log
-    for path in (work / f"policy_{mode}", work / f"policy_head_{mode}", work / f"draft-online-{mode}"):
+    trainer = DraftTrainerProcess(None, work, mode)
+    for path in (*policy_paths(work, mode), trainer.checkpoint_dir):
         shutil.rmtree(path, ignore_errors=True)
-    trainer_log.unlink(missing_ok=True)
+    trainer.log.unlink(missing_ok=True)
 
 
 def publish_gate_verdicts(log: Path) -> list[dict]:

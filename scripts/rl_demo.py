@@ -41,8 +41,8 @@ from vllm_specrl.trainer.core import resolve_serving_dtype
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness and the report, beside it
 from demo_harness import (ParentTurns, clear_stale_run, draft_trainer_settings, next_turn,  # noqa: E402
-                          page_faults, publish_gate_verdicts, read_run, replay_lengths, run_in_own_process,
-                          run_interleaved, step_record, warm_up_trainer)
+                          page_faults, policy_paths, publish_gate_verdicts, read_run, replay_lengths,
+                          run_in_own_process, run_interleaved, step_record, warm_up_trainer)
 from demo_report import PROPOSERS, plot, print_table, summarize  # noqa: E402
 from vllm_specrl.host import host_info  # noqa: E402
 
@@ -57,7 +57,7 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path, replay: d
     from vllm_specrl.server import VLLMServer, free_port
     from vllm_specrl.sync.client import EngineClient
 
-    policy_dir, policy_head = work / f"policy_{mode}", work / f"policy_head_{mode}"
+    policy_dir, policy_head = policy_paths(work, mode)
     clear_stale_run(work, mode)
     pause_file(work, mode).unlink(missing_ok=True)
     shutil.copytree(target, policy_dir)

@@ -57,6 +57,10 @@ class DraftTrainerProcess:
         return pause_file(self.work_dir, self.name)
 
     @property
+    def checkpoint_dir(self) -> Path:
+        return checkpoint_dir(self.work_dir, self.name)
+
+    @property
     def output(self) -> Path:
         return self.work_dir / f"draft_trainer_{self.name}.out"
 
@@ -77,7 +81,7 @@ class DraftTrainerProcess:
         s = settings
         cmd = [sys.executable, "-m", "vllm_specrl.cli", "train-draft", "--capture", capture, "--engine", engine_url,
                *(["--mtp"] if mtp else []), "--draft", str(draft), "--target", str(target),
-               "--checkpoint-dir", str(work_dir / f"draft-online-{name}"),
+               "--checkpoint-dir", str(checkpoint_dir(work_dir, name)),
                "--publish-every", str(s.publish_every), "--checkpoint-every", str(s.checkpoint_every),
                "--batch-size", str(s.batch_size), "--lr", str(s.lr), "--tv-weight", str(s.tv_weight),
                "--idle-s", "0.5", "--holdout-every", str(s.holdout_every), "--mixed-precision", s.mixed_precision,
@@ -127,6 +131,11 @@ class DraftTrainerProcess:
                 clean = False
         self.resume()
         return clean
+
+
+def checkpoint_dir(work_dir: Path, name: str) -> Path:
+    """Where the online draft trainer checkpoints, and resumes from when it starts (``--checkpoint-dir``)."""
+    return work_dir / f"draft-online-{name}"
 
 
 def pause_file(work_dir: Path, name: str) -> Path:
