@@ -2,7 +2,6 @@
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -81,6 +80,17 @@ def mimo_model(fixture_root) -> Path:
 WARM_DRAFT_VOCAB = 1024
 
 
+def train_draft(argv: list[str]) -> None:
+    """``vllm-specrl train-draft --offline ARGV`` as the CLI runs it, in a child of the suite's zygote
+    (vLLM imported once for the session rather than once per draft)."""
+    from helpers import run_python
+
+    run_python(f"""
+        from vllm_specrl import cli
+        raise SystemExit(cli.main(["train-draft", "--offline", *{argv!r}]))
+    """, env={"VLLM_PLUGINS": "specrl"}, timeout=1200)
+
+
 @pytest.fixture(scope="session")
 def warm_draft(tiny_model, tmp_path_factory) -> Path:
     """An EAGLE-3 draft warm-started on the tiny target's own rollouts through the CLI.
@@ -95,17 +105,12 @@ def warm_draft(tiny_model, tmp_path_factory) -> Path:
     # In-domain prompts for the code-trained target, disjoint from the tests' first 200.
     prompt_file = work / "prompts.jsonl"
     prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in code_prompts(264)[200:]))
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_PLUGINS="specrl")
-    proc = subprocess.run(
-        [sys.executable, "-m", "vllm_specrl.cli", "train-draft", "--offline",
-         "--target", str(tiny_model), "--draft", str(out), "--raw-prompts",
-         "--prompts", str(prompt_file), "--samples", "4", "--max-tokens", "48", "--steps", "80",
-         "--batch-size", "16", "--lr", "3e-3", "--draft-vocab-size", str(WARM_DRAFT_VOCAB),
-         # The HF feature path: the drafts other tests use stay as they were; the capture path
-         # (the CLI default) is checked against it in tests/trainer/test_captured.py.
-         "--features", "hf"],
-        env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    train_draft(["--target", str(tiny_model), "--draft", str(out), "--raw-prompts",
+                 "--prompts", str(prompt_file), "--samples", "4", "--max-tokens", "48", "--steps", "80",
+                 "--batch-size", "16", "--lr", "3e-3", "--draft-vocab-size", str(WARM_DRAFT_VOCAB),
+                 # The HF feature path: the drafts other tests use stay as they were; the capture path
+                 # (the CLI default) is checked against it in tests/trainer/test_captured.py.
+                 "--features", "hf"])
     return out
 
 
@@ -115,14 +120,9 @@ def parallel_draft(tiny_model, warm_draft, tmp_path_factory) -> Path:
     draft's own saved rollouts, through the CLI (``--init-from --parallel-drafting``; ~40 s)."""
     work = tmp_path_factory.mktemp("parallel")
     out = work / "draft"
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_PLUGINS="specrl")
-    proc = subprocess.run(
-        [sys.executable, "-m", "vllm_specrl.cli", "train-draft", "--offline",
-         "--target", str(tiny_model), "--draft", str(out), "--init-from", str(warm_draft), "--parallel-drafting",
-         "--rollouts", str(warm_draft / "warm_start_rollouts.json"), "--steps", "40", "--batch-size", "16",
-         "--lr", "3e-3", "--features", "hf"],
-        env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    train_draft(["--target", str(tiny_model), "--draft", str(out), "--init-from", str(warm_draft),
+                 "--parallel-drafting", "--rollouts", str(warm_draft / "warm_start_rollouts.json"), "--steps", "40",
+                 "--batch-size", "16", "--lr", "3e-3", "--features", "hf"])
     return out
 
 

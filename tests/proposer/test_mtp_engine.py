@@ -2,7 +2,7 @@
 
 Lossless at T=0 (float32 token equality with plain vLLM, k = 1 and 3) and at T=1 (the
 chi-square test of ``test_lossless_sampling``, with a hotter-temperature control on the
-same model showing it has power). Drafter parity: the distributions vLLM's MTP drafter
+same model showing it has power, in the slower tier). Drafter parity: the distributions vLLM's MTP drafter
 verifies against, read out of the running engine, equal ``mtp_torch.draft_chain``'s on an
 HF forward of the body; a planted mismatch (the second-to-last body layer's state fed as the
 MTP's hidden input) fails the same comparison.
@@ -67,7 +67,10 @@ def test_mtp_t1_is_lossless(mimo_model, plain_t1):
     assert min(p) > ALPHA, describe(p)
 
 
+@pytest.mark.slow
 def test_t1_test_has_power_on_this_model(mimo_model, plain_t1):
+    """The method's power on this model (a hotter temperature): it judges the test, not the product, so
+    it runs in the slower tier, as ``test_lossless_sampling``'s does."""
     hotter = sample_continuations(mimo_model, PROMPT, N, L, 1.2, seed=3)
     p = per_position_pvalues(plain_t1, hotter)
     assert min(p) < POWER_ALPHA, f"the test lacks power: {describe(p)}"
