@@ -25,6 +25,7 @@ from collections.abc import Iterable
 
 import requests
 
+from vllm_specrl import routes
 from vllm_specrl.adaptive.controller import batch_bucket, bucket_bounds
 
 CALIBRATION_ID_PREFIX = "specrl-calibrate-"
@@ -83,7 +84,7 @@ def calibrate(url: str, model: str | None = None, max_batch: int = 16, steps: in
 
     def adaptive_state() -> dict | None:
         r = session.get(url + "/specrl/status", timeout=timeout_s)
-        r.raise_for_status()
+        routes.raise_for_status(r)
         return r.json().get("adaptive_k")
 
     def bucket_of(state: dict | None, batch: int) -> dict | None:

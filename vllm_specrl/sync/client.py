@@ -27,6 +27,7 @@ import requests
 import torch
 from tqdm import tqdm
 
+from vllm_specrl import routes
 from vllm_specrl.sync import shm
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
@@ -82,6 +83,8 @@ class EngineClient:
     # -- plumbing ---------------------------------------------------------------------------
     def _post(self, path: str, **kwargs: Any) -> dict:
         r = self.session.post(self.url + path, timeout=self.timeout, **kwargs)
+        if r.status_code == 404:  # the package's routes answer 400 or 503, never 404: they are missing
+            routes.raise_for_status(r)
         try:
             body = r.json()
         except ValueError:
@@ -124,7 +127,7 @@ class EngineClient:
     # -- public API ----------------------------------------------------------------------------
     def status(self) -> dict:
         r = self.session.get(self.url + "/specrl/status", timeout=self.timeout)
-        r.raise_for_status()
+        routes.raise_for_status(r)
         return r.json()
 
     def calibrate_adaptive_k(self, max_batch: int = 16, steps: int = 256) -> dict:

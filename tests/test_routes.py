@@ -1,0 +1,51 @@
+"""A server without the package's ``/specrl`` routes (the endpoint plugin not loaded, as with
+``VLLM_PLUGINS=specrl``) is named as such by every client path, instead of a bare 404 minutes into a run.
+A stand-in HTTP server that answers 404 everywhere, as ``vllm serve`` does without the plugin; no engine."""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from vllm_specrl.routes import SpecRLRoutesMissing
+
+
+class _NoRoutes(BaseHTTPRequestHandler):
+    def _not_found(self):
+        body = b'{"detail":"Not Found"}'
+        self.send_response(404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _not_found
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def url():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _NoRoutes)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_status_and_updates_name_the_missing_plugin(url):
+    from vllm_specrl.sync.client import EngineClient
+
+    client = EngineClient(url)
+    for call in (client.status, client.resume, lambda: client.report_trainer({"step": 1})):
+        with pytest.raises(SpecRLRoutesMissing, match=r"VLLM_PLUGINS=specrl,specrl_http"):
+            call()
+
+
+def test_calibration_names_the_missing_plugin(url):
+    from vllm_specrl.adaptive.calibrate import calibrate
+
+    with pytest.raises(SpecRLRoutesMissing, match="specrl_http endpoint plugin did not load"):
+        calibrate(url, model="m", max_batch=1, steps=1)

@@ -1,0 +1,25 @@
+"""Client-side check of a ``/specrl/*`` response: a server without the package's routes says why.
+
+``vllm serve`` answers 404 on every ``/specrl/*`` path when the ``specrl_http`` endpoint plugin did not
+load, most often because ``VLLM_PLUGINS`` was set to ``specrl`` alone (once set, it is an allowlist for
+every plugin group). A bare ``404 Not Found`` minutes into a run does not say that; this does.
+"""
+
+from __future__ import annotations
+
+import requests
+
+MISSING_ROUTES_HINT = ("the server has no /specrl routes: its specrl_http endpoint plugin did not load. "
+                       "Start `vllm serve` with VLLM_PLUGINS unset or naming both plugins "
+                       "(VLLM_PLUGINS=specrl,specrl_http)")
+
+
+class SpecRLRoutesMissing(RuntimeError):
+    """The engine serves no ``/specrl/*`` routes (the endpoint plugin is not loaded)."""
+
+
+def raise_for_status(response: requests.Response) -> None:
+    """``response.raise_for_status()``, except that a 404 on a ``/specrl/`` path names the likely cause."""
+    if response.status_code == 404 and "/specrl/" in (response.url or ""):
+        raise SpecRLRoutesMissing(f"{response.url}: HTTP 404; {MISSING_ROUTES_HINT}")
+    response.raise_for_status()
