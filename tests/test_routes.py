@@ -1,6 +1,8 @@
 """A server without the package's ``/specrl`` routes (the endpoint plugin not loaded, as with
 ``VLLM_PLUGINS=specrl``) is named as such by every client path, instead of a bare 404 minutes into a run.
-A stand-in HTTP server that answers 404 everywhere, as ``vllm serve`` does without the plugin; no engine."""
+A stand-in HTTP server that answers 404 everywhere, as ``vllm serve`` does without the plugin.
+
+Engines: none; a ``VLLMServer`` handle is built, never started, to ask the stand-in for its status."""
 
 from __future__ import annotations
 
@@ -42,6 +44,16 @@ def test_status_and_updates_name_the_missing_plugin(url):
     for call in (client.status, client.resume, lambda: client.report_trainer({"step": 1})):
         with pytest.raises(SpecRLRoutesMissing, match=r"VLLM_PLUGINS=specrl,specrl_http"):
             call()
+
+
+def test_the_status_command_and_the_server_handle_name_the_missing_plugin(url, capsys):
+    from vllm_specrl import cli
+    from vllm_specrl.server import VLLMServer
+
+    assert cli.main(["status", "--engine", url]) == 1
+    assert "specrl_http endpoint plugin did not load" in capsys.readouterr().err
+    with pytest.raises(SpecRLRoutesMissing):
+        VLLMServer("m", port=int(url.rsplit(":", 1)[1])).status()
 
 
 def test_calibration_names_the_missing_plugin(url):

@@ -45,7 +45,14 @@ def _cmd_status(args: argparse.Namespace) -> int:
     import requests
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    from vllm_specrl.routes import SpecRLRoutesMissing, raise_if_missing
+
     resp = requests.get(args.engine.rstrip("/") + "/specrl/status", headers=headers, timeout=30)
+    try:
+        raise_if_missing(resp)
+    except SpecRLRoutesMissing as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     if resp.status_code != 200:
         print(f"error: HTTP {resp.status_code}: {resp.text}", file=sys.stderr)
         return 1

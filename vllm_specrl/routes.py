@@ -18,8 +18,14 @@ class SpecRLRoutesMissing(RuntimeError):
     """The engine serves no ``/specrl/*`` routes (the endpoint plugin is not loaded)."""
 
 
-def raise_for_status(response: requests.Response) -> None:
-    """``response.raise_for_status()``, except that a 404 on a ``/specrl/`` path names the likely cause."""
+def raise_if_missing(response: requests.Response) -> None:
+    """Raise ``SpecRLRoutesMissing`` for a 404 on a ``/specrl/`` path (the package's own routes answer
+    refusals with 400, 401, 403 or 503, never 404); any other response passes."""
     if response.status_code == 404 and "/specrl/" in (response.url or ""):
         raise SpecRLRoutesMissing(f"{response.url}: HTTP 404; {MISSING_ROUTES_HINT}")
+
+
+def raise_for_status(response: requests.Response) -> None:
+    """``response.raise_for_status()``, except that missing ``/specrl`` routes are named as such."""
+    raise_if_missing(response)
     response.raise_for_status()

@@ -21,6 +21,8 @@ from typing import IO
 
 import requests
 
+from vllm_specrl import routes
+
 PLUGINS_ENV = "specrl,specrl_http"
 WORKER_EXTENSION = "vllm_specrl.sync.SpecRLWorkerExtension"
 
@@ -177,7 +179,7 @@ class VLLMServer:
 
     def status(self) -> dict:
         resp = requests.get(self.url + "/specrl/status", headers=self.headers, timeout=60)
-        resp.raise_for_status()
+        routes.raise_for_status(resp)
         return resp.json()
 
     def __enter__(self) -> VLLMServer:

@@ -33,9 +33,9 @@ ALL_CHECKS = {"EAGLE-3 greedy = plain", "EAGLE-3 T=1 distribution = plain", "pol
 SAMPLES = 1000
 
 
-def _selftest(tiny_model, out, *args, env=None):
+def _selftest(tiny_model, out, env=None):
     proc = subprocess.run([sys.executable, "-m", "vllm_specrl.cli", "selftest", "--model", str(tiny_model),
-                           "--json", str(out), "--samples", str(SAMPLES), *args], env={**os.environ, **(env or {})},
+                           "--json", str(out), "--samples", str(SAMPLES)], env={**os.environ, **(env or {})},
                           capture_output=True, text=True, timeout=1800)
     return proc, json.loads(out.read_text()) if out.exists() else None
 

@@ -83,8 +83,7 @@ class EngineClient:
     # -- plumbing ---------------------------------------------------------------------------
     def _post(self, path: str, **kwargs: Any) -> dict:
         r = self.session.post(self.url + path, timeout=self.timeout, **kwargs)
-        if r.status_code == 404:  # the package's routes answer 400 or 503, never 404: they are missing
-            routes.raise_for_status(r)
+        routes.raise_if_missing(r)
         try:
             body = r.json()
         except ValueError:
