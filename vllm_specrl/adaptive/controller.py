@@ -20,9 +20,12 @@ Per bucket, the k with the largest ``E[tokens | k] / ratio(k)`` is served (k = 0
 speculation, where it cannot pay; every bucket starts there). Three safeguards keep noise from
 choosing: cost ratios are read through a monotone envelope (a step never costs less for
 verifying and drafting more tokens, so a larger k measured cheaper than a smaller one is
-noise); a switch must promise more than the standard error of the candidate's measured ratio,
-plus ``switch_margin`` where the candidate is the larger k (down, the safer way, needs no
-margin); and a position's acceptance prior is the previous position's estimate, not a fixed
+noise); a k > 0 is valued as if its step cost ``speculate_margin`` more than measured, so it
+replaces k = 0 only where it promises that much more and gives way as soon as it promises less
+(speculation pays costs step timing does not see, and a start-up sweep's ratio at 16 sequences
+moves by 10-15% between runs); a switch must promise more than the standard error of the
+candidate's measured ratio, plus ``switch_margin`` where the candidate is the larger of two k > 0
+(down, the safer way, needs no margin); and a position's acceptance prior is the previous position's estimate, not a fixed
 0.5 (with flat costs and a never-accepted draft, as on a tiny model, step jitter of 15-25%
 picked k = 1-3 in 24 of 40 simulated runs without them). Every k is measured in
 bursts of a few steps, each right after a few steps of the served k (the first step of
@@ -101,8 +104,11 @@ class AdaptiveKConfig:
     optimism: float = 1.0          # standard errors added to each position's acceptance when choosing
     optimism_where_paying: bool = True  # ... only for a k that beats k = 0 at the mean acceptance
     share_calibration: bool = True  # a new bucket starts at a calibrated neighbour's k and climbs
-    switch_margin: float = 0.02    # a k must promise this much more throughput (plus the standard error
-                                   # of its measured cost ratio) to be served instead
+    switch_margin: float = 0.02    # a larger k than a served k > 0 must promise this much more throughput
+                                   # (plus the standard error of its measured cost ratio) to be served instead
+    speculate_margin: float = 0.05  # a k > 0 is valued as if its step cost this much more than measured,
+                                   # in every comparison with k = 0 (what step timing does not see:
+                                   # prefills and k switches; the sweep's own noise at large batches)
     sweep_samples: int = 16        # steady steps per (bucket, k) a start-up calibration sweep measures
     elimination_z: float = 2.0     # while calibrating, a k whose throughput at z standard errors in its
                                    # favour (acceptance and cost) is below another's at z against stops
@@ -471,7 +477,8 @@ class AdaptiveKController:
     def _choose(self, bucket: int) -> None:
         """Serve the k with the most expected tokens per unit of step time, if it beats the served
         one by more than the standard error of its cost ratio, plus ``switch_margin`` for a larger k
-        (measured ratios are noisy: no flapping on noise).
+        than a served k > 0 (measured ratios are noisy: no flapping on noise); every k > 0 carries the
+        ``speculate_margin`` hurdle against k = 0.
 
         The optimism bonus (``optimism`` standard errors on each position's acceptance) goes only
         to a k that pays at the *mean* estimate, i.e. beats k = 0 without it (``optimism_where_paying``):
@@ -483,19 +490,22 @@ class AdaptiveKController:
         state = self.buckets[bucket]
         tokens = self.acceptance.expected_tokens(self.cfg.optimism)
         measured = [state.cost.samples(k) >= min(3, self.cfg.min_samples) for k in range(self.max_k + 1)]
-        ratios = [self._step_ratio(state.cost, k) if measured[k] else float("nan") for k in range(self.max_k + 1)]
+        hurdle = [1.0] + [1.0 + self.cfg.speculate_margin] * self.max_k
+        ratios = [self._step_ratio(state.cost, k) * hurdle[k] if measured[k] else float("nan")
+                  for k in range(self.max_k + 1)]
         if self.cfg.optimism_where_paying and measured[0]:
             mean = self.acceptance.expected_tokens()
             tokens = ([mean[k] if k > 0 and measured[k] and mean[k] / ratios[k] < 1.0 / ratios[0]
                        else tokens[k] for k in range(self.max_k + 1)])
         rates = [tokens[k] / ratios[k] if measured[k] and k in self.choices else -1.0
                  for k in range(self.max_k + 1)]
-        rates[state.best] = tokens[state.best]
+        rates[state.best] = tokens[state.best] / hurdle[state.best]
         best = max(range(self.max_k + 1), key=rates.__getitem__)  # the first of equals
         # Down needs no margin, only the candidate's own noise: where two k's are that close, the
         # smaller one is the safer (costs a step's timing does not see, prefills and k switches,
-        # grow with k; a margin on the way down once held a losing k for a whole run).
-        margin = self.cfg.switch_margin if best > state.best else 0.0
+        # grow with k; a margin on the way down once held a losing k for a whole run). Up from
+        # k = 0 the hurdle already is the margin: k > 0 must beat it by ``speculate_margin``.
+        margin = self.cfg.switch_margin if best > state.best > 0 else 0.0
         needed = 1 + margin + state.cost.ratio_stderr(best)
         if best != state.best and rates[best] > rates[state.best] * needed:
             state.cost.serve(best)
