@@ -178,3 +178,20 @@ def test_refill_keeps_the_batch_full_until_the_queue_is_empty():
     first_short = next(i for i, b in enumerate(engine.batches) if b < 3)
     assert all(b < 3 for b in engine.batches[first_short:]) and max(engine.batches) == 3, engine.batches
     assert sum(engine.batches) == sum(steps) and len(engine.batches) == 12, engine.batches
+
+
+def test_an_adaptive_variant_is_its_own_engine_with_its_knobs_over_the_runs():
+    """--adaptive-variant: a rule against the default in one run. The variant's engine gets its knobs over
+    --adaptive-config's and the adaptive scheduler; the default adaptive engine keeps the run's knobs."""
+    bench = _bench_rollout_module()
+    variants = bench.adaptive_variants({"burst": 5, "speculate_margin": 0.05}, [{"speculate_margin": 0}])
+    assert variants == {"eagle3-warm-v0-adaptive": {"burst": 5, "speculate_margin": 0}}
+    base = {"model": "m", "adaptive_config": {"burst": 5, "speculate_margin": 0.05}}
+    spec = {"method": "eagle3", "num_speculative_tokens": 3}
+    variant = bench.engine_config(base, "eagle3-warm-v0-adaptive", 3, spec, variants)
+    default = bench.engine_config(base, "eagle3-warm-adaptive", 3, spec, variants)
+    plain = bench.engine_config(base, "plain", 0, None, variants)
+    assert variant["name"] == "eagle3-warm-v0-adaptive_k3" and variant["adaptive_config"]["speculate_margin"] == 0
+    assert default["adaptive_config"]["speculate_margin"] == 0.05
+    assert variant["scheduler_cls"] == default["scheduler_cls"] == bench.ADAPTIVE_SCHEDULER
+    assert plain["scheduler_cls"] is None and plain["name"] == "plain"

@@ -102,6 +102,21 @@ def cell_jobs(cfg: dict, batch: int, slice_index: int = 0) -> list[tuple[int, in
 REWARM_TOKENS = 16
 
 
+def adaptive_variants(adaptive_config: dict | None, variants: list[dict]) -> dict[str, dict]:
+    """``--adaptive-variant``: an adaptive engine name per variant, its knobs over ``--adaptive-config``'s."""
+    return {f"eagle3-warm-v{i}-adaptive": {**(adaptive_config or {}), **variant} for i, variant in enumerate(variants)}
+
+
+def engine_config(base: dict, method: str, k: int, spec: dict | None, variant_configs: dict[str, dict],
+                  mtp_model: str | None = None) -> dict:
+    """One engine's settings: the run's, with its name, speculative config, target, scheduler and
+    adaptive-k knobs (a variant's own, else the run's)."""
+    return dict(base, name=method if method == "plain" else f"{method}_k{k}", speculative_config=spec,
+                adaptive_config=variant_configs.get(method, base["adaptive_config"]),
+                model=mtp_model if method in MTP_TARGET_METHODS else base["model"],
+                scheduler_cls=ADAPTIVE_SCHEDULER if method.endswith("-adaptive") else None)
+
+
 def _drive(cfg: dict, run_cells) -> list[dict] | None:
     """Measure once and return the cells, or, with ``--interleave``, measure one slice per command
     from the parent until it says quit (``bench_engine.serve_commands``)."""
@@ -554,6 +569,10 @@ def main() -> None:
     ap.add_argument("--adaptive-max-k", type=int, default=3, help="k limit of eagle3-warm-adaptive")
     ap.add_argument("--adaptive-config", type=json.loads, default=None,
                     help='adaptive-k knobs as JSON (AdaptiveKConfig), e.g. \'{"elimination_z": 0}\'')
+    ap.add_argument("--adaptive-variant", type=json.loads, action="append", default=[],
+                    help="another eagle3-warm-adaptive engine (eagle3-warm-v{i}-adaptive) with these adaptive-k "
+                         "knobs over --adaptive-config's, e.g. '{\"speculate_margin\": 0}' (repeatable): "
+                         "a rule against the default in one run")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-set", default="code", choices=["code", "chat", "arithmetic", "explain"])
     ap.add_argument("--samples", type=int, default=4, help="G samples per prompt")
@@ -596,6 +615,11 @@ def main() -> None:
     if "eagle3-warm-adaptive" in methods:
         engines.append(("eagle3-warm-adaptive", args.adaptive_max_k,
                         speculative_config("eagle3-warm-adaptive", args.adaptive_max_k, drafts)))
+    variant_configs = adaptive_variants(args.adaptive_config, args.adaptive_variant)
+    if variant_configs and "eagle3-warm" not in drafts:
+        ap.error("--adaptive-variant serves the warm draft: add eagle3-warm-adaptive to --methods")
+    engines += [(name, args.adaptive_max_k, speculative_config("eagle3-warm-adaptive", args.adaptive_max_k, drafts))
+                for name in variant_configs]
     engines += [(f"custom{i}", json.loads(s).get("num_speculative_tokens", 0), json.loads(s))
                 for i, s in enumerate(args.speculative_config)]
     engines += [(f"custom{i}-adaptive", json.loads(s).get("num_speculative_tokens", 0), json.loads(s))
@@ -619,6 +643,7 @@ def main() -> None:
             "batch_sizes": [int(b) for b in args.batch_sizes.split(",")], "dtype": args.dtype,
             "max_model_len": args.max_model_len, "seed": args.seed, "log_dir": str(args.out.parent),
             "warmup_steps": args.warmup_steps, "adaptive_config": args.adaptive_config,
+            "adaptive_variants": variant_configs,
             "rounds": args.rounds, "calibrate": args.calibrate, "interleave": args.interleave,
             "phases": args.phases}
     report = {"benchmark": "rollout_throughput", "model": model,
@@ -631,9 +656,7 @@ def main() -> None:
     t_start = time.time()
 
     def engine_cfg(method: str, k: int, spec: dict | None) -> dict:
-        return dict(base, name=method if method == "plain" else f"{method}_k{k}", speculative_config=spec,
-                    model=report["mtp_model"] if method in MTP_TARGET_METHODS else model,
-                    scheduler_cls=ADAPTIVE_SCHEDULER if method.endswith("-adaptive") else None)
+        return engine_config(base, method, k, spec, variant_configs, report.get("mtp_model"))
 
     def measured(rnd: int) -> Iterator[tuple[tuple, int, list[dict] | str]]:
         """(engine, slice, its cells or why there are none), in the order measured."""
