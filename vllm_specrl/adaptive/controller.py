@@ -22,8 +22,8 @@ choosing: cost ratios are read through a monotone envelope (a step never costs l
 verifying and drafting more tokens, so a larger k measured cheaper than a smaller one is
 noise); a k > 0 is valued as if its step cost ``speculate_margin`` more than measured, so it
 replaces k = 0 only where it promises that much more and gives way as soon as it promises less
-(speculation pays costs step timing does not see, and a start-up sweep's ratio at 16 sequences
-moves by 10-15% between runs); a switch must promise more than the standard error of the
+(speculation pays costs step timing does not see, and a start-up sweep's ratios at large batches
+drift between runs further than their standard errors say); a switch must promise more than the standard error of the
 candidate's measured ratio, plus ``switch_margin`` where the candidate is the larger of two k > 0
 (down, the safer way, needs no margin); and a position's acceptance prior is the previous position's estimate, not a fixed
 0.5 (with flat costs and a never-accepted draft, as on a tiny model, step jitter of 15-25%
