@@ -44,9 +44,9 @@ def _cmd_check_fixtures(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     import requests
 
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     from vllm_specrl.routes import SpecRLRoutesMissing, raise_if_missing
 
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     resp = requests.get(args.engine.rstrip("/") + "/specrl/status", headers=headers, timeout=30)
     try:
         raise_if_missing(resp)

@@ -294,6 +294,8 @@ class AdaptiveKController:
             raise ValueError(f"adaptive k choices {self.choices} must include 0 and max_k = {max_k}")
         self.acceptance = AcceptanceTracker(max_k, self.cfg.decay, self.cfg.prior_accept,
                                             self.cfg.prior_weight)
+        # What each k's step is valued at in a choice: measured, times the hurdle a k > 0 carries.
+        self._hurdle = [1.0] + [1.0 + self.cfg.speculate_margin] * max_k
         self.num_buckets = batch_bucket(max_batch) + 1
         self._bucket_of = [batch_bucket(b) for b in range(max_batch + 1)]  # by batch size, every step
         self._last_by_bucket: list[int] = []
@@ -490,7 +492,7 @@ class AdaptiveKController:
         state = self.buckets[bucket]
         tokens = self.acceptance.expected_tokens(self.cfg.optimism)
         measured = [state.cost.samples(k) >= min(3, self.cfg.min_samples) for k in range(self.max_k + 1)]
-        hurdle = [1.0] + [1.0 + self.cfg.speculate_margin] * self.max_k
+        hurdle = self._hurdle
         ratios = [self._step_ratio(state.cost, k) * hurdle[k] if measured[k] else float("nan")
                   for k in range(self.max_k + 1)]
         if self.cfg.optimism_where_paying and measured[0]:
