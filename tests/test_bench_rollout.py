@@ -23,7 +23,7 @@ def test_bench_rollout_sweep_on_tiny(tiny_model, warm_draft, tmp_path):
                     "--model", str(tiny_model), "--warm-draft", str(warm_draft),
                     "--methods", "plain,ngram,eagle3-random,eagle3-warm", "--ks", "2",
                     "--temperatures", "0,1", "--batch-sizes", "2", "--waves", "1",
-                    "--prompts", "2", "--samples", "2", "--max-tokens", "16",
+                    "--prompts", "2", "--samples", "2", "--max-tokens", "16", "--ignore-eos",
                     "--dtype", "float32", "--max-model-len", "512", "--phases", "--out", str(out)],
                    check=True, timeout=900)
     report = json.loads(out.read_text())
@@ -55,6 +55,16 @@ def test_bench_rollout_sweep_on_tiny(tiny_model, warm_draft, tmp_path):
 
 def _bench_rollout_module():
     return load_script("scripts/bench/bench_rollout.py")
+
+
+def test_answers_end_at_eos_unless_fixed_lengths_are_asked_for():
+    """RL rollouts end at EOS; text past it is no rollout's, and a draft accepts less there."""
+    parser = _bench_rollout_module().build_parser()
+    assert parser.parse_args([]).ignore_eos is False
+    assert parser.parse_args(["--stop-at-eos"]).ignore_eos is False
+    assert parser.parse_args(["--ignore-eos"]).ignore_eos is True
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--ignore-eos", "--stop-at-eos"])
 
 
 def test_rounds_are_compared_within_a_round_and_pooled_over_rounds():
