@@ -16,9 +16,9 @@ explains the ratio: ``step_cost_vs_plain = acceptance_length / ratio`` (a
 speculative step -- draft k tokens, verify k+1 -- in units of one plain
 decode step), so ``ratio = acceptance_length / step_cost_vs_plain``.
 Lengths are natural by default, as rollouts end: past EOS a model writes text no rollout holds and
-no draft was trained on (on the RL demo's task, about 30% of the tokens of 128-token answers), where a
-draft accepts less, so fixed lengths (``--ignore-eos``: every answer exactly ``--max-tokens``, the
-same token count in every engine) read a lower acceptance than RL serves.
+no draft was trained on, where a draft accepts less, so fixed lengths (``--ignore-eos``: every
+answer exactly ``--max-tokens``, the same token count in every engine) read a lower acceptance
+than RL serves.
 
 Modes: ``offline`` (``vllm.LLM`` in-process engine) or ``server`` (``vllm
 serve`` with the plugin and ``batch`` concurrent OpenAI requests, as RL
