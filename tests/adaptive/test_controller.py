@@ -520,13 +520,13 @@ def test_bursts_space_out_while_no_neighbour_could_pay_and_come_back_when_one_co
     assert (ctl.explored_steps - before) / ctl.cfg.burst >= 3, ctl.state()["buckets"]["16-16"]
 
 
-@pytest.mark.parametrize("accept", [0.004, 0.2])
-def test_a_bucket_calibrated_hopeless_does_not_burst_on_the_doubling_gaps(accept):
-    """Issue 54's floor: a small fast model with a fresh draft (accepted 0.4% of the time) or a weak one
-    at sixteen sequences. Once its calibration shows k = 1 cannot pay, the bucket's next burst waits for
-    ``explore_max``, not the doubling gaps from ``explore_first``: those bursts were 3-5% of the first
-    500 steps of such an engine. Planted (the hopeless check only after ``explore_every`` steps, the
-    rule before) -> 3 bursts in the first 500 steps."""
+@pytest.mark.parametrize("accept", [0.004, 0.01])
+def test_a_draft_never_accepted_does_not_burst_on_the_doubling_gaps(accept):
+    """Issue 54's floor: a small fast model with a fresh draft (accepted 0.4% of the time) at sixteen
+    sequences. Once its calibration shows k = 1 cannot pay whatever it costs, the bucket's next burst
+    waits for ``explore_max``, not the doubling gaps from ``explore_first``: those bursts were 3-5% of
+    the first 500 steps of such an engine. Planted (the doubling gaps kept, the rule before) -> 3
+    bursts in the first 500 steps."""
     for seed in range(3):
         ctl = AdaptiveKController(3, 16)
         simulate(ctl, 16, accept, sixteen_sequence_cost, 96, seed=seed, jitter=0.15)
@@ -536,6 +536,21 @@ def test_a_bucket_calibrated_hopeless_does_not_burst_on_the_doubling_gaps(accept
         assert ctl.explored_steps == before, (seed, ctl.state()["buckets"]["16-16"])
         simulate(ctl, 16, accept, sixteen_sequence_cost, ctl.cfg.explore_max, seed=200 + seed, jitter=0.15)
         assert ctl.explored_steps > before  # still measured, every explore_max steps
+
+
+def test_a_neighbour_ruled_out_by_its_cost_is_re_measured_on_the_doubling_gaps():
+    """A draft accepted 20% of the time at sixteen sequences: k = 1 (1.46 k = 0 steps for 1.2 tokens)
+    cannot pay by its measured cost, which a start-up sweep can misjudge by more than its standard
+    error says, so the bucket's first bursts still come on the doubling gaps (then every
+    ``explore_max`` steps, ``test_bursts_space_out_...``). Planted (every hopeless neighbour skips the
+    doubling gaps, whatever rules it out) -> no burst in the first 500 steps."""
+    for seed in range(3):
+        ctl = AdaptiveKController(3, 16)
+        simulate(ctl, 16, 0.2, sixteen_sequence_cost, 96, seed=seed, jitter=0.15)
+        assert ctl.k_for(16) == 0
+        before = ctl.explored_steps
+        simulate(ctl, 16, 0.2, sixteen_sequence_cost, 500, seed=100 + seed, jitter=0.15)
+        assert ctl.explored_steps > before, (seed, ctl.state()["buckets"]["16-16"])
 
 
 def test_no_k_pays_is_reported_only_where_every_measured_bucket_is_hopeless():

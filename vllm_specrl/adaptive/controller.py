@@ -354,8 +354,8 @@ class AdaptiveKController:
         """A calibrated bucket's next burst is due every ``explore_every`` steps (the gap doubling up
         to it), and only every ``explore_max`` while each neighbour of the served k is hopeless:
         measured, and unable to pay even with its acceptance and cost ``elimination_z`` standard
-        errors in its favour (``_cannot_pay``), from the bucket's first gap on (the doubling gaps
-        are for estimates that could still change the choice). Acceptance is learnt from every
+        errors in its favour (``_cannot_pay``); before ``explore_every`` steps, only where acceptance
+        alone rules every neighbour out (``_cannot_pay_at_any_cost``). Acceptance is learnt from every
         bucket's drafts, so a draft that gets better (online training) makes a neighbour hopeful
         again and the burst comes at the usual gap. Why: where no k pays (large batches on a CPU,
         a small fast model) every burst costs steps that return less than they cost, and each one
@@ -368,10 +368,25 @@ class AdaptiveKController:
             return True  # hopeless or not, every neighbour is measured this often
         if 0 <= state.hopeless_checked_at and gone - state.hopeless_checked_at < self.cfg.burst:
             return False  # checked a few steps ago: the estimates move slowly, the check is not free
-        if all(self._cannot_pay(state, k) for k in self._neighbours(state)):
+        # Before explore_every the doubling gaps re-measure costs that a start-up sweep can misjudge by
+        # more than their standard errors say: skipped only where acceptance alone rules the neighbour out.
+        hopeless = self._cannot_pay if gone >= self.cfg.explore_every else self._cannot_pay_at_any_cost
+        if all(hopeless(state, k) for k in self._neighbours(state)):
             state.hopeless_checked_at = gone
             return False
         return True
+
+    def _cannot_pay_at_any_cost(self, state: _Bucket, k: int) -> bool:
+        """A k above the served one that could not pay even if its step cost no more than the served
+        k's (the least a step that drafts and verifies more can cost), with its acceptance
+        ``elimination_z`` standard errors up and the ``speculate_margin`` a k > 0 carries against
+        k = 0: a draft that is almost never accepted (a fresh draft, a small fast model where
+        nothing pays), whatever the costs measured."""
+        if k <= state.best or self.cfg.elimination_z <= 0:
+            return False
+        high = self.acceptance.expected_tokens(self.cfg.elimination_z)[k]
+        low = self.acceptance.expected_tokens(-self.cfg.elimination_z)[state.best]
+        return high < low * (1 + self.cfg.speculate_margin if state.best == 0 else 1)
 
     def _start(self, bucket: int) -> None:
         """Start a bucket from a calibrated one, where there is one to start from. The best k changes
