@@ -354,24 +354,24 @@ class AdaptiveKController:
         """A calibrated bucket's next burst is due every ``explore_every`` steps (the gap doubling up
         to it), and only every ``explore_max`` while each neighbour of the served k is hopeless:
         measured, and unable to pay even with its acceptance and cost ``elimination_z`` standard
-        errors in its favour (``_cannot_pay``); before ``explore_every`` steps, only where acceptance
-        alone rules every neighbour out (``_cannot_pay_at_any_cost``). Acceptance is learnt from every
-        bucket's drafts, so a draft that gets better (online training) makes a neighbour hopeful
-        again and the burst comes at the usual gap. Why: where no k pays (large batches on a CPU,
+        errors in its favour (``_cannot_pay``); a burst due by the doubling gap is skipped only
+        where acceptance alone rules every neighbour out (``_cannot_pay_at_any_cost``). Acceptance
+        is learnt from every bucket's drafts, so a draft that gets better (online training) makes a
+        neighbour hopeful again and the burst comes at the usual gap. Why: where no k pays (large batches on a CPU,
         a small fast model) every burst costs steps that return less than they cost, and each one
         makes the deferred drafter replay every held row of the batch (the draft-KV upkeep the
         deferral saves)."""
         gone = state.steps_since_burst
-        if gone < min(state.explore_gap, self.cfg.explore_every):
+        if gone >= state.explore_gap:
+            # The doubling gaps re-measure costs that a start-up sweep can misjudge by more than their
+            # standard errors say: skipped only where acceptance alone rules every neighbour out.
+            return gone >= max(self.cfg.explore_every, self.cfg.explore_max) or not all(
+                self._cannot_pay_at_any_cost(state, k) for k in self._neighbours(state))
+        if gone < self.cfg.explore_every:
             return False
-        if gone >= max(self.cfg.explore_every, self.cfg.explore_max):
-            return True  # hopeless or not, every neighbour is measured this often
         if 0 <= state.hopeless_checked_at and gone - state.hopeless_checked_at < self.cfg.burst:
             return False  # checked a few steps ago: the estimates move slowly, the check is not free
-        # Before explore_every the doubling gaps re-measure costs that a start-up sweep can misjudge by
-        # more than their standard errors say: skipped only where acceptance alone rules the neighbour out.
-        hopeless = self._cannot_pay if gone >= self.cfg.explore_every else self._cannot_pay_at_any_cost
-        if all(hopeless(state, k) for k in self._neighbours(state)):
+        if all(self._cannot_pay(state, k) for k in self._neighbours(state)):
             state.hopeless_checked_at = gone
             return False
         return True
