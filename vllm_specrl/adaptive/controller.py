@@ -53,6 +53,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # Steady steps of the served k without verified drafts between two choices of a bucket (see observe_step).
@@ -357,24 +358,29 @@ class AdaptiveKController:
         errors in its favour (``_cannot_pay``); a burst due by the doubling gap is skipped only
         where acceptance alone rules every neighbour out (``_cannot_pay_at_any_cost``). Acceptance
         is learnt from every bucket's drafts, so a draft that gets better (online training) makes a
-        neighbour hopeful again and the burst comes at the usual gap. Why: where no k pays (large batches on a CPU,
-        a small fast model) every burst costs steps that return less than they cost, and each one
-        makes the deferred drafter replay every held row of the batch (the draft-KV upkeep the
-        deferral saves)."""
+        neighbour hopeful again and the burst comes at the usual gap. Why: where no k pays (large
+        batches on a CPU, a small fast model) every burst costs steps that return less than they
+        cost, and each one makes the deferred drafter replay every held row of the batch (the
+        draft-KV upkeep the deferral saves)."""
         gone = state.steps_since_burst
         if gone >= state.explore_gap:
             # The doubling gaps re-measure costs that a start-up sweep can misjudge by more than their
             # standard errors say: skipped only where acceptance alone rules every neighbour out.
-            return gone >= max(self.cfg.explore_every, self.cfg.explore_max) or not all(
-                self._cannot_pay_at_any_cost(state, k) for k in self._neighbours(state))
-        if gone < self.cfg.explore_every:
-            return False
-        if 0 <= state.hopeless_checked_at and gone - state.hopeless_checked_at < self.cfg.burst:
-            return False  # checked a few steps ago: the estimates move slowly, the check is not free
-        if all(self._cannot_pay(state, k) for k in self._neighbours(state)):
+            return gone >= max(self.cfg.explore_every, self.cfg.explore_max) or not self._neighbours_ruled_out(
+                state, gone, self._cannot_pay_at_any_cost, since=state.explore_gap)
+        return gone >= self.cfg.explore_every and not self._neighbours_ruled_out(state, gone, self._cannot_pay)
+
+    def _neighbours_ruled_out(self, state: _Bucket, gone: int, cannot_pay: Callable[[_Bucket, int], bool],
+                              since: int = 0) -> bool:
+        """Every neighbour of the served k ruled out by ``cannot_pay``; a verdict made at ``gone >= since``
+        holds for ``burst`` steps of the bucket (the estimates move slowly, the check is not free, and a
+        bucket not running keeps its verdict without checking again)."""
+        if since <= state.hopeless_checked_at and gone - state.hopeless_checked_at < self.cfg.burst:
+            return True
+        if all(cannot_pay(state, k) for k in self._neighbours(state)):
             state.hopeless_checked_at = gone
-            return False
-        return True
+            return True
+        return False
 
     def _cannot_pay_at_any_cost(self, state: _Bucket, k: int) -> bool:
         """A k above the served one that could not pay even if its step cost no more than the served
