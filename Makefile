@@ -1,7 +1,7 @@
 # Quickstart: `make demo` runs the main job on defaults, `make test` runs the suite.
 # `make demo-full`: the same demo with the full demo draft (a longer build, more acceptance).
 # `make demo DEMO_ARGS="--runs spec,history,plain --dataset-size 8"`: EAGLE-3 and the history proposer.
-# `make demo PROPOSER=mtp`: the policy's own MTP layer (builds the real-mimo fixture first, ~26 min once);
+# `make demo PROPOSER=mtp`: the policy's own MTP layer (builds the real-mimo fixture first, once);
 # its two runs go one after another (interleaved, both at once, they outgrow 24 GiB).
 # Both set up what they need (venv, fixtures) themselves.
 # `make doctor`: every engine patch and what it does on this machine's vLLM; `make selftest`: the

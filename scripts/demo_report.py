@@ -77,8 +77,9 @@ def same_length_ratios(runs: dict, mode: str, base: str) -> dict:
     out = {"rollout_time_same_lengths": total(mode, replays[mode]) / replayed(mode),
            "base_replay_over_its_loop": replayed(base) / total(base, replays[base])}
     # A replay is not quite a loop (one ignore_eos request per answer, not one n = G request per
-    # prompt; measured 0.95-0.96 of the loop's time for plain's own lengths), so it flatters ``base``
-    # by that factor: ``mode``'s loop against ``base``'s loop estimated at ``mode``'s lengths.
+    # prompt; a little faster than the loop at plain's own lengths), so it flatters ``base``
+    # by that factor (``base_replay_over_its_loop``, measured in every run): ``mode``'s loop against
+    # ``base``'s loop estimated at ``mode``'s lengths.
     out["rollout_time_same_lengths_loop_adjusted"] = (out["rollout_time_same_lengths"]
                                                       * out["base_replay_over_its_loop"])
     if all("bulk_s" in r for r in replays[mode]):

@@ -194,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="after its steps, a plain run generates each timed step's rollouts of the speculative runs "
                          "before it again, at exactly their answers' lengths (ignore_eos), and its own: spec's "
                          "rollout time against plain's engine on identical work, without the chance in how long "
-                         "two runs' answers ran (about 30 s per step at the defaults)")
+                         "two runs' answers ran (it adds a plain run of every step's rollouts)")
     ap.add_argument("--interleave-runs", action=argparse.BooleanOptionalAction, default=True,
                     help="with --isolate-runs and every run synchronous: keep the runs' processes alive together "
                          "and take their steps in turn, the first run rotating each step, so that the machine's "

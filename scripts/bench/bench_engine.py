@@ -112,9 +112,9 @@ class EngineProcess:
     """In the parent: one engine subprocess (``script --_engine cfg``) kept alive between commands, so
     several engines can be measured in turn, slice by slice.
 
-    Why: on a shared 2-core VM the same engine's step time drifts by 10-15% over a minute and two
-    engines of one configuration read up to 17% apart, so cells measured one engine after another
-    mix that drift into the ratio. Engines alive together, each measured while the others wait
+    Why: on a shared 2-core VM the same engine's step time drifts over a minute, and two engines of
+    one configuration read apart by more than many effects measured, so cells measured one engine
+    after another mix that drift into the ratio. Engines alive together, each measured while the others wait
     (blocked on their stdin, no CPU), see the same drift."""
 
     def __init__(self, script: str, cfg: dict | None, env: dict[str, str], log_path: str | None, timeout_s: float,

@@ -9,8 +9,8 @@ rollouts: only siblings and the request's own text to draft from).
 
 ``--interleave`` keeps every method's engine alive (each in its process) and runs epoch by
 epoch in turn, the first method rotating each epoch, so every method's epoch e is timed in
-the same minute of the host: on a 2-core VM one engine's speed drifts by 10-20% between
-epochs, more than the effect measured at one and four sequences.
+the same minute of the host: on a 2-core VM one engine's speed drifts between epochs by
+more than the effect measured at one and four sequences.
 
     python scripts/bench/bench_history.py --out benchmarks/cpu/bench_history.json
     python scripts/bench/bench_history.py --prompts 1 --max-num-seqs 1 --interleave --out b1.json

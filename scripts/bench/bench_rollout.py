@@ -24,10 +24,10 @@ Modes: ``offline`` (``vllm.LLM`` in-process engine) or ``server`` (``vllm
 serve`` with the plugin and ``batch`` concurrent OpenAI requests, as RL
 frameworks drive rollout servers). Output: a JSON file and a PNG next to it.
 ``--rounds N`` runs every engine N times in turn (plain, each method, plain again,
-...): on 2 cores two engines doing the same work read up to ~20% apart in one run,
-so each cell's ratio is reported per round and pooled over rounds (``pooled``).
+...): on 2 cores two engines doing the same work read apart in one run by more than many
+effects measured, so each cell's ratio is reported per round and pooled over rounds (``pooled``).
 ``--interleave S`` keeps a round's engines alive together and measures each cell S times on each,
-one engine after another: the same engine's speed drifts by 10-15% over a minute on this VM, and
+one engine after another: the same engine's speed drifts over a minute on a shared VM, and
 engines measured one after another take that drift into their ratio; interleaved, every method sees it.
 
     python scripts/bench/bench_rollout.py --fixture real            # the full sweep

@@ -11,10 +11,10 @@ one wave of ``batch`` requests of ``--tokens`` tokens, best of ``--waves``.
 
     python scripts/bench/bench_worker_threads.py --draft .fixtures/real/drafts/demo-explain
 
-Not the default anywhere: alone, both engines ran 1.4-1.6x faster with every core; in the RL
+Not the default anywhere: alone, both engines ran faster with every core; in the RL
 demo, where the worker's capture thread and the online draft trainer share those cores, the
-speculative run's generation became 1.4x slower while the plain run's became 1.3x faster
-(an OpenMP barrier waits for its slowest thread, and any other runnable thread on a bound
+speculative run's generation became slower while the plain run's became faster
+(benchmarks/JOURNAL.md has the figures; an OpenMP barrier waits for its slowest thread, and any other runnable thread on a bound
 core makes one slow).
 """
 

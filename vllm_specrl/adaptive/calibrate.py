@@ -3,7 +3,7 @@
 The controller needs a step's cost at every k and batch size. Measured on live rollouts, that
 cost is paid in the first RL steps: a rollout's bulk runs at 8-16 sequences only until its
 first answers end, too few steps to measure k = 0..3 in, so every bucket spends its first
-steps at k's that cannot pay (1.3-2.2 plain steps each at 16 sequences on a 2-core CPU).
+steps at k's that cannot pay (each dearer than a plain step at 16 sequences on a small CPU).
 Costs belong to the hardware and the models, not to the prompts, so they can be measured
 once, at start-up, like vLLM captures its CUDA graphs per batch size: a few synthetic
 requests of ``n`` = 16, 15, 11, 7, 5, 3, 2, 1 sequences (one batch bucket each, its largest

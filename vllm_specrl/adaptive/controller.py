@@ -13,7 +13,7 @@ Two estimates, both kept current from the engine's own steps:
   time outside it, not the raw interval between outputs.
   Measured, not modelled: on a CPU a verify pass is memory-bound at one token per
   sequence and compute-bound at a few, so step time is far from linear in batch x
-  tokens (a fitted line extrapolated across batch sizes picked the wrong k by 40% on
+  tokens (a line fitted across batch sizes and extrapolated picked the wrong k on
   SmolLM2), and relative, because absolute times drift as contexts grow.
 
 Per bucket, the k with the largest ``E[tokens | k] / ratio(k)`` is served (k = 0: no
@@ -45,7 +45,7 @@ bucket calibrated this way serves its best k from the first real step, choosing 
 acceptance as it arrives, instead of spending its first rollouts' steps measuring k's that
 cannot pay (an RL step's bulk runs at 8-16 sequences only until the first answers end: too
 few steps to calibrate in, so without the sweep every bucket measured again on the live
-rollouts, at 1.3-2.2 plain steps per step of k = 1..3 at 16 sequences).
+rollouts, each such step costing more than a plain one).
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ class RelativeCost:
     def ratio(self, k: int) -> float:
         # statistics.median, not np.median: the same value (the middle element, or the mean of the
         # two middle ones) at a tenth of the cost on these short deques, and the controller runs
-        # in the engine core on every step (np.median made it ~250 us a step).
+        # in the engine core on every step.
         if k == self.served:
             return 1.0
         median = self._medians.get(k)
@@ -236,7 +236,7 @@ class RelativeCost:
         samples = self.ratios[k]
         n = len(samples)
         mean = sum(samples) / n
-        variance = sum((r - mean) ** 2 for r in samples) / (n - 1)  # statistics.stdev: exact, 20x slower
+        variance = sum((r - mean) ** 2 for r in samples) / (n - 1)  # statistics.stdev: exact, much slower
         return 1.2533 * math.sqrt(variance / n)
 
     def envelope(self, k: int) -> float:
@@ -405,10 +405,10 @@ class AdaptiveKController:
         Donors: an adjacent bucket that calibrated on its own steps, or else the nearest such bucket
         at a *larger* batch size at any distance (a smaller batch pays at least the k a larger one
         does, so it starts low and climbs; never the reverse: 16 sequences started at the k of 4
-        paid 2x-plain steps until it climbed down). Called at every step of a bucket that has not
+        paid steps dearer than plain's until it climbed down). Called at every step of a bucket that has not
         calibrated, so a bucket that first ran before any donor existed (an engine's one-sequence
         warm-up) adopts one when it appears, instead of calibrating from nothing in the few tail
-        steps a 4-sequence workload gives it (it served k = 0 there, where k = 3 pays 1.5x)."""
+        steps a 4-sequence workload gives it (it served k = 0 there, where k = 3 pays)."""
         state = self.buckets[bucket]
         if not self.cfg.share_calibration:
             return

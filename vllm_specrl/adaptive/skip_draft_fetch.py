@@ -3,7 +3,7 @@
 After every step of a synchronously scheduled speculative engine,
 ``EngineCore.post_step`` fetches the drafts the worker proposed
 (``take_draft_token_ids``): with ``vllm serve``'s multi-process executor, one more
-engine-core -> worker RPC per step, about 1 ms on 2 CPU cores. A step scheduled with
+engine-core -> worker RPC per step. A step scheduled with
 ``num_spec_tokens_to_schedule == 0`` (adaptive k or vLLM's batch-size table at k = 0)
 proposes an empty draft per request, and the scheduler already cleared every
 request's ``spec_token_ids`` when it scheduled the step, so the fetch changes

@@ -93,7 +93,7 @@ class StepCostModel:
             near = data[(data[:, 0] >= lo) & (data[:, 0] <= hi)]
             local = self._fit(near) if len(near) >= self.min_steps else None
             # A local line with a row costing nothing or less, or no fixed part, is the noise of a few
-            # tail steps (seen: -6 ms a row over one- and two-sequence steps): the line over all steps.
+            # tail steps (a negative cost a row over one- and two-sequence steps): the line over all steps.
             self.local[batch] = local if local is not None and local.per_row_s > 0 and local.fixed_s > 0 else None
         return self.local[batch] or self.fit
 

@@ -58,8 +58,8 @@ def reward(text: str, answer: int, task: str = "arithmetic") -> float:
     ``explain``: 1 when the last integer of the answer is the sum (the conclusion).
 
     SmolLM2-135M restates the question ("2 + 5 is 7") more often than it answers
-    with the number alone (the first integer is right in 2% of samples, the sum
-    appears in about a fifth), so the arithmetic reward accepts it early on.
+    with the number alone (the first integer is rarely the sum, which often appears
+    later), so the arithmetic reward accepts it early on.
     """
     numbers = [int(x) for x in re.findall(r"-?\d+", text)]
     if task == "explain":

@@ -58,7 +58,7 @@ class TrainConfig:
 
 def resolve_mixed_precision(value: str, on_cpu: bool = False) -> str:
     """``"auto"``: bf16 autocast where matrix multiplies run natively in bf16 (a CUDA device that
-    supports it; a CPU with AVX512-BF16 or AMX, where a draft training step ran 2.3x faster than
+    supports it; a CPU with AVX512-BF16 or AMX, where a draft training step runs faster than
     in fp32), fp32 elsewhere (emulated bf16 on an AVX2 CPU is slower than fp32). ``on_cpu``: for a
     trainer that stays on the CPU whatever devices the machine has."""
     if value not in ("no", "bf16", "auto"):

@@ -302,8 +302,8 @@ def length_grouped_batches(items: list[dict[str, torch.Tensor]], batch_size: int
     the mean length in padded tokens, and shuffles their order.
 
     A batch is padded to its longest member, and RL answers run from a few tokens to the cap:
-    random batches of the demo's task were 45% padding, which the draft's first layer and
-    attention still compute; grouped, 1-2%. The token budget (more short sequences per batch,
+    random batches of the demo's task were largely padding, which the draft's first layer and
+    attention still compute; grouped, almost none. The token budget (more short sequences per batch,
     fewer long ones) keeps every token's weight in the step's mean loss what it is in a random
     batch: with a fixed count, batches of long answers diluted their tokens and the draft ended
     lower in held-out acceptance (benchmarks/JOURNAL.md, "A better demo draft").
