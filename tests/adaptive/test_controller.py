@@ -477,7 +477,8 @@ def test_k_above_zero_must_beat_k_zero_by_the_speculation_margin():
 
 def sixteen_sequence_cost(batch: int, k_verify: int, k_draft: int) -> float:
     """SmolLM2 at 16 sequences on the 2-core AMD VM (float32): k = 1 / 2 / 3 steps cost 1.46 / 2.0 / 2.3
-    k = 0 steps (``benchmarks/README.md``, sixteen sequences), so k = 1 ties k = 0 near acceptance 0.45."""
+    k = 0 steps (``benchmarks/JOURNAL.md``, "Sixteen sequences: the k = 0 step against plain"), so k = 1 ties
+    k = 0 near acceptance 0.45."""
     verify = {0: 1.0, 1: 1.38, 2: 1.9, 3: 2.2}[k_verify]
     return 0.115 * (verify + 0.03 * k_draft + (0.05 if k_draft else 0))
 
@@ -518,6 +519,27 @@ def test_bursts_space_out_while_no_neighbour_could_pay_and_come_back_when_one_co
     simulate(ctl, 16, 0.45, sixteen_sequence_cost, 1000, seed=3)
     assert ctl.k_for(16) == 0
     assert (ctl.explored_steps - before) / ctl.cfg.burst >= 3, ctl.state()["buckets"]["16-16"]
+
+
+def test_a_calibration_after_live_steps_drops_the_hopeless_verdict_of_the_old_clock():
+    """``EngineClient.calibrate_adaptive_k`` may run after live rollouts: its sweep restarts a bucket's
+    step count, so a hopeless verdict dated on the old count (step ~1470) must go with it. Otherwise it
+    looks newer than every step after the sweep and stands until the new count reaches it: a draft that
+    got better (acceptance 0.45, where k = 1 nearly ties k = 0 at sixteen sequences) was not re-measured
+    in 1000 steps. Planted (the sweep keeps the verdict, the code before) -> the verdict still dated 1471
+    after the sweep, and 0 bursts in those steps, not >= 3."""
+    ctl = AdaptiveKController(3, 16, AdaptiveKConfig(explore_max=8192))
+    simulate(ctl, 16, 0.2, sixteen_sequence_cost, 3600, seed=0)
+    bucket = ctl.buckets[batch_bucket(16)]
+    assert ctl.k_for(16) == 0 and bucket.hopeless_checked_at > 1000, bucket
+    sweep(ctl, batches=(16,))
+    assert bucket.swept and bucket.hopeless_checked_at <= bucket.steps_since_burst, bucket
+    rng = np.random.default_rng(2)
+    for _ in range(600):  # drafts verified elsewhere: the draft got better
+        ctl.observe_step(2, 1, 0, None, [(1, int(rng.random() < 0.45)), (1, int(rng.random() < 0.45))])
+    before = ctl.explored_steps
+    simulate(ctl, 16, 0.45, sixteen_sequence_cost, 1000, seed=3)
+    assert (ctl.explored_steps - before) / ctl.cfg.burst >= 3, bucket
 
 
 @pytest.mark.parametrize("accept", [0.004, 0.01])

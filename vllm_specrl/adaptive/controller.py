@@ -327,7 +327,7 @@ class AdaptiveKController:
             missing = [k for k in self.choices
                        if k != state.best and state.cost.samples(k) < self.cfg.sweep_samples]
             if missing:
-                state.steps_since_burst = 0
+                self._restart_clock(state)
                 return min(missing, key=lambda k: (state.cost.samples(k), k))
             state.calibrated, state.inherited, state.swept = True, False, True
             self._choose(bucket)
@@ -342,10 +342,16 @@ class AdaptiveKController:
             self._choose(bucket)
             return None
         if self._exploration_due(state):
-            state.steps_since_burst, state.hopeless_checked_at = 0, -1
+            self._restart_clock(state)
             state.explore_gap = min(2 * state.explore_gap, max(self.cfg.explore_every, self.cfg.explore_max))
             return min(self._neighbours(state), key=state.cost.samples)
         return None
+
+    @staticmethod
+    def _restart_clock(state: _Bucket) -> None:
+        """A burst starts: the bucket counts its steps from 0 again, and a hopeless verdict dated on the
+        old count is dropped (kept, it would look newer than every step until the count caught up)."""
+        state.steps_since_burst, state.hopeless_checked_at = 0, -1
 
     def _neighbours(self, state: _Bucket) -> list[int]:
         at = self.choices.index(state.best)
