@@ -41,8 +41,8 @@ def test_expand_reads_braces_as_a_shell_does():
 def test_every_cited_json_exists():
     cited = cited_jsons(README)
     assert len(cited) >= 40
-    missing = [c for c in cited if not all(p.is_file() for p in files(c)) or not files(c)]
-    assert missing == []
+    found = {c: files(c) for c in cited}
+    assert [c for c, paths in found.items() if not paths or not all(p.is_file() for p in paths)] == []
 
 
 def records_machine(report: object) -> bool:

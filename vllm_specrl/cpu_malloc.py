@@ -17,9 +17,10 @@ turns it off. Memory cost: the heap keeps its peak size (freed pages are reused,
 Training processes on CPU (the RL loop's policy, the draft trainer) go one step further with
 ``keep_every_block_on_heap``: their largest tensors are far above glibc's 32 MiB ceiling for the
 mmap threshold (the policy's log-prob pass holds ``[4, ~300, 49152]`` float32 logits and their
-log-softmax, 240 MB each), so each step mapped and faulted in gigabytes afresh: hundreds of thousands of
-page faults per log-prob pass and per update of SmolLM2-135M at 16 sequences, whose cost varies with
-the host, so the same phase ran at a different speed from one run to the next. With mmap off and trimming off, the faults stop after the first steps.
+log-softmax, 240 MB each), so each step mapped and faulted in gigabytes afresh: hundreds of thousands
+of page faults per log-prob pass and per update of SmolLM2-135M at 16 sequences, whose cost varies
+with the host, so the same phase ran at a different speed from one run to the next. With mmap off and
+trimming off, the faults stop after the first steps.
 """
 
 from __future__ import annotations

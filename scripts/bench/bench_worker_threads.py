@@ -14,8 +14,8 @@ one wave of ``batch`` requests of ``--tokens`` tokens, best of ``--waves``.
 Not the default anywhere: alone, both engines ran faster with every core; in the RL
 demo, where the worker's capture thread and the online draft trainer share those cores, the
 speculative run's generation became slower while the plain run's became faster
-(benchmarks/JOURNAL.md has the figures; an OpenMP barrier waits for its slowest thread, and any other runnable thread on a bound
-core makes one slow).
+(benchmarks/JOURNAL.md has the figures; an OpenMP barrier waits for its slowest thread, and any other
+runnable thread on a bound core makes one slow).
 """
 
 from __future__ import annotations
