@@ -139,7 +139,7 @@ def _engine_offline(cfg: dict) -> list[dict] | None:
     from vllm import LLM, SamplingParams
 
     spec = cfg["speculative_config"]
-    llm = LLM(model=cfg["model"], dtype=cfg["dtype"], enforce_eager=True, seed=cfg["seed"],
+    llm = LLM(model=cfg["model"], dtype=cfg["dtype"], enforce_eager=not cfg.get("compile"), seed=cfg["seed"],
               max_model_len=cfg["max_model_len"], max_num_seqs=max(cfg["batch_sizes"]),
               speculative_config=spec, disable_log_stats=False,
               additional_config={"specrl": {"adaptive_k": cfg["adaptive_config"]}} if cfg.get("adaptive_config") else {},
@@ -293,7 +293,8 @@ def _engine_server(cfg: dict) -> list[dict] | None:
     if spec:
         extra += ["--speculative-config", json.dumps(spec)]
     log = Path(cfg["log_dir"]) / f"server_{cfg['name']}.log"
-    with VLLMServer(cfg["model"], extra, log_path=log) as srv:
+    with VLLMServer(cfg["model"], extra, log_path=log, enforce_eager=not cfg.get("compile"),
+                    startup_timeout_s=900 if cfg.get("compile") else 300) as srv:
         client = OpenAI(base_url=srv.url + "/v1", api_key="none")
         model = client.models.list().data[0].id
 
@@ -588,6 +589,9 @@ def build_parser() -> argparse.ArgumentParser:
     lengths.add_argument("--stop-at-eos", action="store_true",
                          help="natural lengths, ending at EOS as RL rollouts do (the default)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--compile", action="store_true",
+                    help="every engine in vLLM's torch.compile mode (its default; about a minute more per engine "
+                         "start) instead of eager mode, as the project's servers run")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engine-timeout", type=float, default=1800)
@@ -658,7 +662,7 @@ def main() -> None:
             "warmup_steps": args.warmup_steps, "adaptive_config": args.adaptive_config,
             "adaptive_variants": variant_configs,
             "rounds": args.rounds, "calibrate": args.calibrate, "interleave": args.interleave,
-            "phases": args.phases}
+            "phases": args.phases, "compile": args.compile}
     report = {"benchmark": "rollout_throughput", "model": model,
               "fixture": None if args.model else args.fixture, "drafts": drafts,
               "host": host_info(),
