@@ -56,14 +56,15 @@ def greedy_generate(model, prompts: list[str], max_tokens: int,
                     speculative_config: dict | None = None, plugins: str = "specrl",
                     dtype: str = "float32", with_status: bool = False, with_text: bool = False,
                     scheduler_cls: str | None = None, max_num_seqs: int = 64,
-                    additional_config: dict | None = None) -> dict:
+                    additional_config: dict | None = None, compiled: bool = False) -> dict:
     """Greedy outputs (token ids and their logprobs) of a fresh engine; optional worker status.
-    With ``scheduler_cls`` (adaptive k) the result also has the controller's published state."""
+    With ``scheduler_cls`` (adaptive k) the result also has the controller's published state.
+    ``compiled``: vLLM's torch.compile mode, its default, instead of eager."""
     out = run_python(f"""
         import json
         from vllm import LLM, SamplingParams
         from vllm_specrl import metrics
-        llm = LLM(model={str(model)!r}, dtype={dtype!r}, enforce_eager=True, seed=0,
+        llm = LLM(model={str(model)!r}, dtype={dtype!r}, enforce_eager={not compiled}, seed=0,
                   max_model_len=512, max_num_seqs={max_num_seqs}, disable_log_stats=False,
                   scheduler_cls={scheduler_cls!r}, additional_config=json.loads({json.dumps(json.dumps(additional_config or {}))}),
                   speculative_config=json.loads({json.dumps(json.dumps(speculative_config))}),
@@ -82,5 +83,5 @@ def greedy_generate(model, prompts: list[str], max_tokens: int,
             from vllm_specrl.adaptive import state
             res["adaptive_k"] = state.read()
         print("RESULT " + json.dumps(res))
-    """, env={"VLLM_PLUGINS": plugins})
+    """, env={"VLLM_PLUGINS": plugins}, timeout=900 if compiled else 600)
     return result_json(out)
