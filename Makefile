@@ -42,7 +42,7 @@ build_draft = if [ ! -f $(1)/trainer_meta.json ] || [ "$$(cat $(1)/make_args 2>/
 	echo "[draft] building $(1) (missing, or built with other arguments or recipe)"; \
 	rm -rf $(1) && $(TRAIN_DRAFT) --draft $(1) $(2) && echo "$(strip $(2)) recipe=$(DRAFT_RECIPE)" > $(1)/make_args; fi
 
-.PHONY: setup fixtures draft demo demo-plan demo-full demo-rollouts test test-all test-slow bench doctor selftest \
+.PHONY: setup fixtures draft demo demo-plan demo-full demo-rollouts rl-run test test-all test-slow bench doctor selftest \
 	clean-fixtures
 
 setup:
@@ -75,6 +75,15 @@ demo-full: setup
 	@$(VENV)/bin/vllm-specrl fixtures --out $(FIXTURES) --only real
 	@$(call build_draft,$(DEMO_DRAFT_FULL),$(DEMO_DRAFT_FULL_ARGS))
 	@$(PY) scripts/rl_demo.py --fixtures $(FIXTURES) --draft $(DEMO_DRAFT_FULL) $(DEMO_ARGS)
+
+# `make rl-run`: does the draft go stale, and what does online training buy? A GRPO run in which the policy
+# learns (scripts/rl_run.py), the demo's draft served frozen and trained online, k fixed; more arms and seeds
+# by RL_ARGS (e.g. RL_ARGS="--arms plain,frozen,online --seeds 0,1,2"); `--target/--draft/--task` for your own.
+RL_ARGS ?=
+rl-run: setup
+	@$(VENV)/bin/vllm-specrl fixtures --out $(FIXTURES) --only real
+	@$(call build_draft,$(DEMO_DRAFT),$(DEMO_DRAFT_ARGS))
+	@$(PY) scripts/rl_run.py --fixtures $(FIXTURES) --draft $(DEMO_DRAFT) $(RL_ARGS)
 
 demo-rollouts: setup
 	@$(VENV)/bin/vllm-specrl fixtures --out $(FIXTURES) --only real

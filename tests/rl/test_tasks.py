@@ -45,3 +45,50 @@ def test_a_draft_warm_start_sees_every_prompt_of_the_task_once():
     assert len(prompts) == len(set(prompts)) == 81
     assert {p for step in range(20) for p, _ in make_tasks(step, 4, seed=0, task="explain")} <= set(prompts)
     assert default_prompts(10, seed=1, task="explain") != default_prompts(10, seed=0, task="explain")
+
+
+@pytest.mark.parametrize("text,task,answer,want", [
+    ("3 + 4 = 7.", "concise", 7, 1.0),
+    ("3 + 4 = 8.", "concise", 7, 0.5),  # short, wrong
+    (" ".join(["word"] * 30) + " so 7", "concise", 7, 0.5),  # right, over the word budget
+    (" ".join(["word"] * 30) + " so 8", "concise", 7, 0.0),
+    ("9 - 3 = 6", "concise-minus", 6, 1.0),
+    ("9-3=6", "concise-minus", 6, 1.0),
+])
+def test_concise_reward_pays_half_for_the_conclusion_and_half_for_brevity(text, task, answer, want):
+    assert reward(text, answer, task) == want
+
+
+def test_concise_steps_never_draw_a_held_out_prompt():
+    from vllm_specrl.rl.tasks import held_out_prompts
+
+    held = set(held_out_prompts("concise"))
+    drawn = {p for step in range(200) for p, _ in make_tasks(step, 8, seed=0, task="concise")}
+    assert len(held) == 8 and not held & drawn
+    assert len(drawn) == 81 - 8  # every other pair is drawn
+
+
+def test_concise_minus_asks_a_minus_b_with_a_non_negative_answer():
+    for prompt, answer in make_tasks(0, 16, seed=1, task="concise-minus"):
+        a, b = [int(x) for x in prompt.split("?")[0].removeprefix("What is ").split(" - ")]
+        assert answer == a - b >= 0
+
+
+def test_a_schedule_switches_task_and_reward_at_its_step():
+    from vllm_specrl.rl.tasks import TaskSchedule
+
+    schedule = TaskSchedule("concise", 4, seed=0, switch_task="concise-minus", switch_at=3)
+    assert [schedule.task_at(i) for i in range(5)] == ["concise"] * 3 + ["concise-minus"] * 2
+    before, after = schedule.tasks(2), schedule.tasks(3)
+    assert all(" + " in p for p, _ in before) and all(" - " in p for p, _ in after)
+    prompt, answer = after[0]
+    assert schedule.score(f"so {answer[1]}", answer) == 1.0 and schedule.score("so 99", answer) == 0.5
+    with pytest.raises(ValueError, match="both"):
+        TaskSchedule("concise", 4, 0, switch_task="concise-minus")
+
+
+def test_answer_style_counts_words_equations_and_the_phrase():
+    from vllm_specrl.rl.tasks import style_summary
+
+    got = style_summary(["3 + 4 = 7. The answer is 7.", "Seven."])
+    assert got == {"words": 5.0, "equation": 0.5, "answer_is": 0.5}  # 9 words and 1

@@ -81,7 +81,7 @@ class GRPOLoop:
                  clip: float = 0.2, seed: int = 0, policy_lag: int = 0,
                  draft_trainer: DraftTrainerProcess | None = None, trainer_yields: bool = True,
                  trainer_trains_during: str = "rollouts", keep_mtp: bool = False, mtp_head: Path | None = None,
-                 checkpoint_dir: Path | None = None):
+                 checkpoint_dir: Path | None = None, temperature: float = 1.0):
         if policy_lag not in (0, 1):
             raise ValueError("policy_lag is 0 (synchronous) or 1 (the next rollouts run while a step trains)")
         if trainer_trains_during not in ("rollouts", "policy"):
@@ -98,6 +98,7 @@ class GRPOLoop:
         self.trainer_yields = trainer_yields and policy_lag == 0
         self.trainer_trains_during = trainer_trains_during
         self.keep_mtp, self.mtp_head, self.checkpoint_dir = keep_mtp, mtp_head, checkpoint_dir
+        self.temperature = temperature  # the rollouts' (1 in RL; other values only to plant a lossy arm)
         self._pool = ThreadPoolExecutor(1)
         self._pending: Future | None = None
         self._before: dict | None = None
@@ -107,7 +108,7 @@ class GRPOLoop:
         tasks = list(self.tasks(i))
         return sample_groups(self.engine.url, self.model, [self.policy.chat(p) for p, _ in tasks], self.group,
                              self.max_tokens, rollout_seed(self.seed, i, len(tasks) * self.group), i,
-                             lambda j, text: self.reward(text, tasks[j][1]))
+                             lambda j, text: self.reward(text, tasks[j][1]), temperature=self.temperature)
 
     def step(self, i: int) -> StepResult:
         """Step i (0-based, in order): leaves policy version ``policy.version + 1`` serving."""

@@ -22,8 +22,8 @@ import requests
 
 def sample_groups(url: str, model: str, prompts: list[str], group: int, max_tokens: int, seed: int,
                   step: int, score: Callable[[int, str], float],
-                  timeout_s: float = 600) -> tuple[list[dict], dict]:
-    """G samples per prompt at temperature 1; returns (samples, timing).
+                  timeout_s: float = 600, temperature: float = 1.0) -> tuple[list[dict], dict]:
+    """G samples per prompt at ``temperature`` (RL samples at 1); returns (samples, timing).
 
     Every sample gets its own seed: vLLM seeds sample j of an ``n = G`` request with the
     request's seed + j, so prompt i's request is seeded ``seed + i * G`` (``seed + i`` gave
@@ -39,7 +39,7 @@ def sample_groups(url: str, model: str, prompts: list[str], group: int, max_toke
 
     def one(i: int) -> tuple[list[dict], float]:
         r = requests.post(url + "/v1/completions", timeout=timeout_s, json={
-            "model": model, "prompt": prompts[i], "n": group, "temperature": 1.0,
+            "model": model, "prompt": prompts[i], "n": group, "temperature": temperature,
             "max_tokens": max_tokens, "logprobs": 0, "return_token_ids": True, "seed": seed + i * group})
         r.raise_for_status()
         done = time.perf_counter() - t0

@@ -1,0 +1,292 @@
+"""Does the draft go stale, and what does online training buy? A GRPO run in which the policy learns,
+served by one arm after another on the same seeds.
+
+Arms (``--arms``): ``plain`` (no speculation), ``frozen`` (EAGLE-3, the starting draft served throughout),
+``online`` (EAGLE-3 with capture and the online draft trainer publishing in place), ``online-async`` (the
+same with policy lag 1), and ``lossy`` (a planted lossy arm: plain vLLM sampling at temperature 0.8, which
+the RL-level lossless test must catch). Speculative arms serve a fixed k (``--k``): acceptance is then
+comparable between arms, which adaptive k would not allow.
+
+Task (``--task``, default ``concise``): the RL demo's "What is a + b? Explain ..." prompts, rewarded half for
+the right conclusion and half for an answer of at most 25 words, so RL changes what the policy writes
+(length and wording) and a draft built on the starting policy's answers can go stale. ``--switch-at N
+--switch-task concise-minus`` switches to a second task at step N (a drift the frozen draft never saw).
+
+Each (arm, seed) runs in its own process (``vllm serve``, the policy's trainer, for ``online`` the draft
+trainer) and writes ``<out>/runs/<arm>_s<seed>.json`` when it ends: an interrupted benchmark resumes with
+the runs it has. At the end ``<out>/rl_run.json`` and ``<out>/rl_run.png`` (``rl_run_report.py``).
+
+    python scripts/rl_run.py --fixtures .fixtures --draft DRAFT --out results/rl_run
+    python scripts/rl_run.py ... --arms plain,frozen,online --seeds 0,1,2          # the RL-level test
+    python scripts/rl_run.py ... --switch-at 15 --switch-task concise-minus         # a second task at step 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the report, beside it
+from rl_run_report import ARMS, build_report, plot, print_summary  # noqa: E402
+
+PROPOSER = {"plain": "plain", "lossy": "plain", "frozen": "eagle3", "online": "eagle3", "online-async": "eagle3"}
+LOSSY_TEMPERATURE = 0.8  # the planted lossy arm's sampling temperature (RL samples at 1)
+
+
+def run_arm(arm: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
+    """One RL run of ``arm`` on ``seed``: every step's record, the publish-gate verdicts, the settings."""
+    import torch
+
+    from vllm_specrl.host import host_info
+    from vllm_specrl.rl.draft_trainer import DraftTrainerProcess, DraftTrainerSettings, trainer_cpus
+    from vllm_specrl.rl.drift import PolicyDrift
+    from vllm_specrl.rl.loop import GRPOLoop
+    from vllm_specrl.rl.policy import Policy
+    from vllm_specrl.rl.serving import serve_args
+    from vllm_specrl.rl.tasks import TaskSchedule, held_out_prompts
+    from vllm_specrl.server import VLLMServer, free_port
+    from vllm_specrl.sync.client import EngineClient
+    from vllm_specrl.trainer.core import resolve_serving_dtype
+
+    name = f"{arm}_s{seed}"
+    work = out / "work" / name
+    shutil.rmtree(work, ignore_errors=True)
+    policy_dir = work / "policy"
+    shutil.copytree(args.target, policy_dir)
+    online = arm.startswith("online")
+    proposer = PROPOSER[arm]
+    serving = serve_args(proposer, k=args.k, draft=args.draft if proposer == "eagle3" else None, adaptive_k=False,
+                         capture=f"tcp://127.0.0.1:{free_port()}" if online else None,
+                         dtype=resolve_serving_dtype(args.dtype), max_model_len=1024, seed=seed)
+    schedule = TaskSchedule(args.task, args.prompts, seed, args.switch_task, args.switch_at)
+    policy = Policy(policy_dir, args.lr, seed)
+    drift = PolicyDrift(policy.model, held_out_sequences(policy, held_out_prompts(args.task), seed, args.max_tokens))
+    steps: list[dict] = []
+    trainer = None
+    t_start = time.perf_counter()
+    with VLLMServer(policy_dir, serving.args, log_path=work / "serve.log", enforce_eager=True) as srv:
+        client = EngineClient(srv.url, progress=False)
+        if online:
+            settings = DraftTrainerSettings(
+                publish_every=10**9 if args.block_publishes else args.draft_publish_every, lr=args.draft_lr,
+                tv_weight=args.draft_tv_weight, replay_ratio=args.draft_replay_ratio,
+                holdout_every=args.draft_holdout_every)
+            trainer = DraftTrainerProcess.start(serving.capture, srv.url, args.draft, policy_dir, work, settings,
+                                                cpus=trainer_cpus("auto", client.status()), name=name)
+        loop = GRPOLoop(client, srv.model, policy, schedule.tasks, schedule.score, steps=args.steps,
+                        group=args.group, max_tokens=args.max_tokens, clip=args.clip, seed=seed,
+                        policy_lag=1 if arm.endswith("-async") else 0, draft_trainer=trainer,
+                        temperature=LOSSY_TEMPERATURE if arm == "lossy" else 1.0)
+        try:
+            with loop:
+                for i in range(args.steps):
+                    result = loop.step(i)
+                    rec = step_record(result, schedule.task_at(i), drift.kl(policy.model), trainer)
+                    steps.append(rec)
+                    print_step(name, rec, args.steps, time.perf_counter() - t_start)
+                    (out / "runs" / f"{name}.partial.json").write_text(json.dumps({"steps": steps}))
+        finally:
+            if trainer is not None and not trainer.stop():
+                print(f"[rl-run {name}] the draft trainer did not exit after SIGINT: killed", flush=True)
+    return {"arm": arm, "seed": seed, "host": host_info(), "settings": run_settings(args), "steps": steps,
+            "seconds": time.perf_counter() - t_start, "torch_threads": torch.get_num_threads(),
+            "publish_gate": gate_verdicts(trainer.log) if trainer is not None else None,
+            "serve_args": serving.args}
+
+
+def held_out_sequences(policy, prompts: list[str], seed: int, max_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """The starting policy's own answer to each held-out prompt (sampled at T = 1 by the HF model, seeded, so
+    every arm measures its drift on the same text)."""
+    import torch
+
+    out = []
+    for j, prompt in enumerate(prompts):
+        ids = policy.tok(policy.chat(prompt), return_tensors="pt")["input_ids"]
+        torch.manual_seed(seed * 1000 + j)
+        with torch.no_grad():
+            gen = policy.model.generate(ids, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                        max_new_tokens=min(max_tokens, 96), pad_token_id=policy.tok.eos_token_id)
+        out.append((ids[0].tolist(), gen[0, ids.shape[1]:].tolist()))
+    return out
+
+
+def step_record(result, task: str, kl: float, trainer) -> dict:
+    """What the report keeps of one step."""
+    from vllm_specrl.rl.tasks import style_summary
+
+    samples, served = result.samples, result.served
+    diffs = [d for d, on in zip(result.logprob_abs_diff(), result.on_policy) if on]
+    tokens = sum(len(s["completion_ids"]) for s in samples)
+    return {"step": result.step, "task": task, "mean_reward": sum(s["reward"] for s in samples) / len(samples),
+            "rewards": [s["reward"] for s in samples], "kl_from_start": kl,
+            "style": style_summary([s["text"] for s in samples]),
+            "mean_completion_tokens": tokens / len(samples), "tokens": tokens,
+            "generation_s": result.generation["generation_s"], "exposed_generation_s": result.exposed_generation_s,
+            "generation_ms_per_token": 1000 * result.generation["generation_s"] / max(1, tokens),
+            "logprob_s": result.logprob_s, "training_s": result.training_s, "sync_s": result.sync_s,
+            "step_s": result.step_s, "loss": result.loss,
+            "acceptance_length": served["acceptance_length"], "per_position_acceptance": served["per_position_acceptance"],
+            "num_drafts": served["num_drafts"], "num_accepted_tokens": served["num_accepted_tokens"],
+            "draft_version": result.status["versions"]["draft"], "policy_version": result.status["versions"]["policy"],
+            "on_policy_rollouts": len(diffs),
+            "on_policy_logprob_abs_diff_max": float(max(d.max() for d in diffs)) if diffs else None,
+            "on_policy_logprob_abs_diff_mean": (float(sum(d.sum() for d in diffs) / sum(d.numel() for d in diffs))
+                                                if diffs else None),
+            "trainer_cpu_s": process_cpu_s(trainer.proc.pid) if trainer is not None else None}
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of a live process (the online trainer's training time so far)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def gate_verdicts(log: Path) -> list[dict]:
+    """Every publish-gate decision the online trainer logged: the candidate's and the served draft's
+    held-out estimates, and whether it published."""
+    if not log.exists():
+        return []
+    out = []
+    for line in log.read_text().splitlines():
+        record = json.loads(line)
+        if record.get("gate"):
+            out.append({"time": record["time"], "trainer_step": record["step"],
+                        "policy_version": record["policy_version"], **record["gate"]})
+    return out
+
+
+def print_step(name: str, rec: dict, steps: int, elapsed_s: float) -> None:
+    done = rec["step"] + 1
+    al = rec["acceptance_length"]
+    pos = "/".join(f"{p:.2f}" for p in rec["per_position_acceptance"])
+    print(f"[rl-run {name}] step {done}/{steps} ({rec['task']}): reward {rec['mean_reward']:.2f}, "
+          f"KL {rec['kl_from_start']:.4f}, {rec['style']['words']:.0f} words, "
+          + (f"AL {al:.2f} (positions {pos}), draft v{rec['draft_version']}, " if al is not None else "")
+          + f"{rec['generation_ms_per_token']:.1f} ms/token, step {rec['step_s']:.1f}s, "
+          f"ETA {(steps - done) * elapsed_s / done / 60:.1f} min", flush=True)
+
+
+def run_settings(args: argparse.Namespace) -> dict:
+    """The settings a finished run must share with the benchmark resuming it."""
+    keep = ("task", "switch_task", "switch_at", "steps", "prompts", "group", "max_tokens", "lr", "clip", "k",
+            "dtype", "draft_lr", "draft_publish_every", "draft_holdout_every", "draft_replay_ratio",
+            "draft_tv_weight", "block_publishes")
+    return {k: getattr(args, k) for k in keep} | {"target": str(args.target), "draft": str(args.draft)}
+
+
+def run_in_own_process(arm: str, seed: int, argv: list[str], out: Path) -> dict:
+    """One (arm, seed) in a fresh interpreter; its JSON when it ends."""
+    path = out / "runs" / f"{arm}_s{seed}.json"
+    code = subprocess.call([sys.executable, os.path.abspath(__file__), *argv, "--_one", f"{arm}:{seed}"])
+    if code != 0 or not path.exists():
+        raise RuntimeError(f"the {arm} run on seed {seed} failed (exit code {code}); see its output above")
+    return json.loads(path.read_text())
+
+
+def finished_run(path: Path, args: argparse.Namespace) -> dict | None:
+    """A run an earlier invocation finished with the same settings (resumed, not rerun)."""
+    if not path.exists():
+        return None
+    run = json.loads(path.read_text())
+    return run if run.get("settings") == run_settings(args) else None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fixtures", type=Path, default=None)
+    ap.add_argument("--target", type=Path, default=None, help="the policy checkpoint (default: the real fixture)")
+    ap.add_argument("--draft", type=Path, default=None,
+                    help="the EAGLE-3 draft every speculative arm starts from (make rl-run: the demo's draft)")
+    ap.add_argument("--arms", default="frozen,online", help=f"comma list of {', '.join(ARMS)}")
+    ap.add_argument("--seeds", default="0", help="comma list of seeds (the RL-level test needs three)")
+    ap.add_argument("--task", default="concise", help="the RL task (vllm_specrl.rl.tasks.TASKS)")
+    ap.add_argument("--switch-task", default=None, help="a second task, from --switch-at on")
+    ap.add_argument("--switch-at", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    ap.add_argument("--group", type=int, default=8, help="samples per prompt (GRPO's group)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=2e-5, help="the policy's learning rate (AdamW)")
+    ap.add_argument("--clip", type=float, default=0.2)
+    ap.add_argument("--k", type=int, default=3, help="draft tokens per step, fixed (acceptance compares across arms)")
+    ap.add_argument("--dtype", default="auto", help="serving dtype (auto: bf16 where the CPU multiplies it natively)")
+    ap.add_argument("--draft-lr", type=float, default=2e-4)
+    ap.add_argument("--draft-publish-every", type=int, default=4)
+    ap.add_argument("--draft-holdout-every", type=int, default=4)
+    ap.add_argument("--draft-replay-ratio", type=float, default=4.0)
+    ap.add_argument("--draft-tv-weight", type=float, default=0.0)
+    ap.add_argument("--block-publishes", action="store_true",
+                    help="plant: the online trainer never publishes (the quick variant must then fail)")
+    ap.add_argument("--window", type=int, default=5, help="steps per window in the report")
+    ap.add_argument("--quick", action="store_true",
+                    help="the mechanics in minutes (the slower test tier): plain, frozen and online on seeds 0 and 1, "
+                         f"{QUICK['steps']} short steps, a task switch at step {QUICK['switch_at']}, the online "
+                         "trainer publishing on schedule (no gate), windows of 2")
+    ap.add_argument("--out", type=Path, default=Path("results/rl_run"))
+    ap.add_argument("--_one", default=None, help=argparse.SUPPRESS)  # ARM:SEED, run in this process
+    return ap
+
+
+# --quick: every mechanism of a run (policy moves, a switch, publishes, counters, the RL-level test) in minutes
+QUICK = {"arms": "plain,frozen,online", "seeds": "0,1", "steps": 6, "prompts": 2, "group": 4, "max_tokens": 24,
+         "switch_task": "concise-minus", "switch_at": 3, "draft_holdout_every": 0, "draft_publish_every": 2,
+         "window": 2}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.quick:  # the preset's values, where the command line left an option at its default
+        for key, value in QUICK.items():
+            if getattr(args, key) == parser.get_default(key):
+                setattr(args, key, value)
+    from vllm_specrl.fixtures import fixture_target
+
+    args.target = (args.target or Path(fixture_target("real", args.fixtures))).resolve()
+    if args.draft is None and any(PROPOSER[a] == "eagle3" for a in args.arms.split(",") if a in PROPOSER):
+        raise SystemExit("--draft is needed for the frozen and online arms (make rl-run builds the demo's draft)")
+    args.draft = args.draft.resolve() if args.draft else None
+    (args.out / "runs").mkdir(parents=True, exist_ok=True)
+    if args._one:
+        arm, seed = args._one.split(":")
+        run = run_arm(arm, int(seed), args, args.out)
+        (args.out / "runs" / f"{arm}_s{seed}.json").write_text(json.dumps(run, indent=1))
+        (args.out / "runs" / f"{arm}_s{seed}.partial.json").unlink(missing_ok=True)
+        return run
+    arms, seeds = args.arms.split(","), [int(s) for s in args.seeds.split(",")]
+    unknown = set(arms) - set(ARMS)
+    if unknown:
+        raise SystemExit(f"unknown arms {sorted(unknown)}; choose from {ARMS}")
+    child_argv = [a for a in (argv if argv is not None else sys.argv[1:])]
+    runs = []
+    for seed in seeds:
+        for arm in arms:
+            path = args.out / "runs" / f"{arm}_s{seed}.json"
+            run = finished_run(path, args)
+            if run is None:
+                print(f"[rl-run] {arm} on seed {seed}: {args.steps} steps", flush=True)
+                run = run_in_own_process(arm, seed, child_argv, args.out)
+            else:
+                print(f"[rl-run] {arm} on seed {seed}: finished earlier ({path})", flush=True)
+            runs.append(run)
+    report = build_report(runs, window=args.window, switch_at=args.switch_at)
+    png = args.out / "rl_run.png"
+    plot(report, png)
+    report["plot"] = str(png)
+    (args.out / "rl_run.json").write_text(json.dumps(report, indent=1))
+    print_summary(report)
+    print(f"wrote {args.out / 'rl_run.json'} and {png}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

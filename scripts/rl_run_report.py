@@ -1,0 +1,232 @@
+"""The staleness run's report (``rl_run.py``): per-step means over seeds, windows, the issue's goals, the
+RL-level lossless test, and the plot. No engine here: everything is computed from the runs' JSONs, so the
+report can be rebuilt (``python scripts/rl_run_report.py OUT_DIR``) and tested on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+ARMS = ("plain", "frozen", "online", "online-async", "lossy")
+SPECULATIVE = ("frozen", "online", "online-async")
+ALPHA = 0.05  # family-wise, per arm (Holm over its step buckets and the final reward)
+
+
+def mean(xs: list[float | None]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def per_step(runs: list[dict], key: str) -> list[float | None]:
+    """Step-by-step mean of ``key`` over the runs (seeds) of one arm."""
+    steps = min(len(r["steps"]) for r in runs)
+    return [mean([r["steps"][i][key] for r in runs]) for i in range(steps)]
+
+
+def window_means(values: list[float | None], window: int) -> list[float | None]:
+    """Means over consecutive windows of ``window`` steps (the last may be shorter)."""
+    return [mean(values[i : i + window]) for i in range(0, len(values), window)]
+
+
+def welch_p(a: list[float], b: list[float]) -> float:
+    """Two-sided Welch's t-test p-value of equal means (1.0 where both samples are constant and equal)."""
+    from scipy import stats
+
+    if len(a) < 2 or len(b) < 2:
+        return float("nan")
+    if statistics.pvariance(a) == 0 and statistics.pvariance(b) == 0:
+        return 1.0 if mean(a) == mean(b) else 0.0
+    return float(stats.ttest_ind(a, b, equal_var=False).pvalue)
+
+
+def holm(pvalues: list[float], alpha: float = ALPHA) -> list[bool]:
+    """Holm-Bonferroni: which hypotheses are rejected at family-wise ``alpha``."""
+    order = sorted(range(len(pvalues)), key=pvalues.__getitem__)
+    rejected = [False] * len(pvalues)
+    for rank, i in enumerate(order):
+        if pvalues[i] > alpha / (len(pvalues) - rank):
+            break
+        rejected[i] = True
+    return rejected
+
+
+def lossless_test(by_arm: dict[str, list[dict]], window: int, last: int = 5) -> dict:
+    """Does speculation change the RL run? Per arm against plain: Welch's t-test on the per-seed mean reward
+    in every bucket of ``window`` steps and over the last ``last`` steps (the final reward), Holm-corrected
+    over those tests at family-wise ``ALPHA``. The seeds are the independent units (samples within a run
+    share its policy's trajectory). An arm fails where any test rejects equality."""
+    if "plain" not in by_arm:
+        return {"tested": False, "why": "no plain arm"}
+    out: dict = {"tested": True, "test": f"Welch's t on per-seed mean reward per {window}-step bucket and over "
+                                         f"the last {last} steps, Holm at {ALPHA}", "arms": {}}
+    plain = by_arm["plain"]
+    for arm, runs in by_arm.items():
+        if arm == "plain":
+            continue
+        if min(len(runs), len(plain)) < 2:
+            out["arms"][arm] = {"tested": False, "why": f"{len(runs)} seed(s) against plain's {len(plain)}: "
+                                                        "the test needs at least 2 of each (3 asked)"}
+            continue
+        steps = min(len(r["steps"]) for r in runs + plain)
+        buckets = [(i, min(i + window, steps)) for i in range(0, steps, window)] + [(max(0, steps - last), steps)]
+
+        def seed_means(rs: list[dict], lo: int, hi: int) -> list[float]:
+            return [mean([s["mean_reward"] for s in r["steps"][lo:hi]]) for r in rs]
+
+        rows = []
+        for lo, hi in buckets:
+            a, b = seed_means(runs, lo, hi), seed_means(plain, lo, hi)
+            rows.append({"steps": [lo, hi - 1], "arm": mean(a), "plain": mean(b),
+                         "seed_sd": statistics.stdev(b) if len(b) > 1 else None, "p": welch_p(a, b)})
+        rows[-1]["final"] = True
+        rejected = holm([r["p"] if not math.isnan(r["p"]) else 1.0 for r in rows])
+        for r, rej in zip(rows, rejected):
+            r["rejected"] = rej
+        out["arms"][arm] = {"tested": True, "buckets": rows, "agrees_with_plain": not any(rejected)}
+    return out
+
+
+def logprob_check(runs: list[dict]) -> dict:
+    """The trainer's recomputed logprobs against vLLM's returned ones for on-policy samples, over the arm."""
+    maxima = [s["on_policy_logprob_abs_diff_max"] for r in runs for s in r["steps"]
+              if s["on_policy_logprob_abs_diff_max"] is not None]
+    means = [s["on_policy_logprob_abs_diff_mean"] for r in runs for s in r["steps"]
+             if s["on_policy_logprob_abs_diff_mean"] is not None]
+    return {"max": max(maxima) if maxima else None, "mean": mean(means), "steps_checked": len(maxima)}
+
+
+def recovery(al: list[float | None], trainer_s: list[float | None], switch_at: int, window: int) -> dict:
+    """After the switch: steps until the online arm's windowed acceptance length is back within 0.05 of its
+    window before the switch, and the trainer CPU seconds that took."""
+    pre = mean(al[max(0, switch_at - window) : switch_at])
+    out: dict = {"pre_switch_window": pre, "recovered_after_steps": None, "trainer_cpu_s": None}
+    if pre is None:
+        return out
+    for j in range(switch_at, len(al) - window + 1):
+        w = mean(al[j : j + window])
+        if w is not None and w >= pre - 0.05:
+            out["recovered_after_steps"] = j - switch_at
+            if trainer_s[j] is not None and trainer_s[switch_at] is not None:
+                out["trainer_cpu_s"] = trainer_s[j] - trainer_s[switch_at]
+            break
+    return out
+
+
+def goals(arms: dict[str, dict], window: int, switch_at: int | None, lossless: dict) -> dict:
+    """The staleness issue's goals, each met, missed, or not measured (with why)."""
+    out: dict = {}
+    frozen, online = arms.get("frozen"), arms.get("online")
+    if frozen and online:
+        fw, ow = frozen["window_acceptance_length"], online["window_acceptance_length"]
+        last = max(1, min(10, len(frozen["acceptance_length"]) // 2))
+        end = len(frozen["acceptance_length"]) if switch_at is None else switch_at
+        f_last = mean(frozen["acceptance_length"][end - last : end])
+        o_last = mean(online["acceptance_length"][end - last : end])
+        fall = fw[0] - f_last if None not in (fw[0], f_last) else None
+        out["frozen_fall"] = {"first_window": fw[0], f"last_{last}_steps": f_last, "fall": fall,
+                              "stale": fall is not None and fall >= 0.15}
+        if out["frozen_fall"]["stale"]:
+            out["online_holds"] = {"first_window": ow[0], f"last_{last}_steps": o_last,
+                                   "met": o_last >= ow[0] - 0.05}
+            out["online_beats_frozen"] = {"margin": o_last - f_last, "met": o_last - f_last >= 0.15}
+        else:
+            out["online_holds"] = out["online_beats_frozen"] = {
+                "met": None, "why": "the frozen draft did not fall by 0.15 over the run: nothing to recover"}
+    if switch_at is not None and online:
+        out["switch_recovery"] = {**online.get("recovery", {}), "met": None}
+        steps = online["recovery"].get("recovered_after_steps")
+        out["switch_recovery"]["met"] = steps is not None and steps <= 5
+    if lossless.get("tested"):
+        verdicts = {a: v["agrees_with_plain"] for a, v in lossless["arms"].items() if v.get("tested")}
+        out["rl_lossless"] = {"arms": verdicts,
+                              "met": all(v for a, v in verdicts.items() if a in SPECULATIVE) if verdicts else None}
+    return out
+
+
+def build_report(runs: list[dict], window: int = 5, switch_at: int | None = None) -> dict:
+    """The report of finished runs (each ``run_arm``'s JSON)."""
+    by_arm: dict[str, list[dict]] = {}
+    for r in runs:
+        by_arm.setdefault(r["arm"], []).append(r)
+    arms: dict[str, dict] = {}
+    for arm, rs in by_arm.items():
+        a = {key: per_step(rs, key) for key in ("mean_reward", "kl_from_start", "acceptance_length",
+                                                "generation_ms_per_token", "mean_completion_tokens",
+                                                "draft_version", "trainer_cpu_s")}
+        a["first_position_acceptance"] = [mean([(r["steps"][i]["per_position_acceptance"] or [None])[0] for r in rs])
+                                          for i in range(len(a["mean_reward"]))]
+        a["seeds"] = [r["seed"] for r in rs]
+        a["window_acceptance_length"] = window_means(a["acceptance_length"], window)
+        a["window_first_position_acceptance"] = window_means(a["first_position_acceptance"], window)
+        a["window_reward"] = window_means(a["mean_reward"], window)
+        a["logprob_check"] = logprob_check(rs)
+        a["publishes"] = [sum(1 for v in (r["publish_gate"] or []) if v.get("publish")) for r in rs]
+        a["gate_verdicts"] = [len(r["publish_gate"] or []) for r in rs]
+        if arm.startswith("online") and switch_at is not None:
+            a["recovery"] = recovery(a["acceptance_length"], a["trainer_cpu_s"], switch_at, window)
+        arms[arm] = a
+    if "plain" in arms:  # generation time per token against plain's, same seeds and steps
+        for arm, a in arms.items():
+            a["ms_per_token_vs_plain"] = (mean(a["generation_ms_per_token"]) / mean(arms["plain"]["generation_ms_per_token"]))
+    if "frozen" in arms and "online" in arms:
+        arms["online"]["ms_per_token_vs_frozen"] = (mean(arms["online"]["generation_ms_per_token"])
+                                                   / mean(arms["frozen"]["generation_ms_per_token"]))
+    lossless = lossless_test(by_arm, window)
+    return {"benchmark": "rl_staleness", "window": window, "switch_at": switch_at,
+            "host": runs[0]["host"] if runs else None, "settings": runs[0]["settings"] if runs else None,
+            "arms": arms, "lossless": lossless, "goals": goals(arms, window, switch_at, lossless), "runs": runs}
+
+
+def plot(report: dict, png: Path) -> None:
+    """Acceptance length, reward and KL from the start by step, one line per arm (mean over seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), layout="constrained")
+    panels = (("acceptance_length", "served acceptance length (k fixed)"), ("mean_reward", "mean reward"),
+              ("kl_from_start", "KL(policy || start), held-out"))
+    for ax, (key, title) in zip(axes, panels):
+        for arm, a in report["arms"].items():
+            ys = a[key]
+            if all(y is None for y in ys):
+                continue
+            ax.plot(range(len(ys)), [math.nan if y is None else y for y in ys], marker=".", label=arm)
+        if report["switch_at"] is not None:
+            ax.axvline(report["switch_at"] - 0.5, color="grey", linestyle="--", label="task switch")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("RL step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[0].legend(fontsize=8)
+    host = report.get("host") or {}
+    fig.suptitle(f"rl_run: {', '.join(report['arms'])}; {host.get('cpu_model', '?')}", fontsize=10)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def print_summary(report: dict) -> None:
+    """Per window: each arm's acceptance length, reward, KL; then the goals."""
+    w = report["window"]
+    for arm, a in report["arms"].items():
+        kl = window_means(a["kl_from_start"], w)
+        print(f"{arm:13s} seeds {a['seeds']}: "
+              + " | ".join(f"steps {i * w}-{i * w + w - 1}: reward {r:.2f}, KL {k:.3f}"
+                           + (f", AL {al:.2f}" if al is not None else "")
+                           for i, (r, k, al) in enumerate(zip(a["window_reward"], kl, a["window_acceptance_length"]))))
+    print(json.dumps(report["goals"], indent=1))
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    runs = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*_s*.json")) if "partial" not in p.name]
+    old = json.loads((out / "rl_run.json").read_text()) if (out / "rl_run.json").exists() else {}
+    report = build_report(runs, old.get("window", 5), old.get("switch_at"))
+    plot(report, out / "rl_run.png")
+    (out / "rl_run.json").write_text(json.dumps(report, indent=1))
+    print_summary(report)
