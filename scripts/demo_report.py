@@ -97,21 +97,64 @@ def same_length_ratios(runs: dict, mode: str, base: str) -> dict:
     return out
 
 
+def step_costs(calibration: dict | None) -> dict[str, list[float]]:
+    """From the run's start-up calibration: per batch-size bucket, each k's step cost in k = 0 (plain) steps."""
+    out = {}
+    for bucket, b in ((calibration or {}).get("buckets") or {}).items():
+        rel = b.get("step_time_vs_served") or []
+        if b.get("swept") and rel and rel[0] > 0:
+            out[bucket] = [x / rel[0] for x in rel]
+    return out
+
+
+def verdict(report: dict, mode: str = "spec") -> str | None:
+    """Whether this run's speculation paid, and where it would, in a sentence from what the run measured:
+    the acceptance length it served and its calibration's step costs at the smallest and the largest batch."""
+    run_, summary = report["runs"].get(mode), report.get("summary", {})
+    comparison = summary.get("comparisons", {}).get(f"{mode}_vs_plain")
+    costs = step_costs((run_ or {}).get("calibration"))
+    accepted = [x for s in (run_ or {}).get("steps", []) for x in [s.get("acceptance_length")] if x]
+    if not (run_ and comparison and costs and accepted):
+        return None
+    al = sum(accepted) / len(accepted)
+    buckets = sorted(costs, key=lambda b: int(b.split("-")[0]))
+    small, large = buckets[0], buckets[-1]
+    k = len(costs[large]) - 1
+
+    def sequences(bucket: str) -> str:
+        lo, hi = bucket.split("-")
+        return f"{lo} sequence{'s' if hi != '1' else ''}" if lo == hi else f"{lo}-{hi} sequences"
+
+    def pays(bucket: str) -> str:
+        return f"a k = {k} step costs {costs[bucket][k]:.2f} plain steps, so AL {al:.2f} gives ~{al / costs[bucket][k]:.2f}x"
+
+    per_token = comparison["rollout_time_per_token"]
+    outcome = "paid" if per_token < 0.97 else "did not pay" if per_token > 1.03 else "broke even"
+    return (f"Speculation {outcome} here (time per token {per_token:.2f} of plain's, acceptance length {al:.2f} served "
+            f"at mean k {summary[mode].get('mean_k') or 0:.2f}). This machine's calibration: at {sequences(large)} "
+            f"(this demo's bulk) {pays(large)}; at {sequences(small)} {pays(small)}. On a GPU a verify step costs little more "
+            "than a plain one while decode is memory-bound, so the same acceptance pays at larger batches there.")
+
+
 def plot(report: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     runs = report["runs"]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5), layout="constrained")
     for mode, run_ in runs.items():
         xs = [s["step"] for s in run_["steps"]]
         axes[0].plot(xs, [s["mean_reward"] for s in run_["steps"]], marker="o", label=mode)
         if mode.startswith(PROPOSERS):
             axes[1].plot(xs, [s["acceptance_length"] or float("nan") for s in run_["steps"]], marker="o", label=mode)
-    axes[0].set_title("mean reward per step")
-    axes[1].set_title("acceptance length (spec: EAGLE-3, mtp: own MTP layer, trained online; history)")
+    axes[0].set_title("mean reward per step", fontsize=10)
+    axes[1].set_title("served acceptance length per step", fontsize=10)
+    for ax in axes[:2]:
+        ax.set_xlabel("RL step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     modes = list(runs)
     bottoms = [0.0] * len(modes)
     for stage in STAGES:
@@ -120,13 +163,12 @@ def plot(report: dict, path: Path) -> None:
         bottoms = [b + v for b, v in zip(bottoms, vals)]
     axes[2].scatter(modes, [report["summary"][m]["step_s"] for m in modes], color="k", marker="_", s=400,
                     label="wall step time", zorder=3)
-    axes[2].set_title("mean step time (s): exposed generation + training side")
+    axes[2].set_title("mean step time (s) by phase", fontsize=10)
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[0].legend()
     axes[1].legend()
     axes[2].legend(fontsize=8)
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
@@ -158,3 +200,6 @@ def print_table(report: dict) -> None:
                  f"(z {c['reward_z']:+.2f}, {'agree' if c['rewards_agree_within_noise'] else 'DISAGREE'})"
                  if "rollout_time" in c else "")
         print(f"{name}: step time {c['step_time']:.2f}{extra}")
+    sentence = verdict(report)
+    if sentence:
+        print(sentence)

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness and the 
 from demo_harness import (ParentTurns, clear_stale_run, draft_trainer_settings, next_turn,  # noqa: E402
                           page_faults, policy_paths, publish_gate_verdicts, read_run, replay_lengths,
                           run_in_own_process, run_interleaved, step_record, warm_up_trainer)
-from demo_report import PROPOSERS, plot, print_table, summarize  # noqa: E402
+from demo_report import PROPOSERS, plot, print_table, summarize, verdict  # noqa: E402
 from vllm_specrl.host import host_info  # noqa: E402
 
 
@@ -317,6 +317,7 @@ def main() -> None:
                                     "trainer_warm_up_s": warm_up_s}
             args.out.write_text(json.dumps(report, indent=2))
     report["summary"] = summarize(report["runs"])
+    report["verdict"] = verdict(report)
     png = args.out.with_suffix(".png")
     plot(report, png)
     report["plot"] = str(png)

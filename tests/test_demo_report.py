@@ -41,3 +41,29 @@ def test_replays_recorded_before_the_split_give_the_whole_ratio_only():
     out = _report_module().same_length_ratios(runs, "spec", "plain")
     assert out["rollout_time_same_lengths"] == pytest.approx(1.0)
     assert "rollout_bulk_time_same_lengths" not in out
+
+
+def test_the_verdict_says_whether_it_paid_and_where_it_would_from_the_runs_own_figures():
+    """A default demo's JSON (2026-11-29, AMD): the sentence's figures are the calibration's own, k = 3 against
+    k = 0 in the largest and the smallest bucket, and the served acceptance length over the steps."""
+    import json
+
+    from helpers import REPO
+
+    report = json.loads((REPO / "benchmarks/cpu/rl_demo_first_run_default_avx512.json").read_text())
+    buckets = report["runs"]["spec"]["calibration"]["buckets"]
+    cost16 = buckets["16-23"]["step_time_vs_served"][3] / buckets["16-23"]["step_time_vs_served"][0]
+    cost1 = buckets["1-1"]["step_time_vs_served"][3] / buckets["1-1"]["step_time_vs_served"][0]
+    als = [s["acceptance_length"] for s in report["runs"]["spec"]["steps"] if s["acceptance_length"]]
+    al = sum(als) / len(als)
+    text = _report_module().verdict(report)
+    per_token = report["summary"]["comparisons"]["spec_vs_plain"]["rollout_time_per_token"]
+    assert f"time per token {per_token:.2f}" in text
+    assert f"at 16-23 sequences (this demo's bulk) a k = 3 step costs {cost16:.2f} plain steps" in text
+    assert f"at 1 sequence a k = 3 step costs {cost1:.2f} plain steps, so AL {al:.2f} gives ~{al / cost1:.2f}x" in text
+    assert cost1 < cost16  # one sequence is where speculation pays on a CPU
+
+
+def test_no_verdict_without_a_calibration():
+    report = {"runs": {"spec": {"steps": [{"acceptance_length": 2.0}]}}, "summary": {"comparisons": {}}}
+    assert _report_module().verdict(report) is None
