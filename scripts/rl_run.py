@@ -76,7 +76,8 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
             settings = DraftTrainerSettings(
                 publish_every=10**9 if args.block_publishes else args.draft_publish_every, lr=args.draft_lr,
                 tv_weight=args.draft_tv_weight, replay_ratio=args.draft_replay_ratio,
-                holdout_every=args.draft_holdout_every)
+                holdout_every=args.draft_holdout_every, keep_versions=args.draft_keep_versions,
+                rest_after_hold=args.draft_rest_after_hold, rest_backoff_max=args.draft_rest_backoff_max)
             trainer = DraftTrainerProcess.start(serving.capture, srv.url, args.draft, policy_dir, work, settings,
                                                 cpus=trainer_cpus("auto", client.status()), name=name)
         loop = GRPOLoop(client, srv.model, policy, schedule.tasks, schedule.score, steps=args.steps,
@@ -94,6 +95,7 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
         finally:
             if trainer is not None and not trainer.stop():
                 print(f"[rl-run {name}] the draft trainer did not exit after SIGINT: killed", flush=True)
+    shutil.rmtree(policy_dir, ignore_errors=True)  # a checkpoint's worth of disk per run; the logs stay
     return {"arm": arm, "seed": seed, "host": host_info(), "settings": run_settings(args), "steps": steps,
             "seconds": time.perf_counter() - t_start, "torch_threads": torch.get_num_threads(),
             "publish_gate": gate_verdicts(trainer.log) if trainer is not None else None,
@@ -178,9 +180,26 @@ def print_step(name: str, rec: dict, steps: int, elapsed_s: float) -> None:
 def run_settings(args: argparse.Namespace) -> dict:
     """The settings a finished run must share with the benchmark resuming it."""
     keep = ("task", "switch_task", "switch_at", "steps", "prompts", "group", "max_tokens", "lr", "clip", "k",
-            "dtype", "draft_lr", "draft_publish_every", "draft_holdout_every", "draft_replay_ratio",
-            "draft_tv_weight", "block_publishes")
+            "dtype", *TRAINER_OPTIONS)
     return {k: getattr(args, k) for k in keep} | {"target": str(args.target), "draft": str(args.draft)}
+
+
+# The online trainer's options with their defaults (a run recorded before an option existed ran at its default).
+TRAINER_OPTIONS = {"draft_lr": 2e-4, "draft_publish_every": None, "draft_holdout_every": None, "draft_replay_ratio": 4.0,
+                   "draft_tv_weight": 0.0, "block_publishes": False, "draft_keep_versions": 1,
+                   "draft_rest_after_hold": True, "draft_rest_backoff_max": 8}
+
+
+def same_settings(recorded: dict, wanted: dict, arm: str) -> bool:
+    """Whether a recorded run was made as this invocation would make it: the online trainer's options count
+    only for online arms, and an option the recording predates counts at its default."""
+    def relevant(settings: dict) -> dict:
+        out = {k: v for k, v in settings.items() if arm.startswith("online") or k not in TRAINER_OPTIONS}
+        if arm.startswith("online"):
+            for key, default in TRAINER_OPTIONS.items():
+                out.setdefault(key, wanted[key] if default is None else default)
+        return out
+    return relevant(recorded) == relevant(wanted)
 
 
 def run_in_own_process(arm: str, seed: int, argv: list[str], out: Path) -> dict:
@@ -192,12 +211,12 @@ def run_in_own_process(arm: str, seed: int, argv: list[str], out: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def finished_run(path: Path, args: argparse.Namespace) -> dict | None:
+def finished_run(path: Path, args: argparse.Namespace, arm: str) -> dict | None:
     """A run an earlier invocation finished with the same settings (resumed, not rerun)."""
     if not path.exists():
         return None
     run = json.loads(path.read_text())
-    return run if run.get("settings") == run_settings(args) else None
+    return run if same_settings(run.get("settings", {}), run_settings(args), arm) else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -206,27 +225,38 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--target", type=Path, default=None, help="the policy checkpoint (default: the real fixture)")
     ap.add_argument("--draft", type=Path, default=None,
                     help="the EAGLE-3 draft every speculative arm starts from (make rl-run: the demo's draft)")
-    ap.add_argument("--arms", default="frozen,online", help=f"comma list of {', '.join(ARMS)}")
-    ap.add_argument("--seeds", default="0", help="comma list of seeds (the RL-level test needs three)")
+    ap.add_argument("--arms", default=None, help=f"comma list of {', '.join(ARMS)} (default: {DEFAULTS['arms']})")
+    ap.add_argument("--seeds", default=None,
+                    help=f"comma list of seeds (default: {DEFAULTS['seeds']}; the RL-level test needs three)")
     ap.add_argument("--task", default="concise", help="the RL task (vllm_specrl.rl.tasks.TASKS)")
-    ap.add_argument("--switch-task", default=None, help="a second task, from --switch-at on")
+    ap.add_argument("--switch-task", default=None, help="a second task, from --switch-at on (concise-minus)")
     ap.add_argument("--switch-at", type=int, default=None)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--prompts", type=int, default=4, help="prompts per step")
-    ap.add_argument("--group", type=int, default=8, help="samples per prompt (GRPO's group)")
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=None, help=f"RL steps per run (default: {DEFAULTS['steps']})")
+    ap.add_argument("--prompts", type=int, default=None, help=f"prompts per step (default: {DEFAULTS['prompts']})")
+    ap.add_argument("--group", type=int, default=None,
+                    help=f"samples per prompt, GRPO's group (default: {DEFAULTS['group']})")
+    ap.add_argument("--max-tokens", type=int, default=None, help=f"default: {DEFAULTS['max_tokens']}")
     ap.add_argument("--lr", type=float, default=2e-5, help="the policy's learning rate (AdamW)")
     ap.add_argument("--clip", type=float, default=0.2)
     ap.add_argument("--k", type=int, default=3, help="draft tokens per step, fixed (acceptance compares across arms)")
     ap.add_argument("--dtype", default="auto", help="serving dtype (auto: bf16 where the CPU multiplies it natively)")
     ap.add_argument("--draft-lr", type=float, default=2e-4)
-    ap.add_argument("--draft-publish-every", type=int, default=4)
-    ap.add_argument("--draft-holdout-every", type=int, default=4)
+    ap.add_argument("--draft-publish-every", type=int, default=None,
+                    help=f"the online trainer publishes every N of its steps (default: {DEFAULTS['draft_publish_every']})")
+    ap.add_argument("--draft-holdout-every", type=int, default=None,
+                    help="the online trainer's publish gate holds out every n-th rollout (default: "
+                         f"{DEFAULTS['draft_holdout_every']}; 0: publish on schedule, no gate)")
     ap.add_argument("--draft-replay-ratio", type=float, default=4.0)
     ap.add_argument("--draft-tv-weight", type=float, default=0.0)
+    ap.add_argument("--draft-keep-versions", type=int, default=1,
+                    help="the online trainer keeps this many policy versions' rollouts in its replay buffer")
+    ap.add_argument("--draft-rest-after-hold", action=argparse.BooleanOptionalAction, default=True,
+                    help="the online trainer rests (back to the served draft) after its gate holds a candidate")
+    ap.add_argument("--draft-rest-backoff-max", type=int, default=8,
+                    help="each hold in a row doubles the online trainer's rest, up to this many policy versions")
     ap.add_argument("--block-publishes", action="store_true",
                     help="plant: the online trainer never publishes (the quick variant must then fail)")
-    ap.add_argument("--window", type=int, default=5, help="steps per window in the report")
+    ap.add_argument("--window", type=int, default=None, help=f"steps per window in the report (default: {DEFAULTS['window']})")
     ap.add_argument("--quick", action="store_true",
                     help="the mechanics in minutes (the slower test tier): plain, frozen and online on seeds 0 and 1, "
                          f"{QUICK['steps']} short steps, a task switch at step {QUICK['switch_at']}, the online "
@@ -236,8 +266,11 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# What a run takes unless told otherwise, and what --quick takes instead (options left unset on the command line)
+DEFAULTS = {"arms": "frozen,online", "seeds": "0", "steps": 30, "prompts": 4, "group": 8, "max_tokens": 128,
+            "switch_task": None, "switch_at": None, "draft_holdout_every": 4, "draft_publish_every": 4, "window": 5}
 # --quick: every mechanism of a run (policy moves, a switch, publishes, counters, the RL-level test) in minutes
-QUICK = {"arms": "plain,frozen,online", "seeds": "0,1", "steps": 6, "prompts": 2, "group": 4, "max_tokens": 24,
+QUICK = {"arms": "plain,frozen,online", "seeds": "0,1", "steps": 6, "prompts": 2, "group": 4, "max_tokens": 64,
          "switch_task": "concise-minus", "switch_at": 3, "draft_holdout_every": 0, "draft_publish_every": 2,
          "window": 2}
 
@@ -245,10 +278,9 @@ QUICK = {"arms": "plain,frozen,online", "seeds": "0,1", "steps": 6, "prompts": 2
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.quick:  # the preset's values, where the command line left an option at its default
-        for key, value in QUICK.items():
-            if getattr(args, key) == parser.get_default(key):
-                setattr(args, key, value)
+    for key, value in DEFAULTS.items():  # --quick's values, or the defaults, where the command line set none
+        if getattr(args, key) is None:
+            setattr(args, key, QUICK.get(key, value) if args.quick else value)
     from vllm_specrl.fixtures import fixture_target
 
     args.target = (args.target or Path(fixture_target("real", args.fixtures))).resolve()
@@ -271,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
     for seed in seeds:
         for arm in arms:
             path = args.out / "runs" / f"{arm}_s{seed}.json"
-            run = finished_run(path, args)
+            run = finished_run(path, args, arm)
             if run is None:
                 print(f"[rl-run] {arm} on seed {seed}: {args.steps} steps", flush=True)
                 run = run_in_own_process(arm, seed, child_argv, args.out)

@@ -46,8 +46,8 @@ def test_every_arm_and_seed_ran_every_step_through_the_switch(report):
 def test_the_policy_moves(report):
     data, _ = report
     for run in data["runs"]:
-        kl = [s["kl_from_start"] for s in run["steps"]]
-        assert kl[0] == pytest.approx(0.0, abs=1e-6) and kl[-1] > 1e-4, kl  # step 0 measures before its update
+        kl = [s["kl_from_start"] for s in run["steps"]]  # each after its step's update
+        assert 0 < kl[0] < kl[-1], kl
 
 
 def test_speculative_steps_record_the_served_counters(report):
@@ -80,6 +80,6 @@ def test_the_reward_curves_are_compared_and_the_logprobs_checked(report):
         assert all(0.0 <= b["p"] <= 1.0 for b in verdict["buckets"])
     for arm, a in data["arms"].items():
         assert a["logprob_check"]["steps_checked"] == 12  # every step of both seeds had on-policy samples
-        assert a["logprob_check"]["max"] < 1e-2  # float32: the trainer's logprobs are vLLM's
+        assert a["logprob_check"]["max"] < 1e-3  # float32: the trainer's logprobs are vLLM's
     assert "switch_recovery" in data["goals"]
     assert (out / "rl_run.png").stat().st_size > 10_000

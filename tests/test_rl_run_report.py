@@ -90,3 +90,16 @@ def test_the_plot_is_written(tmp_path):
     report = _report().build_report(runs, window=5, switch_at=10)
     _report().plot(report, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_a_finished_run_is_resumed_only_with_the_settings_that_matter_to_its_arm():
+    """The online trainer's options matter to online arms alone; an option a recorded run predates counts at
+    its default (so adding one does not throw away finished runs)."""
+    rl_run = load_script("scripts/rl_run.py")
+    recorded = {"task": "concise", "steps": 30, "draft_lr": 2e-4, "draft_publish_every": 4, "draft_holdout_every": 4,
+                "draft_replay_ratio": 4.0, "draft_tv_weight": 0.0, "block_publishes": False}
+    wanted = {**recorded, "draft_keep_versions": 1, "draft_rest_after_hold": True, "draft_rest_backoff_max": 8}
+    assert rl_run.same_settings(recorded, wanted, "online")
+    assert not rl_run.same_settings(recorded, {**wanted, "draft_keep_versions": 4}, "online")
+    assert rl_run.same_settings(recorded, {**wanted, "draft_keep_versions": 4}, "frozen")
+    assert not rl_run.same_settings(recorded, {**wanted, "steps": 20}, "frozen")

@@ -161,7 +161,7 @@ def _cmd_train_online(args: argparse.Namespace) -> int:
                        holdout_every=args.holdout_every, publish_margin=args.publish_margin,
                        rest_after_hold=args.rest_after_hold,
                        rest_sequences=args.rest_sequences, rest_backoff_max=args.rest_backoff_max,
-                       drafter="mtp" if args.mtp else "eagle3")
+                       keep_versions=args.keep_versions, drafter="mtp" if args.mtp else "eagle3")
     trainer = OnlineDraftTrainer(args.draft, args.target, cfg, _train_config(args), args.checkpoint_dir, args.log)
     print(json.dumps({"event": "started", "resumed_from_step": trainer.resumed_from_step,
                       "checkpoint_dir": str(trainer.checkpoint_dir)}), flush=True)
@@ -323,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="online: each hold in a row doubles the next rest (1, 2, 4, ... policy versions, and "
                          "as many times --rest-sequences rollouts) up to this many versions; a publish resets it "
                          "(1: every new policy version ends a rest)")
+    tr.add_argument("--keep-versions", type=int, default=1,
+                    help="online: keep the captured rollouts of this many policy versions in the replay buffer "
+                         "(1: the current version's alone; more: several RL steps of data while the policy moves)")
     tr.add_argument("--mtp", action="store_true",
                     help="online: train the policy's own MTP layer (an engine serving \"method\": \"mtp\"); "
                          "--draft is then the checkpoint holding the MTP layer to start from (the policy's)")

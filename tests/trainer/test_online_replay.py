@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from vllm_specrl.capture.sender import CaptureSender
@@ -82,6 +83,30 @@ def test_a_pause_file_stops_training_but_not_ingest(tiny_model, tmp_path):
         pause.unlink()
         resumed = trainer.run()
         assert resumed["steps"] > 2, resumed
+        tx.close()
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("keep_versions", [1, 2])
+def test_the_buffer_keeps_the_rollouts_of_the_last_keep_versions_policy_versions(tiny_model, tmp_path, keep_versions):
+    """``keep_versions`` 1 drops a version's rollouts as soon as the policy moves; 2 keeps them one version more
+    (still trainable: a train step draws from them), then drops them."""
+    trainer, address = trainer_on_frames(tiny_model, tmp_path, holdout_every=0, replay_ratio=1.0, max_seconds=3.0,
+                                         keep_versions=keep_versions)
+    try:
+        tx = send_sequences(address, 8, 12, 256)
+        trainer.run()
+        assert len(trainer.buffer) == 8
+        trainer.on_policy_version(1)
+        assert len(trainer.buffer) == (8 if keep_versions == 2 else 0)
+        if keep_versions == 2:
+            assert {s["policy_version"] for s in trainer.buffer} == {0}
+            before = trainer.trainer.step_count
+            trainer.train_step()
+            assert trainer.trainer.step_count == before + 1
+        trainer.on_policy_version(2)
+        assert len(trainer.buffer) == 0
         tx.close()
     finally:
         trainer.close()

@@ -35,6 +35,9 @@ class DraftTrainerSettings:
     niceness: int = 19
     sched_idle: bool = True
     yields: bool = True  # pausable for the policy phases (a pause file)
+    keep_versions: int = 1        # policy versions of rollouts in the replay buffer
+    rest_after_hold: bool = True  # a held candidate: back to the served draft, rest until the policy moves
+    rest_backoff_max: int = 8     # each hold in a row doubles the rest, up to this many versions
 
 
 def trainer_cpus(setting: str, engine_status: dict) -> set[int] | None:
@@ -85,6 +88,8 @@ class DraftTrainerProcess:
                "--publish-every", str(s.publish_every), "--checkpoint-every", str(s.checkpoint_every),
                "--batch-size", str(s.batch_size), "--lr", str(s.lr), "--tv-weight", str(s.tv_weight),
                "--idle-s", "0.5", "--holdout-every", str(s.holdout_every), "--mixed-precision", s.mixed_precision,
+               "--keep-versions", str(s.keep_versions), "--rest-backoff-max", str(s.rest_backoff_max),
+               "--rest-after-hold" if s.rest_after_hold else "--no-rest-after-hold",
                *(["--replay-ratio", str(s.replay_ratio)] if s.replay_ratio is not None else []),
                *(["--pause-file", str(pause_file(work_dir, name))] if s.yields else []),
                "--log", str(work_dir / f"online_draft_{name}.jsonl")]

@@ -99,6 +99,11 @@ class OnlineConfig:
     # backing off keeps that cost to one version in ``rest_backoff_max`` while a policy that drifts,
     # and so lets candidates win again, is followed every version.
     rest_backoff_max: int = 8
+    # Policy versions whose captured rollouts stay in the replay buffer (1: the current version's alone).
+    # RL moves the policy a little each step, so the last few versions' rollouts are nearly on-policy
+    # data: keeping them gives the draft several versions' worth of sequences to learn a drift from,
+    # where the current version alone is one step's rollouts (a few dozen), replayed until they overfit.
+    keep_versions: int = 1
     # While resting, how often to ask the replicas whether one restarted and lost the published draft.
     lost_draft_check_s: float = 5.0
     # While this file exists the trainer ingests frames but neither trains nor publishes: an RL loop
@@ -212,7 +217,7 @@ class OnlineDraftTrainer:
         self.ingested += 1
         self.topk_targets = "topk_logprobs" in seq
         if not self.gate.take(seq, self.policy_version):
-            self.buffer.append(seq)
+            self.buffer.append({**seq, "policy_version": self.policy_version})
             self.version_buffered += 1
         return True
 
@@ -233,7 +238,10 @@ class OnlineDraftTrainer:
         self.policy_version = version
         if first:
             return
+        keep = [seq for seq in self.buffer
+                if seq.get("policy_version") is not None and version - seq["policy_version"] < self.cfg.keep_versions]
         self.buffer.clear()
+        self.buffer.extend(keep)
         self.version_buffered = self.version_trained = 0
         self.gate.on_policy_version(version)
         if self.topk_targets and self.trainer.drafter == "eagle3":
