@@ -27,9 +27,16 @@ def per_step(runs: list[dict], key: str) -> list[float | None]:
     return [mean([r["steps"][i][key] for r in runs]) for i in range(steps)]
 
 
-def window_means(values: list[float | None], window: int) -> list[float | None]:
-    """Means over consecutive windows of ``window`` steps (the last may be shorter)."""
-    return [mean(values[i : i + window]) for i in range(0, len(values), window)]
+def window_bounds(steps: int, window: int, switch_at: int | None = None) -> list[tuple[int, int]]:
+    """[lo, hi) of consecutive windows of ``window`` steps; with a switch, windows restart at it, so none
+    straddles it (the last before it and the last of the run may be shorter)."""
+    cuts = [0, steps] if switch_at is None or not 0 < switch_at < steps else [0, switch_at, steps]
+    return [(i, min(i + window, hi)) for lo, hi in zip(cuts, cuts[1:]) for i in range(lo, hi, window)]
+
+
+def window_means(values: list[float | None], window: int, switch_at: int | None = None) -> list[float | None]:
+    """Means over ``window_bounds``."""
+    return [mean(values[lo:hi]) for lo, hi in window_bounds(len(values), window, switch_at)]
 
 
 def welch_p(a: list[float], b: list[float]) -> float:
@@ -54,7 +61,7 @@ def holm(pvalues: list[float], alpha: float = ALPHA) -> list[bool]:
     return rejected
 
 
-def lossless_test(by_arm: dict[str, list[dict]], window: int, last: int = 5) -> dict:
+def lossless_test(by_arm: dict[str, list[dict]], window: int, switch_at: int | None = None, last: int = 5) -> dict:
     """Does speculation change the RL run? Per arm against plain: Welch's t-test on the per-seed mean reward
     in every bucket of ``window`` steps and over the last ``last`` steps (the final reward), Holm-corrected
     over those tests at family-wise ``ALPHA``. The seeds are the independent units (samples within a run
@@ -72,7 +79,7 @@ def lossless_test(by_arm: dict[str, list[dict]], window: int, last: int = 5) -> 
                                                         "the test needs at least 2 of each (3 asked)"}
             continue
         steps = min(len(r["steps"]) for r in runs + plain)
-        buckets = [(i, min(i + window, steps)) for i in range(0, steps, window)] + [(max(0, steps - last), steps)]
+        buckets = window_bounds(steps, window, switch_at) + [(max(0, steps - last), steps)]
 
         def seed_means(rs: list[dict], lo: int, hi: int) -> list[float]:
             return [mean([s["mean_reward"] for s in r["steps"][lo:hi]]) for r in rs]
@@ -103,7 +110,8 @@ def recovery(al: list[float | None], trainer_s: list[float | None], switch_at: i
     """After the switch: steps until the online arm's windowed acceptance length is back within 0.05 of its
     window before the switch, and the trainer CPU seconds that took."""
     pre = mean(al[max(0, switch_at - window) : switch_at])
-    out: dict = {"pre_switch_window": pre, "recovered_after_steps": None, "trainer_cpu_s": None}
+    out: dict = {"pre_switch_window": pre, "post_switch_window": mean(al[switch_at : switch_at + window]),
+                 "after_switch": mean(al[switch_at:]), "recovered_after_steps": None, "trainer_cpu_s": None}
     if pre is None:
         return out
     for j in range(switch_at, len(al) - window + 1):
@@ -117,29 +125,35 @@ def recovery(al: list[float | None], trainer_s: list[float | None], switch_at: i
 
 
 def goals(arms: dict[str, dict], window: int, switch_at: int | None, lossless: dict) -> dict:
-    """The staleness issue's goals, each met, missed, or not measured (with why)."""
+    """The staleness issue's goals, each met, missed, or not measured (with why). Online goals per online arm
+    (``online``, ``online-async``, or a trainer variant whose arm name starts with ``online``)."""
     out: dict = {}
-    frozen, online = arms.get("frozen"), arms.get("online")
-    if frozen and online:
-        fw, ow = frozen["window_acceptance_length"], online["window_acceptance_length"]
-        last = max(1, min(10, len(frozen["acceptance_length"]) // 2))
+    frozen = arms.get("frozen")
+    online_arms = [a for a in arms if a.startswith("online")]
+    if frozen:
+        fw = frozen["window_acceptance_length"]
         end = len(frozen["acceptance_length"]) if switch_at is None else switch_at
+        last = max(1, min(10, end // 2))
         f_last = mean(frozen["acceptance_length"][end - last : end])
-        o_last = mean(online["acceptance_length"][end - last : end])
         fall = fw[0] - f_last if None not in (fw[0], f_last) else None
         out["frozen_fall"] = {"first_window": fw[0], f"last_{last}_steps": f_last, "fall": fall,
                               "stale": fall is not None and fall >= 0.15}
-        if out["frozen_fall"]["stale"]:
-            out["online_holds"] = {"first_window": ow[0], f"last_{last}_steps": o_last,
-                                   "met": o_last >= ow[0] - 0.05}
-            out["online_beats_frozen"] = {"margin": o_last - f_last, "met": o_last - f_last >= 0.15}
-        else:
-            out["online_holds"] = out["online_beats_frozen"] = {
-                "met": None, "why": "the frozen draft did not fall by 0.15 over the run: nothing to recover"}
-    if switch_at is not None and online:
-        out["switch_recovery"] = {**online.get("recovery", {}), "met": None}
-        steps = online["recovery"].get("recovered_after_steps")
-        out["switch_recovery"]["met"] = steps is not None and steps <= 5
+        for name in online_arms:
+            online = arms[name]
+            o_first, o_last = online["window_acceptance_length"][0], mean(online["acceptance_length"][end - last : end])
+            if out["frozen_fall"]["stale"]:
+                out[f"{name}_holds"] = {"first_window": o_first, f"last_{last}_steps": o_last,
+                                        "met": o_last >= o_first - 0.05}
+                out[f"{name}_beats_frozen"] = {"margin": o_last - f_last, "met": o_last - f_last >= 0.15}
+            else:
+                out[f"{name}_holds"] = out[f"{name}_beats_frozen"] = {
+                    "met": None, "why": "the frozen draft did not fall by 0.15 over the run: nothing to recover",
+                    "margin": o_last - f_last if None not in (o_last, f_last) else None}
+    if switch_at is not None:
+        for name in online_arms:
+            rec = arms[name].get("recovery", {})
+            steps = rec.get("recovered_after_steps")
+            out[f"{name}_switch_recovery"] = {**rec, "met": steps is not None and steps <= 5}
     if lossless.get("tested"):
         verdicts = {a: v["agrees_with_plain"] for a, v in lossless["arms"].items() if v.get("tested")}
         out["rl_lossless"] = {"arms": verdicts,
@@ -160,13 +174,15 @@ def build_report(runs: list[dict], window: int = 5, switch_at: int | None = None
         a["first_position_acceptance"] = [mean([(r["steps"][i]["per_position_acceptance"] or [None])[0] for r in rs])
                                           for i in range(len(a["mean_reward"]))]
         a["seeds"] = [r["seed"] for r in rs]
-        a["window_acceptance_length"] = window_means(a["acceptance_length"], window)
-        a["window_first_position_acceptance"] = window_means(a["first_position_acceptance"], window)
-        a["window_reward"] = window_means(a["mean_reward"], window)
+        a["windows"] = window_bounds(len(a["mean_reward"]), window, switch_at)
+        a["window_acceptance_length"] = window_means(a["acceptance_length"], window, switch_at)
+        a["window_first_position_acceptance"] = window_means(a["first_position_acceptance"], window, switch_at)
+        a["window_reward"] = window_means(a["mean_reward"], window, switch_at)
+        a["window_kl_from_start"] = window_means(a["kl_from_start"], window, switch_at)
         a["logprob_check"] = logprob_check(rs)
         a["publishes"] = [sum(1 for v in (r["publish_gate"] or []) if v.get("publish")) for r in rs]
         a["gate_verdicts"] = [len(r["publish_gate"] or []) for r in rs]
-        if arm.startswith("online") and switch_at is not None:
+        if arm in SPECULATIVE and switch_at is not None:
             a["recovery"] = recovery(a["acceptance_length"], a["trainer_cpu_s"], switch_at, window)
         arms[arm] = a
     if "plain" in arms:  # generation time per token against plain's, same seeds and steps
@@ -175,7 +191,7 @@ def build_report(runs: list[dict], window: int = 5, switch_at: int | None = None
     if "frozen" in arms and "online" in arms:
         arms["online"]["ms_per_token_vs_frozen"] = (mean(arms["online"]["generation_ms_per_token"])
                                                    / mean(arms["frozen"]["generation_ms_per_token"]))
-    lossless = lossless_test(by_arm, window)
+    lossless = lossless_test(by_arm, window, switch_at)
     return {"benchmark": "rl_staleness", "window": window, "switch_at": switch_at,
             "host": runs[0]["host"] if runs else None, "settings": runs[0]["settings"] if runs else None,
             "arms": arms, "lossless": lossless, "goals": goals(arms, window, switch_at, lossless), "runs": runs}
@@ -212,13 +228,11 @@ def plot(report: dict, png: Path) -> None:
 
 def print_summary(report: dict) -> None:
     """Per window: each arm's acceptance length, reward, KL; then the goals."""
-    w = report["window"]
     for arm, a in report["arms"].items():
-        kl = window_means(a["kl_from_start"], w)
         print(f"{arm:13s} seeds {a['seeds']}: "
-              + " | ".join(f"steps {i * w}-{i * w + w - 1}: reward {r:.2f}, KL {k:.3f}"
-                           + (f", AL {al:.2f}" if al is not None else "")
-                           for i, (r, k, al) in enumerate(zip(a["window_reward"], kl, a["window_acceptance_length"]))))
+              + " | ".join(f"steps {lo}-{hi - 1}: reward {r:.2f}, KL {k:.3f}" + (f", AL {al:.2f}" if al is not None else "")
+                           for (lo, hi), r, k, al in zip(a["windows"], a["window_reward"], a["window_kl_from_start"],
+                                                         a["window_acceptance_length"])))
     print(json.dumps(report["goals"], indent=1))
 
 

@@ -61,6 +61,10 @@ def test_goals_when_the_frozen_draft_goes_stale_and_the_online_one_holds():
     runs = [_run("frozen", 0, _curve(0), frozen_al), _run("online", 0, _curve(1), online_al)]
     goals = _report().build_report(runs, window=5)["goals"]
     assert goals["frozen_fall"]["stale"] and goals["online_holds"]["met"] and goals["online_beats_frozen"]["met"]
+    runs.append(_run("online-keep4", 0, _curve(2), [a + 0.05 for a in frozen_al]))  # a trainer variant, judged apart
+    goals = _report().build_report(runs, window=5)["goals"]
+    assert goals["online_holds"]["met"] and not goals["online-keep4_holds"]["met"]
+    runs.pop()
     runs[1] = _run("online", 0, _curve(1), [a + 0.05 for a in frozen_al])  # online follows frozen down
     goals = _report().build_report(runs, window=5)["goals"]
     assert goals["frozen_fall"]["stale"] and not goals["online_holds"]["met"]
@@ -82,7 +86,8 @@ def test_recovery_after_a_switch_counts_steps_and_trainer_seconds():
     rec = report["arms"]["online"]["recovery"]
     # windows of 3 from step 10: 1.63, 1.78, 1.92, 1.98 (>= 2.0 - 0.05): three steps
     assert rec["recovered_after_steps"] == 3 and rec["trainer_cpu_s"] == pytest.approx(30.0)
-    assert report["goals"]["switch_recovery"]["met"] is True
+    assert report["goals"]["online_switch_recovery"]["met"] is True
+    assert report["arms"]["frozen"]["recovery"]["post_switch_window"] == pytest.approx(1.5)
 
 
 def test_the_plot_is_written(tmp_path):
@@ -103,3 +108,9 @@ def test_a_finished_run_is_resumed_only_with_the_settings_that_matter_to_its_arm
     assert not rl_run.same_settings(recorded, {**wanted, "draft_keep_versions": 4}, "online")
     assert rl_run.same_settings(recorded, {**wanted, "draft_keep_versions": 4}, "frozen")
     assert not rl_run.same_settings(recorded, {**wanted, "steps": 20}, "frozen")
+
+
+def test_windows_restart_at_the_switch():
+    bounds = _report().window_bounds(30, 5, switch_at=18)
+    assert bounds == [(0, 5), (5, 10), (10, 15), (15, 18), (18, 23), (23, 28), (28, 30)]
+    assert _report().window_bounds(10, 5) == [(0, 5), (5, 10)]
