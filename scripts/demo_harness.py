@@ -103,21 +103,6 @@ def clear_stale_run(work: Path, mode: str) -> None:
     trainer.log.unlink(missing_ok=True)
 
 
-def publish_gate_verdicts(log: Path) -> list[dict]:
-    """The online trainer's publish decisions (held-out estimates of the candidate and the served draft),
-    and after each hold the policy versions its rest spans (``--rest-backoff-max``)."""
-    if not log.exists():
-        return []
-    out = []
-    for line in log.read_text().splitlines():
-        record = json.loads(line)
-        if record.get("gate"):
-            out.append({"time": record["time"], "trainer_step": record["step"],
-                        "policy_version": record["policy_version"], **record["gate"],
-                        **({"rest_span_versions": record["rest_span_versions"]} if record.get("rest") else {})})
-    return out
-
-
 # --- answers at the same lengths -----------------------------------------------------------
 
 def completion_lengths(samples: list[dict], prompts: int, group: int) -> list[list[int]]:

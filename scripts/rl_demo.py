@@ -32,7 +32,7 @@ from pathlib import Path
 
 from vllm_specrl import cpu_malloc
 from vllm_specrl.adaptive.calibrate import WARM_UP_TOKENS
-from vllm_specrl.rl.draft_trainer import DraftTrainerProcess, pause_file, trainer_cpus
+from vllm_specrl.rl.draft_trainer import DraftTrainerProcess, pause_file, publish_gate_verdicts, trainer_cpus
 from vllm_specrl.rl.loop import GRPOLoop
 from vllm_specrl.rl.policy import Policy
 from vllm_specrl.rl.serving import serve_args
@@ -41,7 +41,7 @@ from vllm_specrl.trainer.core import resolve_serving_dtype
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness and the report, beside it
 from demo_harness import (ParentTurns, clear_stale_run, draft_trainer_settings, next_turn,  # noqa: E402
-                          page_faults, policy_paths, publish_gate_verdicts, read_run, replay_lengths,
+                          page_faults, policy_paths, read_run, replay_lengths,
                           run_in_own_process, run_interleaved, step_record, warm_up_trainer)
 from demo_report import PROPOSERS, plot, print_table, summarize, verdict  # noqa: E402
 from vllm_specrl.host import host_info  # noqa: E402

@@ -44,7 +44,8 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
     import torch
 
     from vllm_specrl.host import host_info
-    from vllm_specrl.rl.draft_trainer import DraftTrainerProcess, DraftTrainerSettings, trainer_cpus
+    from vllm_specrl.rl.draft_trainer import (DraftTrainerProcess, DraftTrainerSettings, publish_gate_verdicts,
+                                              trainer_cpus)
     from vllm_specrl.rl.drift import PolicyDrift
     from vllm_specrl.rl.loop import GRPOLoop
     from vllm_specrl.rl.policy import Policy
@@ -98,7 +99,7 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
     shutil.rmtree(policy_dir, ignore_errors=True)  # a checkpoint's worth of disk per run; the logs stay
     return {"arm": arm, "seed": seed, "host": host_info(), "settings": run_settings(args), "steps": steps,
             "seconds": time.perf_counter() - t_start, "torch_threads": torch.get_num_threads(),
-            "publish_gate": gate_verdicts(trainer.log) if trainer is not None else None,
+            "publish_gate": publish_gate_verdicts(trainer.log) if trainer is not None else None,
             "serve_args": serving.args}
 
 
@@ -150,20 +151,6 @@ def process_cpu_s(pid: int) -> float | None:
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def gate_verdicts(log: Path) -> list[dict]:
-    """Every publish-gate decision the online trainer logged: the candidate's and the served draft's
-    held-out estimates, and whether it published."""
-    if not log.exists():
-        return []
-    out = []
-    for line in log.read_text().splitlines():
-        record = json.loads(line)
-        if record.get("gate"):
-            out.append({"time": record["time"], "trainer_step": record["step"],
-                        "policy_version": record["policy_version"], **record["gate"]})
-    return out
 
 
 def print_step(name: str, rec: dict, steps: int, elapsed_s: float) -> None:

@@ -104,20 +104,20 @@ def test_a_new_run_inherits_nothing_an_earlier_run_of_its_mode_left(tmp_path):
     """A second `make demo` reuses the work directory: its report must read only its own trainer's publish
     verdicts (the trainer appends to its log, named by ``DraftTrainerProcess``), and its trainer must start
     from the draft the new engine serves, not resume the earlier run's checkpoint."""
-    from vllm_specrl.rl.draft_trainer import DraftTrainerProcess
+    from vllm_specrl.rl.draft_trainer import DraftTrainerProcess, publish_gate_verdicts
 
     harness = _harness_module()
     earlier = DraftTrainerProcess(None, tmp_path, "spec").log
     earlier.write_text(json.dumps({"time": 1.0, "step": 4, "policy_version": 1,
                                    "gate": {"publish": True, "reason": "better"}}) + "\n")
-    assert len(harness.publish_gate_verdicts(earlier)) == 1
+    assert len(publish_gate_verdicts(earlier)) == 1
     for name in ("draft-online-spec", "policy_spec", "policy_head_spec"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "trainer_state.pt").write_text("earlier run")
     other_mode = DraftTrainerProcess(None, tmp_path, "history").log
     other_mode.write_text("{}\n")
     harness.clear_stale_run(tmp_path, "spec")
-    assert harness.publish_gate_verdicts(earlier) == []
+    assert publish_gate_verdicts(earlier) == []
     assert not any((tmp_path / name).exists() for name in ("draft-online-spec", "policy_spec", "policy_head_spec"))
     assert other_mode.exists()
     harness.clear_stale_run(tmp_path, "spec")  # nothing left to clear: no error

@@ -9,6 +9,7 @@ loop's policy phases (it keeps ingesting); a trainer that dies leaves the last p
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -146,3 +147,18 @@ def checkpoint_dir(work_dir: Path, name: str) -> Path:
 def pause_file(work_dir: Path, name: str) -> Path:
     """While it exists the online draft trainer ingests but does not train (``--pause-file``)."""
     return work_dir / f"draft_trainer_{name}.pause"
+
+
+def publish_gate_verdicts(log: Path) -> list[dict]:
+    """The online trainer's publish decisions from its ``--log`` (held-out estimates of the candidate and the
+    served draft, and whether it published), and after each hold the policy versions its rest spans."""
+    if not log.exists():
+        return []
+    out = []
+    for line in log.read_text().splitlines():
+        record = json.loads(line)
+        if record.get("gate"):
+            out.append({"time": record["time"], "trainer_step": record["step"],
+                        "policy_version": record["policy_version"], **record["gate"],
+                        **({"rest_span_versions": record["rest_span_versions"]} if record.get("rest") else {})})
+    return out
