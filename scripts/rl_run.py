@@ -96,11 +96,49 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
         finally:
             if trainer is not None and not trainer.stop():
                 print(f"[rl-run {name}] the draft trainer did not exit after SIGINT: killed", flush=True)
+        final = (final_drafts_eval(client, srv, policy, held_out_prompts(schedule.task_at(args.steps - 1)), args, seed)
+                 if proposer == "eagle3" and steps else None)
     shutil.rmtree(policy_dir, ignore_errors=True)  # a checkpoint's worth of disk per run; the logs stay
     return {"arm": arm, "seed": seed, "host": host_info(), "settings": run_settings(args), "steps": steps,
             "seconds": time.perf_counter() - t_start, "torch_threads": torch.get_num_threads(),
             "publish_gate": publish_gate_verdicts(trainer.log) if trainer is not None else None,
+            "final_drafts_eval": final,
             "serve_args": serving.args}
+
+
+def final_drafts_eval(client, srv, policy, prompts: list[str], args: argparse.Namespace, seed: int) -> dict:
+    """On the run's final policy, the draft it ended with and the starting draft, served in turn on the same
+    held-out prompts (T = 1, ``FINAL_EVAL_GROUP`` answers each, the same seeds): served acceptance of both
+    drafts on one policy, which the arms' step figures cannot give (each arm's policy took its own path)."""
+    from safetensors.torch import load_file
+
+    from vllm_specrl import metrics
+    from vllm_specrl.rl.rollouts import sample_groups
+
+    chats = [policy.chat(p) for p in prompts]
+
+    def served() -> dict:
+        before = client.status()["spec_decode"]
+        samples, _ = sample_groups(srv.url, srv.model, chats, FINAL_EVAL_GROUP, args.max_tokens,
+                                   10**6 + seed * 1000, -1, lambda i, text: 0.0)
+        out = metrics.summary_delta(before, client.status()["spec_decode"])
+        return {**out, "tokens": sum(len(s["completion_ids"]) for s in samples)}
+
+    out = {"prompts": len(prompts), "group": FINAL_EVAL_GROUP, "ended_with": served(),
+           "ended_with_version": client.status()["versions"]["draft"]}
+    if out["ended_with_version"] == 0:
+        out["starting"] = out["ended_with"]  # the starting draft served throughout
+        return out
+    try:  # an evaluation that fails must not lose the run it follows
+        starting = load_file(str(Path(args.draft) / "model.safetensors"))
+        client.update_draft(starting, version=out["ended_with_version"] + 1)
+        out["starting"] = served()
+    except Exception as err:  # noqa: BLE001 - recorded in the run's JSON
+        out["starting_error"] = repr(err)
+    return out
+
+
+FINAL_EVAL_GROUP = 16
 
 
 def held_out_sequences(policy, prompts: list[str], seed: int, max_tokens: int) -> list[tuple[list[int], list[int]]]:
@@ -171,7 +209,8 @@ def run_settings(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in keep} | {"target": str(args.target), "draft": str(args.draft)}
 
 
-# The online trainer's options with their defaults (a run recorded before an option existed ran at its default).
+# The online trainer's options, each with the value a run recorded before the option existed ran with (None:
+# as this invocation's).
 TRAINER_OPTIONS = {"draft_lr": 2e-4, "draft_publish_every": None, "draft_holdout_every": None, "draft_replay_ratio": 4.0,
                    "draft_tv_weight": 0.0, "block_publishes": False, "draft_keep_versions": 1,
                    "draft_rest_after_hold": True, "draft_rest_backoff_max": 8}
@@ -235,10 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
                          f"{DEFAULTS['draft_holdout_every']}; 0: publish on schedule, no gate)")
     ap.add_argument("--draft-replay-ratio", type=float, default=4.0)
     ap.add_argument("--draft-tv-weight", type=float, default=0.0)
-    ap.add_argument("--draft-keep-versions", type=int, default=1,
-                    help="the online trainer keeps this many policy versions' rollouts in its replay buffer")
-    ap.add_argument("--draft-rest-after-hold", action=argparse.BooleanOptionalAction, default=True,
-                    help="the online trainer rests (back to the served draft) after its gate holds a candidate")
+    ap.add_argument("--draft-keep-versions", type=int, default=4,
+                    help="the online trainer keeps this many policy versions' rollouts in its replay buffer (train-draft "
+                         "--keep-versions; its own default, 1, left the draft behind a moving policy: docs/staleness.md)")
+    ap.add_argument("--draft-rest-after-hold", action=argparse.BooleanOptionalAction, default=False,
+                    help="the online trainer rests (back to the served draft, for 1, 2, 4, ... policy versions) after "
+                         "its gate holds a candidate (train-draft's default; off here: a moving policy outruns the rests)")
     ap.add_argument("--draft-rest-backoff-max", type=int, default=8,
                     help="each hold in a row doubles the online trainer's rest, up to this many policy versions")
     ap.add_argument("--block-publishes", action="store_true",

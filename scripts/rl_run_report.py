@@ -97,6 +97,20 @@ def lossless_test(by_arm: dict[str, list[dict]], window: int, switch_at: int | N
     return out
 
 
+def final_eval(runs: list[dict]) -> dict | None:
+    """Served acceptance length on each run's final policy of the draft it ended with and of the starting
+    draft (``rl_run.final_drafts_eval``), mean over the seeds that have it (runs recorded before it existed
+    have none); None where no run has it."""
+    evals = [e for r in runs for e in [r.get("final_drafts_eval")] if e and "starting" in e]
+    if not evals:
+        return None
+    ended = mean([e["ended_with"]["acceptance_length"] for e in evals])
+    starting = mean([e["starting"]["acceptance_length"] for e in evals])
+    return {"ended_with": ended, "starting": starting,
+            "gain": ended - starting if None not in (ended, starting) else None,
+            "runs": len(evals), "drafts": [e["ended_with"]["num_drafts"] for e in evals]}
+
+
 def logprob_check(runs: list[dict]) -> dict:
     """The trainer's recomputed logprobs against vLLM's returned ones for on-policy samples, over the arm."""
     maxima = [s["on_policy_logprob_abs_diff_max"] for r in runs for s in r["steps"]
@@ -154,6 +168,9 @@ def goals(arms: dict[str, dict], window: int, switch_at: int | None, lossless: d
             rec = arms[name].get("recovery", {})
             steps = rec.get("recovered_after_steps")
             out[f"{name}_switch_recovery"] = {**rec, "met": steps is not None and steps <= 5}
+            if frozen and frozen.get("recovery", {}).get("after_switch") is not None and rec.get("after_switch"):
+                out[f"{name}_switch_recovery"]["after_switch_minus_frozen"] = (
+                    rec["after_switch"] - frozen["recovery"]["after_switch"])
     if lossless.get("tested"):
         verdicts = {a: v["agrees_with_plain"] for a, v in lossless["arms"].items() if v.get("tested")}
         out["rl_lossless"] = {"arms": verdicts,
@@ -180,9 +197,10 @@ def build_report(runs: list[dict], window: int = 5, switch_at: int | None = None
         a["window_reward"] = window_means(a["mean_reward"], window, switch_at)
         a["window_kl_from_start"] = window_means(a["kl_from_start"], window, switch_at)
         a["logprob_check"] = logprob_check(rs)
+        a["final_drafts_eval"] = final_eval(rs)
         a["publishes"] = [sum(1 for v in (r["publish_gate"] or []) if v.get("publish")) for r in rs]
         a["gate_verdicts"] = [len(r["publish_gate"] or []) for r in rs]
-        if arm in SPECULATIVE and switch_at is not None:
+        if (arm in SPECULATIVE or arm.startswith("online")) and switch_at is not None:
             a["recovery"] = recovery(a["acceptance_length"], a["trainer_cpu_s"], switch_at, window)
         arms[arm] = a
     if "plain" in arms:  # generation time per token against plain's, same seeds and steps
@@ -233,6 +251,11 @@ def print_summary(report: dict) -> None:
               + " | ".join(f"steps {lo}-{hi - 1}: reward {r:.2f}, KL {k:.3f}" + (f", AL {al:.2f}" if al is not None else "")
                            for (lo, hi), r, k, al in zip(a["windows"], a["window_reward"], a["window_kl_from_start"],
                                                          a["window_acceptance_length"])))
+    for arm, a in report["arms"].items():
+        if a.get("final_drafts_eval"):
+            f = a["final_drafts_eval"]
+            print(f"{arm}: on its final policy, the draft it ended with serves AL {f['ended_with']:.2f}, "
+                  f"the starting draft {f['starting']:.2f}")
     print(json.dumps(report["goals"], indent=1))
 
 

@@ -114,3 +114,17 @@ def test_windows_restart_at_the_switch():
     bounds = _report().window_bounds(30, 5, switch_at=18)
     assert bounds == [(0, 5), (5, 10), (10, 15), (15, 18), (18, 23), (23, 28), (28, 30)]
     assert _report().window_bounds(10, 5) == [(0, 5), (5, 10)]
+
+
+def test_the_final_evaluation_compares_the_drafts_on_each_runs_own_final_policy():
+    runs = [_run("online", s, _curve(s), [2.0] * 20) for s in range(2)]
+    for run, (ended, starting) in zip(runs, [(2.4, 1.9), (2.2, 2.1)]):
+        run["final_drafts_eval"] = {"ended_with": {"acceptance_length": ended, "num_drafts": 300},
+                                    "starting": {"acceptance_length": starting, "num_drafts": 320}}
+    got = _report().build_report(runs)["arms"]["online"]["final_drafts_eval"]
+    assert got["ended_with"] == pytest.approx(2.3) and got["starting"] == pytest.approx(2.0)
+    assert got["gain"] == pytest.approx(0.3)
+    del runs[1]["final_drafts_eval"]  # a run recorded before the evaluation existed counts for nothing
+    assert _report().build_report(runs)["arms"]["online"]["final_drafts_eval"]["gain"] == pytest.approx(0.5)
+    del runs[0]["final_drafts_eval"]
+    assert _report().build_report(runs)["arms"]["online"]["final_drafts_eval"] is None
