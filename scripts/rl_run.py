@@ -172,7 +172,8 @@ def step_record(result, task: str, kl: float, trainer) -> dict:
             "generation_ms_per_token": 1000 * result.generation["generation_s"] / max(1, tokens),
             "logprob_s": result.logprob_s, "training_s": result.training_s, "sync_s": result.sync_s,
             "step_s": result.step_s, "loss": result.loss,
-            "acceptance_length": served["acceptance_length"], "per_position_acceptance": served["per_position_acceptance"],
+            "acceptance_length": served["acceptance_length"],
+            "per_position_acceptance": served["per_position_acceptance"],
             "num_drafts": served["num_drafts"], "num_accepted_tokens": served["num_accepted_tokens"],
             "draft_version": result.status["versions"]["draft"], "policy_version": result.status["versions"]["policy"],
             "on_policy_rollouts": len(diffs),
@@ -211,8 +212,8 @@ def run_settings(args: argparse.Namespace) -> dict:
 
 # The online trainer's options, each with the value a run recorded before the option existed ran with (None:
 # as this invocation's).
-TRAINER_OPTIONS = {"draft_lr": 2e-4, "draft_publish_every": None, "draft_holdout_every": None, "draft_replay_ratio": 4.0,
-                   "draft_tv_weight": 0.0, "block_publishes": False, "draft_keep_versions": 1,
+TRAINER_OPTIONS = {"draft_lr": 2e-4, "draft_publish_every": None, "draft_holdout_every": None,
+                   "draft_replay_ratio": 4.0, "draft_tv_weight": 0.0, "block_publishes": False, "draft_keep_versions": 1,
                    "draft_rest_after_hold": True, "draft_rest_backoff_max": 8}
 
 
@@ -268,23 +269,27 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="auto", help="serving dtype (auto: bf16 where the CPU multiplies it natively)")
     ap.add_argument("--draft-lr", type=float, default=2e-4)
     ap.add_argument("--draft-publish-every", type=int, default=None,
-                    help=f"the online trainer publishes every N of its steps (default: {DEFAULTS['draft_publish_every']})")
+                    help="the online trainer publishes every N of its steps "
+                         f"(default: {DEFAULTS['draft_publish_every']})")
     ap.add_argument("--draft-holdout-every", type=int, default=None,
                     help="the online trainer's publish gate holds out every n-th rollout (default: "
                          f"{DEFAULTS['draft_holdout_every']}; 0: publish on schedule, no gate)")
     ap.add_argument("--draft-replay-ratio", type=float, default=4.0)
     ap.add_argument("--draft-tv-weight", type=float, default=0.0)
     ap.add_argument("--draft-keep-versions", type=int, default=4,
-                    help="the online trainer keeps this many policy versions' rollouts in its replay buffer (train-draft "
-                         "--keep-versions; its own default, 1, left the draft behind a moving policy: docs/staleness.md)")
+                    help="the online trainer keeps this many policy versions' rollouts in its replay buffer "
+                         "(train-draft --keep-versions; its own default, 1, left the draft behind a moving policy: "
+                         "docs/staleness.md)")
     ap.add_argument("--draft-rest-after-hold", action=argparse.BooleanOptionalAction, default=False,
-                    help="the online trainer rests (back to the served draft, for 1, 2, 4, ... policy versions) after "
-                         "its gate holds a candidate (train-draft's default; off here: a moving policy outruns the rests)")
+                    help="the online trainer rests (back to the served draft, for 1, 2, 4, ... policy versions) "
+                         "after its gate holds a candidate (train-draft's default; off here: a moving policy "
+                         "outruns the rests)")
     ap.add_argument("--draft-rest-backoff-max", type=int, default=8,
                     help="each hold in a row doubles the online trainer's rest, up to this many policy versions")
     ap.add_argument("--block-publishes", action="store_true",
                     help="plant: the online trainer never publishes (the quick variant must then fail)")
-    ap.add_argument("--window", type=int, default=None, help=f"steps per window in the report (default: {DEFAULTS['window']})")
+    ap.add_argument("--window", type=int, default=None,
+                    help=f"steps per window in the report (default: {DEFAULTS['window']})")
     ap.add_argument("--quick", action="store_true",
                     help="the mechanics in minutes (the slower test tier): plain, frozen and online on seeds 0 and 1, "
                          f"{QUICK['steps']} short steps, a task switch at step {QUICK['switch_at']}, the online "

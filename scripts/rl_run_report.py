@@ -205,7 +205,8 @@ def build_report(runs: list[dict], window: int = 5, switch_at: int | None = None
         arms[arm] = a
     if "plain" in arms:  # generation time per token against plain's, same seeds and steps
         for arm, a in arms.items():
-            a["ms_per_token_vs_plain"] = (mean(a["generation_ms_per_token"]) / mean(arms["plain"]["generation_ms_per_token"]))
+            a["ms_per_token_vs_plain"] = (mean(a["generation_ms_per_token"])
+                                          / mean(arms["plain"]["generation_ms_per_token"]))
     if "frozen" in arms and "online" in arms:
         arms["online"]["ms_per_token_vs_frozen"] = (mean(arms["online"]["generation_ms_per_token"])
                                                    / mean(arms["frozen"]["generation_ms_per_token"]))
@@ -248,7 +249,8 @@ def print_summary(report: dict) -> None:
     """Per window: each arm's acceptance length, reward, KL; then the goals."""
     for arm, a in report["arms"].items():
         print(f"{arm:13s} seeds {a['seeds']}: "
-              + " | ".join(f"steps {lo}-{hi - 1}: reward {r:.2f}, KL {k:.3f}" + (f", AL {al:.2f}" if al is not None else "")
+              + " | ".join(f"steps {lo}-{hi - 1}: reward {r:.2f}, KL {k:.3f}"
+                           + (f", AL {al:.2f}" if al is not None else "")
                            for (lo, hi), r, k, al in zip(a["windows"], a["window_reward"], a["window_kl_from_start"],
                                                          a["window_acceptance_length"])))
     for arm, a in report["arms"].items():
