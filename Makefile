@@ -77,7 +77,8 @@ demo-full: setup
 	@$(PY) scripts/rl_demo.py --fixtures $(FIXTURES) --draft $(DEMO_DRAFT_FULL) $(DEMO_ARGS)
 
 # `make rl-run`: does the draft go stale, and what does online training buy? A GRPO run in which the policy
-# learns (scripts/rl_run.py), the demo's draft served frozen and trained online, k fixed; more arms and seeds
+# learns (scripts/rl_run.py), a second task from step 18, the demo's draft served frozen and trained online, k fixed;
+# more arms and seeds
 # by RL_ARGS (e.g. RL_ARGS="--arms plain,frozen,online --seeds 0,1,2"); `--target/--draft/--task` for your own.
 RL_ARGS ?=
 rl-run: setup

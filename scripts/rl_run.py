@@ -256,14 +256,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seeds", default=None,
                     help=f"comma list of seeds (default: {DEFAULTS['seeds']}; the RL-level test needs three)")
     ap.add_argument("--task", default="concise", help="the RL task (vllm_specrl.rl.tasks.TASKS)")
-    ap.add_argument("--switch-task", default=None, help="a second task, from --switch-at on (concise-minus)")
-    ap.add_argument("--switch-at", type=int, default=None)
+    ap.add_argument("--switch-task", default=None,
+                    help=f"a second task, from --switch-at on (default: {DEFAULTS['switch_task']})")
+    ap.add_argument("--switch-at", type=int, default=None,
+                    help=f"the step the second task starts at (default: {DEFAULTS['switch_at']})")
+    ap.add_argument("--no-switch", action="store_true", help="one task throughout")
     ap.add_argument("--steps", type=int, default=None, help=f"RL steps per run (default: {DEFAULTS['steps']})")
     ap.add_argument("--prompts", type=int, default=None, help=f"prompts per step (default: {DEFAULTS['prompts']})")
     ap.add_argument("--group", type=int, default=None,
                     help=f"samples per prompt, GRPO's group (default: {DEFAULTS['group']})")
     ap.add_argument("--max-tokens", type=int, default=None, help=f"default: {DEFAULTS['max_tokens']}")
-    ap.add_argument("--lr", type=float, default=2e-5, help="the policy's learning rate (AdamW)")
+    ap.add_argument("--lr", type=float, default=5e-5,
+                    help="the policy's learning rate (AdamW; at 2e-5 SmolLM2 learned the default task too slowly)")
     ap.add_argument("--clip", type=float, default=0.2)
     ap.add_argument("--k", type=int, default=3, help="draft tokens per step, fixed (acceptance compares across arms)")
     ap.add_argument("--dtype", default="auto", help="serving dtype (auto: bf16 where the CPU multiplies it natively)")
@@ -301,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # What a run takes unless told otherwise, and what --quick takes instead (options left unset on the command line)
 DEFAULTS = {"arms": "frozen,online", "seeds": "0", "steps": 30, "prompts": 4, "group": 8, "max_tokens": 128,
-            "switch_task": None, "switch_at": None, "draft_holdout_every": 4, "draft_publish_every": 4, "window": 5}
+            "switch_task": "concise-minus", "switch_at": 18, "draft_holdout_every": 4, "draft_publish_every": 4, "window": 5}
 # --quick: every mechanism of a run (policy moves, a switch, publishes, counters, the RL-level test) in minutes
 QUICK = {"arms": "plain,frozen,online", "seeds": "0,1", "steps": 6, "prompts": 2, "group": 4, "max_tokens": 64,
          "switch_task": "concise-minus", "switch_at": 3, "draft_holdout_every": 0, "draft_publish_every": 2,
@@ -314,6 +318,8 @@ def main(argv: list[str] | None = None) -> dict:
     for key, value in DEFAULTS.items():  # --quick's values, or the defaults, where the command line set none
         if getattr(args, key) is None:
             setattr(args, key, QUICK.get(key, value) if args.quick else value)
+    if args.no_switch:
+        args.switch_task = args.switch_at = None
     from vllm_specrl.fixtures import fixture_target
 
     args.target = (args.target or Path(fixture_target("real", args.fixtures))).resolve()
