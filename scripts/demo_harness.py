@@ -39,7 +39,7 @@ def step_record(result: StepResult, args: argparse.Namespace, page_faults: int, 
     """What the report keeps of one step (``demo_report.summarize`` reads it)."""
     samples, served = result.samples, result.served
     diffs = result.logprob_abs_diff()
-    same = [d for d, on in zip(diffs, result.on_policy) if on]  # only on-policy rollouts can match exactly
+    same = result.on_policy_logprob_abs_diff()
     return {"step": result.step - args.warm_up_steps,
             "mean_reward": sum(s["reward"] for s in samples) / len(samples),
             "rewards": [s["reward"] for s in samples], "loss": result.loss,

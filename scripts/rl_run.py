@@ -33,9 +33,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the report, beside it
-from rl_run_report import ARMS, build_report, plot, print_summary  # noqa: E402
+from rl_run_report import ARMS, PROPOSER, build_report, plot, print_summary  # noqa: E402
 
-PROPOSER = {"plain": "plain", "lossy": "plain", "frozen": "eagle3", "online": "eagle3", "online-async": "eagle3"}
 LOSSY_TEMPERATURE = 0.8  # the planted lossy arm's sampling temperature (RL samples at 1)
 
 
@@ -162,7 +161,7 @@ def step_record(result, task: str, kl: float, trainer) -> dict:
     from vllm_specrl.rl.tasks import style_summary
 
     samples, served = result.samples, result.served
-    diffs = [d for d, on in zip(result.logprob_abs_diff(), result.on_policy) if on]
+    diffs = result.on_policy_logprob_abs_diff()
     tokens = sum(len(s["completion_ids"]) for s in samples)
     return {"step": result.step, "task": task, "mean_reward": sum(s["reward"] for s in samples) / len(samples),
             "rewards": [s["reward"] for s in samples], "kl_from_start": kl,
@@ -185,11 +184,13 @@ def step_record(result, task: str, kl: float, trainer) -> dict:
 
 def process_cpu_s(pid: int) -> float | None:
     """User + system CPU seconds of a live process (the online trainer's training time so far)."""
+    import psutil
+
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.Error:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return times.user + times.system
 
 
 def print_step(name: str, rec: dict, steps: int, elapsed_s: float) -> None:
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = set(arms) - set(ARMS)
     if unknown:
         raise SystemExit(f"unknown arms {sorted(unknown)}; choose from {ARMS}")
-    child_argv = [a for a in (argv if argv is not None else sys.argv[1:])]
+    child_argv = list(argv if argv is not None else sys.argv[1:])
     runs = []
     for seed in seeds:
         for arm in arms:

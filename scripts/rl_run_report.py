@@ -11,8 +11,10 @@ import statistics
 import sys
 from pathlib import Path
 
-ARMS = ("plain", "frozen", "online", "online-async", "lossy")
-SPECULATIVE = ("frozen", "online", "online-async")
+# Each arm's proposer; the speculative arms are those with a draft
+PROPOSER = {"plain": "plain", "frozen": "eagle3", "online": "eagle3", "online-async": "eagle3", "lossy": "plain"}
+ARMS = tuple(PROPOSER)
+SPECULATIVE = tuple(arm for arm, proposer in PROPOSER.items() if proposer != "plain")
 ALPHA = 0.05  # family-wise, per arm (Holm over its step buckets and the final reward)
 
 

@@ -75,3 +75,19 @@ def test_policy_lag_one_overlaps_the_next_rollouts_with_training(tiny_model, tmp
             assert s["policy_version_start"] == max(0, r.step - 1), s
             assert s["policy_version_start"] <= s["policy_version_end"] <= r.step, s
     assert results[0].on_policy == [True] * 4
+
+
+def test_the_on_policy_logprob_difference_leaves_out_samples_of_another_version():
+    """Only samples drawn wholly under the trained version count: a sample spanning two versions (lag 1) would
+    read far off without anything being wrong. No engine."""
+    import torch
+
+    from vllm_specrl.rl.loop import StepResult
+
+    samples = [{"vllm_logprobs": [-1.0, -2.0], "policy_version_start": 3, "policy_version_end": 3},
+               {"vllm_logprobs": [-1.0], "policy_version_start": 2, "policy_version_end": 3}]
+    result = StepResult(0, samples, {}, 0.0, [torch.tensor([-1.0, -2.5]), torch.tensor([-4.0])], 0.0, 0.0, 0.0,
+                        0.0, 0.0, 3, {}, {}, {})
+    (diff,) = result.on_policy_logprob_abs_diff()
+    assert torch.equal(diff, torch.tensor([0.0, 0.5]))
+    assert len(result.logprob_abs_diff()) == 2

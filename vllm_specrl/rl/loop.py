@@ -63,6 +63,10 @@ class StepResult:
         """Per sample, |trainer's logprob - vLLM's| per token: lossless in the RL sense."""
         return [(lp - torch.tensor(s["vllm_logprobs"])).abs() for lp, s in zip(self.logprobs, self.samples)]
 
+    def on_policy_logprob_abs_diff(self) -> list[torch.Tensor]:
+        """``logprob_abs_diff`` of the on-policy samples alone (only they can match exactly)."""
+        return [d for d, on in zip(self.logprob_abs_diff(), self.on_policy) if on]
+
 
 class GRPOLoop:
     """Steps of GRPO against a served engine: ``for i in range(steps): loop.step(i)``.
