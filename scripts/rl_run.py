@@ -77,12 +77,15 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
                 publish_every=10**9 if args.block_publishes else args.draft_publish_every, lr=args.draft_lr,
                 tv_weight=args.draft_tv_weight, replay_ratio=args.draft_replay_ratio,
                 holdout_every=args.draft_holdout_every, keep_versions=args.draft_keep_versions,
-                rest_after_hold=args.draft_rest_after_hold, rest_backoff_max=args.draft_rest_backoff_max)
+                rest_after_hold=args.draft_rest_after_hold, rest_backoff_max=args.draft_rest_backoff_max,
+                yields=args.draft_trainer_yields, sched_idle=args.draft_trainer_yields,
+                niceness=19 if args.draft_trainer_yields else 0)
             trainer = DraftTrainerProcess.start(serving.capture, srv.url, args.draft, policy_dir, work, settings,
                                                 cpus=trainer_cpus("auto", client.status()), name=name)
         loop = GRPOLoop(client, srv.model, policy, schedule.tasks, schedule.score, steps=args.steps,
                         group=args.group, max_tokens=args.max_tokens, clip=args.clip, seed=seed,
                         policy_lag=1 if arm.endswith("-async") else 0, draft_trainer=trainer,
+                        trainer_yields=args.draft_trainer_yields,
                         temperature=LOSSY_TEMPERATURE if arm == "lossy" else 1.0)
         try:
             with loop:
@@ -215,7 +218,8 @@ def run_settings(args: argparse.Namespace) -> dict:
 # as this invocation's).
 TRAINER_OPTIONS = {"draft_lr": 2e-4, "draft_publish_every": None, "draft_holdout_every": None,
                    "draft_replay_ratio": 4.0, "draft_tv_weight": 0.0, "block_publishes": False, "draft_keep_versions": 1,
-                   "draft_rest_after_hold": True, "draft_rest_backoff_max": 8}
+                   "draft_rest_after_hold": True, "draft_rest_backoff_max": 8,
+                   "draft_trainer_yields": True}
 
 
 def same_settings(recorded: dict, wanted: dict, arm: str) -> bool:
@@ -291,6 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "outruns the rests)")
     ap.add_argument("--draft-rest-backoff-max", type=int, default=8,
                     help="each hold in a row doubles the online trainer's rest, up to this many policy versions")
+    ap.add_argument("--draft-trainer-yields", action=argparse.BooleanOptionalAction, default=None,
+                    help="the online trainer takes only the cycles the engine and the policy leave (nice 19, "
+                         "SCHED_IDLE, paused for the policy phases; default); off: it trains throughout at normal "
+                         "priority (--quick: its few short steps leave an idle trainer too little time to publish)")
     ap.add_argument("--block-publishes", action="store_true",
                     help="plant: the online trainer never publishes (the quick variant must then fail)")
     ap.add_argument("--window", type=int, default=None,
@@ -306,11 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 # What a run takes unless told otherwise, and what --quick takes instead (options left unset on the command line)
 DEFAULTS = {"arms": "frozen,online", "seeds": "0", "steps": 30, "prompts": 4, "group": 8, "max_tokens": 128,
-            "switch_task": "concise-minus", "switch_at": 18, "draft_holdout_every": 4, "draft_publish_every": 4, "window": 5}
+            "switch_task": "concise-minus", "switch_at": 18, "draft_holdout_every": 4, "draft_publish_every": 4, "window": 5,
+            "draft_trainer_yields": True}
 # --quick: every mechanism of a run (policy moves, a switch, publishes, counters, the RL-level test) in minutes
 QUICK = {"arms": "plain,frozen,online", "seeds": "0,1", "steps": 6, "prompts": 2, "group": 4, "max_tokens": 64,
          "switch_task": "concise-minus", "switch_at": 3, "draft_holdout_every": 0, "draft_publish_every": 2,
-         "window": 2}
+         "window": 2, "draft_trainer_yields": False}
 
 
 def main(argv: list[str] | None = None) -> dict:
