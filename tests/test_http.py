@@ -134,8 +134,8 @@ def test_adaptive_k_state_reaches_status_and_metrics(server, client):
     assert sum(counts) >= 48 / 4, adaptive  # at least one step per 4 tokens was scheduled
     text = requests.get(server.url + "/metrics", timeout=30).text
     for k, n in enumerate(counts):
-        assert f'specrl_adaptive_k_steps_total{{k="{k}"}} {float(n)}' in text, (k, n)
-    assert f"specrl_adaptive_k {float(adaptive['last_k'])}" in text
+        assert f'specrl_adaptive_k_steps{{engine="0",k="{k}"}} {float(n)}' in text, (k, n)
+    assert f'specrl_adaptive_k{{engine="0"}} {float(adaptive["last_k"])}' in text
 
 
 def test_plugin_ran_in_api_server_engine_core_and_worker(server):

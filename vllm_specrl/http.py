@@ -19,12 +19,13 @@ import os
 import secrets
 import time
 from argparse import Namespace
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 
-from vllm_specrl import metrics, plugin, security, switches
+from vllm_specrl import instance_state, metrics, plugin, security, switches
 from vllm_specrl.compat import engine_config
 from vllm_specrl.compat import version as vllm_versions
 from vllm_specrl import engine_rpc
@@ -32,22 +33,10 @@ from vllm_specrl._log import logger
 from vllm_specrl._version import __version__
 from vllm_specrl.adaptive import state as adaptive_state
 from vllm_specrl.sync.guard import StaleDraftGuard
-from vllm_specrl.sync.native_api import adopt_versions, watch_engine_client
+from vllm_specrl.sync.native_api import watch_engine_client
 from vllm_specrl.sync.routes import build_sync_router, stamp_versions
 
-_GAUGES: dict[str, Any] = {}
-
-
-def _gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
-    """One process-wide gauge per name on vLLM's /metrics registry (created on first use)."""
-    import prometheus_client
-
-    if name not in _GAUGES:
-        try:
-            _GAUGES[name] = prometheus_client.Gauge(name, doc, labels)
-        except ValueError:  # already registered in this process
-            _GAUGES[name] = prometheus_client.REGISTRY._names_to_collectors[name]
-    return _GAUGES[name]
+_gauge = metrics.shared_gauge
 
 
 def update_capture_gauges(capture: dict | None) -> None:
@@ -60,58 +49,143 @@ def update_capture_gauges(capture: dict | None) -> None:
 
 
 def update_gauges(state: SpecRLHttpState, extra_reasons: list[str] = ()) -> dict:
-    """Prometheus gauges on vLLM's /metrics: versions and the stale-draft flag."""
+    """Prometheus gauges on vLLM's /metrics: versions, the stale-draft flag, adaptive k, the trainer's
+    report; from the shared record, so every API server shows the same values."""
     stale = state.stale_draft()
     if extra_reasons:
         stale = dict(stale, stale=True, reasons=[*stale["reasons"], *extra_reasons])
-    _gauge("specrl_policy_version", "policy weight version being served").set(state.versions["policy"])
-    _gauge("specrl_draft_version", "draft weight version being served").set(state.versions["draft"])
+    versions = state.versions
+    _gauge("specrl_policy_version", "policy weight version being served").set(versions["policy"])
+    _gauge("specrl_draft_version", "draft weight version being served").set(versions["draft"])
     _gauge("specrl_draft_stale", "1 when the draft no longer helps (see /specrl/status)").set(
         1 if stale["stale"] else 0)
+    update_trainer_gauges(state.draft_trainer)
+    adaptive_state.export_gauges()
     return stale
 
-_ADAPTIVE_K_COLLECTOR: list[Any] = []
 
-
-def register_adaptive_k_metrics() -> None:
-    """``specrl_adaptive_k*`` on /metrics, read from the engine core's state file on each scrape."""
-    import prometheus_client
-
-    if not _ADAPTIVE_K_COLLECTOR:
-        _ADAPTIVE_K_COLLECTOR.append(adaptive_state.prometheus_collector())
-        prometheus_client.REGISTRY.register(_ADAPTIVE_K_COLLECTOR[0])
+def update_trainer_gauges(report: dict | None) -> None:
+    """The online trainer's capture counts and publish-gate verdicts (from its last report)."""
+    if not report:
+        return
+    capture = report.get("capture") if isinstance(report.get("capture"), dict) else {}
+    outcomes = {"ingested": capture.get("ingested", 0), "partial": capture.get("partial", 0),
+                "prefix_cached": capture.get("prefix_cached", 0)}
+    drops = capture.get("drops") if isinstance(capture.get("drops"), dict) else {}
+    outcomes.update({f"dropped_{k}": v for k, v in drops.items()})
+    gauge = _gauge("specrl_draft_trainer_requests", "captured requests the online draft trainer "
+                   "ingested or dropped, by outcome (from its last publish)", ("outcome",))
+    for outcome, value in outcomes.items():
+        if isinstance(value, (int, float)):
+            gauge.labels(outcome=str(outcome)).set(float(value))
+    gate = report.get("publish_gate") if isinstance(report.get("publish_gate"), dict) else {}
+    gate_gauge = _gauge("specrl_draft_publish_gate", "the online trainer's publish-gate verdicts: "
+                        "better (published), not_better and too_few_held_out (served draft kept)", ("verdict",))
+    for verdict in ("better", "not_better", "too_few_held_out"):
+        if isinstance(gate.get(verdict), (int, float)):
+            gate_gauge.labels(verdict=verdict).set(float(gate[verdict]))
 
 
 WORKER_RPC_TIMEOUT_S = 30.0
 EXTENSION_HINT = "start vllm serve with --worker-extension-cls vllm_specrl.sync.SpecRLWorkerExtension"
 
 
+SHARED_DEFAULTS: dict[str, Any] = {
+    "versions": {"policy": 0, "draft": 0},
+    "uploads": {},  # update_id -> {target, version, t0, last, committing?}
+    "abandoned_updates": [],
+    "abandoned_updates_total": 0,
+    "last_commit_failure": None,
+    "draft_trainer": None,  # the online trainer's last report (with its publishes)
+    "guard_window_start": None,  # the spec-decode counters at the last policy change
+}
+ABANDONED_KEPT = 10
+
+
 class SpecRLHttpState:
-    """Per-app state: the engine client, hashed API keys, versions, the stale-draft guard."""
+    """Per-app state: the engine client, hashed API keys, and the record every API server of this
+    ``vllm serve`` shares (``instance_state``): versions, open uploads, failures, the trainer's
+    report, the stale-draft guard's window; commits take a lock that excludes the other processes."""
 
     def __init__(self, engine_client: Any, api_keys: list[str], allow_unauthenticated_remote: bool = False,
-                 update_idle_timeout_s: float = 300.0):
+                 update_idle_timeout_s: float = 300.0, directory: Path | None = None, shared_staging: bool = True):
         self.engine_client = engine_client
         self._key_hashes = [hashlib.sha256(k.encode()).digest() for k in api_keys]
         self.allow_unauthenticated_remote = allow_unauthenticated_remote
-        self.versions = {"policy": 0, "draft": 0}
-        self.last_commit_failure: dict | None = None
-        self.draft_trainer: dict | None = None  # the online trainer's last report (with its publishes)
-        self.uploads: dict[str, dict] = {}
+        several = instance_state.several_api_servers()
+        if directory is None:
+            directory = instance_state.instance_dir()
+            if not several:
+                instance_state.own_instance_dir_cleanup()
+        self.shared = instance_state.SharedRecord(directory / "api-servers.json", SHARED_DEFAULTS, fresh=not several)
         # An update with no begin/upload/prepare call for this long was abandoned by its client
         # (a trainer or RL driver that died mid-publish): the next begin aborts it.
         self.update_idle_timeout_s = update_idle_timeout_s
-        self.abandoned_updates: list[dict] = []
-        self.commit_lock = asyncio.Lock()
+        self.commit_lock = instance_state.ProcessLock(directory / "commit.lock")
+        self.shared_staging = shared_staging
+        self.ranks_read_shm: bool | None = None  # asked on the first HTTP chunk (routes.ranks_read_shm)
         self.guard = StaleDraftGuard()
         spec = getattr(getattr(engine_client, "vllm_config", None), "speculative_config", None)
         # "mtp": the policy's own MTP layers draft; they change with every policy update.
         self.draft_is_policy = getattr(spec, "method", None) == "mtp"
         self.has_draft = getattr(spec, "method", None) in ("eagle3", "eagle", "draft_model", "mtp")
 
+    # -- the shared record (read: a stat; changed: under its lock) ----------------------
+    @property
+    def versions(self) -> dict[str, int]:
+        return dict(self.shared.read().get("versions") or SHARED_DEFAULTS["versions"])
+
+    @property
+    def uploads(self) -> dict[str, dict]:
+        return dict(self.shared.read().get("uploads") or {})
+
+    @property
+    def abandoned_updates(self) -> list[dict]:
+        return list(self.shared.read().get("abandoned_updates") or [])
+
+    @property
+    def last_commit_failure(self) -> dict | None:
+        return self.shared.read().get("last_commit_failure")
+
+    @property
+    def draft_trainer(self) -> dict | None:
+        return self.shared.read().get("draft_trainer")
+
+    def adopt_versions(self, served: dict[str, int]) -> None:
+        """What the workers serve becomes what every API server reports; a policy change starts the
+        guard's new acceptance window."""
+        current = self.versions
+        if all(current.get(k) == v for k, v in served.items()):
+            return  # nothing moved: no write (status calls this on every read)
+        counters = metrics.from_prometheus_registry()
+        with self.shared.changing() as record:
+            if served.get("policy", record["versions"]["policy"]) != record["versions"]["policy"]:
+                record["guard_window_start"] = counters.summary()
+            record["versions"] = {**record["versions"], **served}
+
+    def upload_opened(self, update_id: str, target: str, version: Any) -> None:
+        now = time.time()
+        with self.shared.changing() as record:
+            record["uploads"][update_id] = {"target": target, "version": version, "t0": now, "last": now}
+
+    def upload_touched(self, update_id: str, committing: bool = False) -> None:
+        with self.shared.changing() as record:
+            if update_id in record["uploads"]:
+                record["uploads"][update_id]["last"] = time.time()
+                if committing:
+                    record["uploads"][update_id]["committing"] = True
+
+    def upload_closed(self, update_id: str) -> dict | None:
+        with self.shared.changing() as record:
+            return record["uploads"].pop(update_id, None)
+
+    def upload_abandoned(self, entry: dict) -> None:
+        with self.shared.changing() as record:
+            record["abandoned_updates"] = (record["abandoned_updates"] + [entry])[-ABANDONED_KEPT:]
+            record["abandoned_updates_total"] = record.get("abandoned_updates_total", 0) + 1
+
     async def committed(self, result: dict, pause_mode: str) -> None:
         """Bookkeeping after a worker applied an update (called inside the pause)."""
-        self.versions[result["target"]] = result["version"]
         if result["target"] == "policy":
             # KV computed with the old weights must not serve anything after the commit. With
             # requests still holding blocks ("keep" froze them, "none" never stopped them) vLLM
@@ -121,13 +195,16 @@ class SpecRLHttpState:
                 reset_running_requests=in_flight))
             result["in_flight_recomputed"] = in_flight
             await self.engine_client.update_weight_version(str(result["version"]))
-            self.guard.policy_updated(metrics.from_prometheus_registry())
+        # Written before generation resumes: a request any API server answers after this commit says so.
+        self.adopt_versions({result["target"]: result["version"]})
         update_gauges(self)
 
     async def commit_failed(self, result: dict) -> None:
         """A commit failed while applying (the workers restored the last good weights): KV
         computed while some layers were new must not be reused, and status must say so."""
-        self.last_commit_failure = {k: result.get(k) for k in ("error", "rolled_back", "failure")}
+        with self.shared.changing() as record:
+            record["last_commit_failure"] = {k: result.get(k) for k in ("error", "rolled_back", "failure",
+                                                                         "no_rollback_point")}
         try:
             await self.engine_client.reset_prefix_cache(reset_running_requests=True)
         except Exception as exc:  # noqa: BLE001 - the failure is already reported
@@ -135,26 +212,16 @@ class SpecRLHttpState:
 
     def trainer_reported(self, report: dict) -> None:
         """The online trainer's capture counts: what it ingested and what it dropped, by reason."""
-        self.draft_trainer = dict(report, received_at=time.time())
-        capture = report.get("capture") if isinstance(report.get("capture"), dict) else {}
-        outcomes = {"ingested": capture.get("ingested", 0), "partial": capture.get("partial", 0),
-                    "prefix_cached": capture.get("prefix_cached", 0)}
-        drops = capture.get("drops") if isinstance(capture.get("drops"), dict) else {}
-        outcomes.update({f"dropped_{k}": v for k, v in drops.items()})
-        gauge = _gauge("specrl_draft_trainer_requests", "captured requests the online draft trainer "
-                       "ingested or dropped, by outcome (from its last publish)", ("outcome",))
-        for outcome, value in outcomes.items():
-            if isinstance(value, (int, float)):
-                gauge.labels(outcome=str(outcome)).set(float(value))
-        gate = report.get("publish_gate") if isinstance(report.get("publish_gate"), dict) else {}
-        gate_gauge = _gauge("specrl_draft_publish_gate", "the online trainer's publish-gate verdicts: "
-                            "better (published), not_better and too_few_held_out (served draft kept)", ("verdict",))
-        for verdict in ("better", "not_better", "too_few_held_out"):
-            if isinstance(gate.get(verdict), (int, float)):
-                gate_gauge.labels(verdict=verdict).set(float(gate[verdict]))
+        with self.shared.changing() as record:
+            record["draft_trainer"] = dict(report, received_at=time.time())
+        update_trainer_gauges(self.draft_trainer)
 
     def stale_draft(self) -> dict:
-        return self.guard.assess(self.versions["policy"], self.versions["draft"], self.has_draft,
+        record = self.shared.read()
+        start = record.get("guard_window_start")
+        self.guard.baseline = metrics.SpecDecodeCounters.from_summary(start) if start else None
+        versions = record.get("versions") or SHARED_DEFAULTS["versions"]
+        return self.guard.assess(versions["policy"], versions["draft"], self.has_draft,
                                  metrics.from_prometheus_registry(), draft_is_policy=self.draft_is_policy)
 
     @property
@@ -224,19 +291,23 @@ async def gather_status(state: SpecRLHttpState) -> dict[str, Any]:
     out["speculative_config"] = engine_config.speculative_config_summary(engine.vllm_config)
     out["ineffective_switches"] = ineffective_switches(engine.vllm_config)
     out["logprobs_mode"] = str(engine.vllm_config.model_config.logprobs_mode)
-    out["updates_in_progress"] = state.uploads
+    record = state.shared.read()
+    out["api_server"]["several"] = instance_state.several_api_servers()
+    out["updates_in_progress"] = record["uploads"]
     out["update_idle_timeout_s"] = state.update_idle_timeout_s
-    out["abandoned_updates"] = state.abandoned_updates[-10:]
-    out["abandoned_updates_total"] = len(state.abandoned_updates)
-    out["last_commit_failure"] = state.last_commit_failure
-    out["draft_trainer"] = state.draft_trainer
+    out["abandoned_updates"] = record["abandoned_updates"]
+    out["abandoned_updates_total"] = record.get("abandoned_updates_total", 0)
+    out["last_commit_failure"] = record["last_commit_failure"]
+    out["draft_trainer"] = record["draft_trainer"]
     out["adaptive_k"] = adaptive_state.read()  # None unless --scheduler-cls ...AdaptiveKScheduler
+    is_paused = getattr(engine, "is_paused", None)
+    out["generation_paused"] = bool(await is_paused()) if callable(is_paused) else None
     try:
         out["workers"] = await asyncio.wait_for(
             engine_rpc.collective_rpc_all_engines(engine, "specrl_status", WORKER_RPC_TIMEOUT_S),
             WORKER_RPC_TIMEOUT_S + 5,
         )
-        adopt_versions(state, out["workers"][0]["sync"]["versions"])  # a native update may have moved them
+        state.adopt_versions(out["workers"][0]["sync"]["versions"])  # a native update may have moved them
         captures = [w["capture"] for w in out["workers"] if w.get("capture")]
         out["capture"] = captures[0] if captures else None
         update_capture_gauges(out["capture"])
@@ -308,17 +379,20 @@ class SpecRLEndpointPlugin:
 
         @app.middleware("http")
         async def specrl_versions(request: Request, call_next):  # noqa: ANN202 - Starlette hook
-            return await stamp_versions(request, call_next, getattr(request.app.state, "specrl", None))
+            state = getattr(request.app.state, "specrl", None)
+            if state is not None and request.url.path.startswith("/metrics"):
+                update_gauges(state)  # this process's gauges from the shared record, before the scrape
+            return await stamp_versions(request, call_next, state)
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         keys = [k for k in (getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY")]) if k]
         specrl_cfg = engine_config.specrl_additional_config(engine_client.vllm_config)
         state.specrl = SpecRLHttpState(engine_client, keys, security.unauthenticated_remote_allowed(
             bool(specrl_cfg.get("allow_unauthenticated_remote", False))),
-            update_idle_timeout_s=float(specrl_cfg.get("update_idle_timeout_s", 300.0)))
+            update_idle_timeout_s=float(specrl_cfg.get("update_idle_timeout_s", 300.0)),
+            shared_staging=bool(specrl_cfg.get("shared_staging", True)))
         update_gauges(state.specrl)
         watch_engine_client(state.specrl)
-        register_adaptive_k_metrics()
         for problem in ineffective_switches(engine_client.vllm_config):
             logger.warning("vllm-specrl: a switch without effect: %s", problem)
         capture = specrl_cfg.get("capture")

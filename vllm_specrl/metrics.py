@@ -81,11 +81,43 @@ def summary_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
     return SpecDecodeCounters.from_summary(after).minus(SpecDecodeCounters.from_summary(before)).summary()
 
 
-def from_prometheus_registry(registry: Any = None) -> SpecDecodeCounters:
-    """Read the counters from a ``prometheus_client`` registry (default: the global one)."""
+def served_registry() -> Any:
+    """The registry this server's /metrics shows: with several API servers (Prometheus' multiprocess
+    mode) every process's counters summed, as vLLM serves them; else this process's own."""
+    import os
+
     import prometheus_client
 
-    registry = registry or prometheus_client.REGISTRY
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        registry = prometheus_client.CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return registry
+    return prometheus_client.REGISTRY
+
+
+_SHARED_GAUGES: dict[str, Any] = {}
+
+
+def shared_gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
+    """A process-wide gauge on vLLM's /metrics registry (created on first use). With several API
+    servers the value any process set last is the one shown (``mostrecent``), not one series per pid:
+    each process sets it from the shared record, so they agree."""
+    import prometheus_client
+
+    if name not in _SHARED_GAUGES:
+        try:
+            _SHARED_GAUGES[name] = prometheus_client.Gauge(name, doc, labels, multiprocess_mode="mostrecent")
+        except ValueError:  # already registered in this process
+            _SHARED_GAUGES[name] = prometheus_client.REGISTRY._names_to_collectors[name]
+    return _SHARED_GAUGES[name]
+
+
+def from_prometheus_registry(registry: Any = None) -> SpecDecodeCounters:
+    """Read the counters from a ``prometheus_client`` registry (default: what /metrics shows,
+    ``served_registry``)."""
+    registry = registry or served_registry()
     counters = SpecDecodeCounters()
     for metric in registry.collect():
         if not metric.name.startswith("vllm:spec_decode"):

@@ -14,8 +14,17 @@ MISSING_ROUTES_HINT = ("the server has no /specrl routes: its specrl_http endpoi
                        "(VLLM_PLUGINS=specrl,specrl_http)")
 
 
+API_KEY_ENV = "VLLM_SPECRL_API_KEY"
+KEY_REFUSED_HINT = (f"the engine wants its API key: pass api_key= (EngineClient, DraftTrainerProcess.start), "
+                    f"--api-key (train-draft), or set {API_KEY_ENV}")
+
+
 class SpecRLRoutesMissing(RuntimeError):
     """The engine serves no ``/specrl/*`` routes (the endpoint plugin is not loaded)."""
+
+
+class EngineKeyRefused(PermissionError):
+    """The engine refused the client's API key (or its absence): a setting to fix, never retried."""
 
 
 def raise_if_missing(response: requests.Response) -> None:
@@ -23,6 +32,8 @@ def raise_if_missing(response: requests.Response) -> None:
     refusals with 400, 401, 403 or 503, never 404); any other response passes."""
     if response.status_code == 404 and "/specrl/" in (response.url or ""):
         raise SpecRLRoutesMissing(f"{response.url}: HTTP 404; {MISSING_ROUTES_HINT}")
+    if response.status_code == 401 and "/specrl/" in (response.url or ""):
+        raise EngineKeyRefused(f"{response.url}: HTTP 401; {KEY_REFUSED_HINT}")
 
 
 def raise_for_status(response: requests.Response) -> None:

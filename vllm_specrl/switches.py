@@ -35,7 +35,12 @@ SWITCHES: tuple[Switch, ...] = (
            "without `--api-key`, let non-loopback clients call the control routes (`/specrl/update/*`)"),
     Switch("VLLM_SPECRL_ALLOW_UNAUTHENTICATED_REMOTE", ENV, "unset", "the same as `allow_unauthenticated_remote`"),
     Switch("update_idle_timeout_s", CONFIG, "300", "a staged update with no new chunk for this long is aborted"),
-    Switch("VLLM_SPECRL_API_KEY", ENV, "unset", "the API key the TRL adapter and `EngineClient` send"),
+    Switch("policy_rollback", CONFIG, "true", "keep the last committed policy in host memory to restore if an "
+           "apply fails; `false`: no copy held (a failed apply pauses generation until a complete update)"),
+    Switch("shared_staging", CONFIG, "true", "tensor-parallel ranks of a host map one shared-memory copy of an "
+           "update; `false`: each rank copies it"),
+    Switch("VLLM_SPECRL_API_KEY", ENV, "unset", "the API key `EngineClient`, `train-draft`, `DraftTrainerProcess` "
+           "and the TRL adapter send when none is passed"),
     Switch("VLLM_SPECRL_SHM_DIR", ENV, "/dev/shm", "where shared-memory weight chunks are written and accepted"),
     # Speculation
     Switch("adaptive_k", CONFIG, "true (with the scheduler)",

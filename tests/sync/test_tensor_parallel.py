@@ -115,6 +115,19 @@ def test_a_commit_failing_on_any_rank_rolls_back_every_rank(server, client, move
             assert "another rank failed" in sync["last_failure"]["failed"], sync["last_failure"]
 
 
+def test_each_host_holds_one_copy_of_an_update(server, client, original, prompts, baseline):
+    """Both ranks map one shared-memory copy of the update (the client's shm chunks, or an HTTP body the
+    API server writes to shared memory) rather than a private copy each, and status says what they hold.
+    Planted: ``"shared_staging": false`` -> each rank's bytes are private."""
+    size = sum(t.numel() * t.element_size() for t in original.values())
+    EngineClient(server.url, api_key="tp-key", transport="http", progress=False).update_policy(original, version=3)
+    assert served(server, prompts) == baseline
+    for worker in client.status()["workers"]:
+        held = worker["sync"]["host_bytes"]
+        assert held["private"] == 0 and held["shared"] == held["last_good"]["policy"] == size, held
+        assert worker["host_memory"]["pss"] > 0
+
+
 def test_capture_streams_full_states_from_rank_0(server, tiny_model, capture_address, prompts):
     def send():
         r = requests.post(server.url + "/v1/completions", headers=server.headers, timeout=300, json={

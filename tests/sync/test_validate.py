@@ -59,3 +59,47 @@ def test_t2d_marking_the_wrong_number_of_tokens_is_refused():
     t2d = torch.zeros(10, dtype=torch.bool)
     t2d[:5] = True
     assert "marks 5 target tokens" in tensor_problems("t2d", t2d, draft_specs())[0]
+
+
+def hub_cache(root, repo: str, files: dict[str, dict[str, torch.Tensor]]):
+    """A Hugging Face cache holding ``repo`` as ``vllm serve <repo>`` leaves it (refs/main -> a snapshot)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    base = root / f"models--{repo.replace('/', '--')}"
+    snapshot = base / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (base / "refs").mkdir()
+    (base / "refs" / "main").write_text("a" * 40)
+    for name, tensors in files.items():
+        save_file(tensors, snapshot / name)
+    (snapshot / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
+    return snapshot
+
+
+def test_a_hub_id_resolves_to_the_cached_snapshot_with_every_shard(tmp_path, monkeypatch):
+    """A policy served by hub id, sharded as large checkpoints are: its specs and tensors are read from
+    the cache vLLM downloaded into (planted: the directory taken as given -> FileNotFoundError)."""
+    from vllm_specrl.sync.validate import checkpoint_specs, load_checkpoint, local_checkpoint_dir
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    shards = {"model-00001-of-00002.safetensors": {"a.weight": torch.ones(2, 3)},
+              "model-00002-of-00002.safetensors": {"b.weight": torch.zeros(4, dtype=torch.bfloat16)}}
+    snapshot = hub_cache(tmp_path / "cache", "org/policy", shards)
+    assert local_checkpoint_dir("org/policy", download_dir=str(tmp_path / "cache")) == snapshot
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "cache"))  # the default cache
+    specs = checkpoint_specs("org/policy")
+    assert {n: (s.shape, s.dtype) for n, s in specs.items()} == {
+        "a.weight": ((2, 3), torch.float32), "b.weight": ((4,), torch.bfloat16)}
+    assert sorted(load_checkpoint("org/policy")) == ["a.weight", "b.weight"]
+
+
+def test_a_model_neither_local_nor_cached_is_named(tmp_path, monkeypatch):
+    from vllm_specrl.sync.validate import local_checkpoint_dir
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="neither a directory nor a model in the Hugging Face cache"):
+        local_checkpoint_dir("org/absent", download_dir=str(tmp_path))

@@ -6,7 +6,8 @@ serving a known version. Exactness is checked against fresh engines started
 from checkpoints of the same weights.
 
 Engines: one `vllm serve` shared by the module in file order, fresh in-process engines for the
-reference outputs of each update, and a publisher process killed mid-update.
+reference outputs of each update, a publisher process killed mid-update, and two online draft trainers
+(one without the server's key, one with it).
 """
 
 from __future__ import annotations
@@ -367,3 +368,48 @@ def test_updates_under_load_fail_no_request(server, client, original, new_policy
     assert all(first <= int(s) <= int(e) <= first + 3 for _, s, e in results), results
     assert {e for _, _, e in results} - {str(first)}, "no request completed after the first commit"
     assert versions(client)["policy"] == first + 3
+
+
+def test_auto_transport_follows_what_the_engine_reads(server, monkeypatch):
+    """``auto`` picks shared memory only when every worker reads the client's probe file: a client in
+    another container has its own ``/dev/shm``, where the same path names a file the engine lacks."""
+    from vllm_specrl.sync import shm
+
+    assert EngineClient(server.url, api_key=KEY, progress=False).resolved_transport() == "shm"
+    written = shm.write_probe
+
+    def in_another_container():
+        path, token = written()
+        path.unlink()
+        return path, token
+
+    monkeypatch.setattr(shm, "write_probe", in_another_container)
+    assert EngineClient(server.url, api_key=KEY, progress=False).resolved_transport() == "http"
+
+
+def test_the_key_comes_from_the_environment_and_a_refused_key_says_so(server, monkeypatch):
+    from vllm_specrl.routes import API_KEY_ENV, EngineKeyRefused
+
+    monkeypatch.setenv(API_KEY_ENV, KEY)
+    assert EngineClient(server.url, progress=False).status()["versions"]
+    monkeypatch.delenv(API_KEY_ENV)
+    with pytest.raises(EngineKeyRefused, match=API_KEY_ENV):
+        EngineClient(server.url, progress=False).status()
+
+
+def test_the_draft_trainer_takes_the_key_and_stops_at_once_without_it(server, tiny_model, random_draft, tmp_path,
+                                                                     monkeypatch):
+    """A keyed engine: the online trainer started without the key stops at start-up saying why (it used to
+    answer every publish's 401 by trying again, silently); with it, it starts."""
+    from vllm_specrl.rl.draft_trainer import DraftTrainerProcess, DraftTrainerSettings
+    from vllm_specrl.routes import API_KEY_ENV
+    from vllm_specrl.server import free_port
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    settings = DraftTrainerSettings(mixed_precision="no", sched_idle=False)
+    with pytest.raises(RuntimeError, match="HTTP 401"):
+        DraftTrainerProcess.start(f"tcp://127.0.0.1:{free_port()}", server.url, random_draft, tiny_model,
+                                  tmp_path / "keyless", settings)
+    trainer = DraftTrainerProcess.start(f"tcp://127.0.0.1:{free_port()}", server.url, random_draft, tiny_model,
+                                        tmp_path / "keyed", settings, api_key=KEY)
+    assert trainer.stop(60)

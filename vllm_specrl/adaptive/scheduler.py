@@ -28,12 +28,12 @@ tests/proposer/test_eagle3_engine.py::test_adaptive_k_serves_a_parallel_draft_at
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from vllm_specrl._log import logger
 from vllm_specrl.adaptive.step_timer import runner_seconds
 from vllm_specrl.compat.engine_config import process_role, specrl_additional_config
+from vllm_specrl.instance_state import instance_dir
 
 
 NO_K_PAYS_WARNING = (
@@ -85,8 +85,12 @@ def adaptive_k_scheduler_class(vllm_config: Any) -> type:
             self._specrl_last_output = None
             self._specrl_last_publish = 0.0
             self._specrl_told_no_k_pays = False
-            self._specrl_frontend_pid = os.getppid() if process_role() == "engine_core" else os.getpid()
-            atexit.register(adaptive_state.remove, self._specrl_frontend_pid)
+            # In the serve instance's shared directory, one file per engine core (data parallelism).
+            self._specrl_state_path = adaptive_state.state_path(
+                instance_dir(engine_core=process_role() == "engine_core"),
+                int(getattr(self.vllm_config.parallel_config, "data_parallel_index", None)
+                    or self.vllm_config.parallel_config.data_parallel_rank or 0))
+            atexit.register(adaptive_state.remove, self._specrl_state_path)
 
         def schedule(self, *args: Any, **kwargs: Any) -> Any:
             controller = self._specrl_controller
@@ -134,7 +138,7 @@ def adaptive_k_scheduler_class(vllm_config: Any) -> type:
                                     if b["calibrated"] and not b["from_neighbour"]})
                 self._specrl_told_no_k_pays = state["no_k_pays"]
                 try:
-                    adaptive_state.publish(state, self._specrl_frontend_pid)
+                    adaptive_state.publish(state, self._specrl_state_path)
                 except OSError:
                     pass  # reporting must never break scheduling
             return result

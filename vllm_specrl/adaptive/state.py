@@ -1,74 +1,101 @@
-"""Where the engine core's adaptive-k state is published for the API server to read.
+"""Where the engine cores' adaptive-k state is published for the API servers to read.
 
-The controller runs in the engine-core process (inside vLLM's scheduler); the
-``/specrl`` routes and ``/metrics`` are served by the API server, its parent (or
-the same process with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). A small JSON file
-keyed by the API server's pid, replaced atomically, is the whole channel: no
-socket, nothing that can block the scheduler.
+The controller runs in each engine-core process (inside vLLM's scheduler); the
+``/specrl`` routes and ``/metrics`` are served by the API servers. One small
+JSON file per engine core (``adaptive-k-dp<rank>.json``) in the serve
+instance's shared directory (``instance_state.instance_dir``), replaced
+atomically, is the whole channel: no socket, nothing that can block the
+scheduler, and every API server of a data-parallel ``vllm serve`` reads every
+core's state.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
-STATE_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+from vllm_specrl.instance_state import instance_dir
+
+_NAME = re.compile(r"adaptive-k-dp(\d+)\.json$")
 
 
-def state_path(frontend_pid: int | None = None) -> Path:
-    return STATE_DIR / f"vllm-specrl-adaptive-k-{frontend_pid or os.getpid()}.json"
+def state_path(directory: Path, dp_rank: int = 0) -> Path:
+    return directory / f"adaptive-k-dp{dp_rank}.json"
 
 
-def publish(state: dict, frontend_pid: int) -> None:
+def publish(state: dict, path: Path) -> None:
     """Replace the state file atomically (readers never see a partial write)."""
-    path = state_path(frontend_pid)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
     with os.fdopen(fd, "w") as fh:
         json.dump(state, fh)
     os.replace(tmp, path)
 
 
-def remove(frontend_pid: int) -> None:
+def remove(path: Path) -> None:
     """Delete the state file (the engine core does at exit, so no stale state outlives it)."""
-    state_path(frontend_pid).unlink(missing_ok=True)
-
-
-def read(frontend_pid: int | None = None) -> dict | None:
-    """The latest published state of this API server's engine, or None."""
+    path.unlink(missing_ok=True)
     try:
-        return json.loads(state_path(frontend_pid).read_text())
-    except (OSError, ValueError):
+        path.parent.rmdir()  # the last one out of a single server's directory
+    except OSError:
+        pass
+
+
+def read_all(directory: Path | None = None) -> dict[int, dict]:
+    """Every engine core's latest state, by data-parallel rank."""
+    directory = directory or instance_dir()
+    out = {}
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return out
+    for name in names:
+        match = _NAME.match(name)
+        if match:
+            try:
+                out[int(match.group(1))] = json.loads((directory / name).read_text())
+            except (OSError, ValueError):
+                continue
+    return out
+
+
+def read(directory: Path | None = None) -> dict | None:
+    """The first engine core's state (with ``data_parallel``: every core's, when there are several), or None."""
+    states = read_all(directory)
+    if not states:
         return None
+    first = dict(states[min(states)])
+    if len(states) > 1:
+        first["data_parallel"] = {str(rank): s for rank, s in states.items()}
+    return first
 
 
-def prometheus_collector(frontend_pid: int | None = None):
-    """A collector for vLLM's /metrics registry that reads the state file on every scrape."""
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+def export_gauges(directory: Path | None = None) -> int:
+    """Set the ``specrl_adaptive_k*`` gauges (label ``engine``: the core's data-parallel rank) from the
+    published states; called when /metrics or /specrl/status is served. Gauges, not a collector: with
+    several API servers vLLM serves /metrics from Prometheus' multiprocess files, where a custom
+    collector never appears. Returns the number of engine cores found."""
+    from vllm_specrl.metrics import shared_gauge
 
-    class AdaptiveKCollector:
-        def collect(self):
-            state = read(frontend_pid)
-            if not state:
-                return
-            last = GaugeMetricFamily("specrl_adaptive_k", "k (drafts per step) chosen for the latest step")
-            last.add_metric([], state["last_k"])
-            yield last
-            chosen = CounterMetricFamily("specrl_adaptive_k_steps", "steps scheduled at each k", labels=["k"])
-            for k, n in enumerate(state["chosen_k_counts"]):
-                chosen.add_metric([str(k)], n)
-            yield chosen
-            expected = GaugeMetricFamily("specrl_adaptive_k_expected_tokens",
-                                         "estimated tokens per request and step at each k", labels=["k"])
-            for k, t in enumerate(state["expected_tokens_per_step"]):
-                expected.add_metric([str(k)], t)
-            yield expected
-            if "no_k_pays" in state:
-                hopeless = GaugeMetricFamily("specrl_adaptive_k_no_k_pays",
-                                             "1 while no k pays at any batch size measured (speculation "
-                                             "costs its bookkeeping for nothing: serve without it)")
-                hopeless.add_metric([], int(state["no_k_pays"]))
-                yield hopeless
-
-    return AdaptiveKCollector()
+    states = read_all(directory)
+    for rank, state in states.items():
+        engine = str(rank)
+        shared_gauge("specrl_adaptive_k", "k (drafts per step) chosen for the latest step",
+                     ("engine",)).labels(engine=engine).set(state["last_k"])
+        steps = shared_gauge("specrl_adaptive_k_steps", "steps scheduled at each k (since the engine started)",
+                             ("engine", "k"))
+        for k, n in enumerate(state["chosen_k_counts"]):
+            steps.labels(engine=engine, k=str(k)).set(n)
+        expected = shared_gauge("specrl_adaptive_k_expected_tokens",
+                                "estimated tokens per request and step at each k", ("engine", "k"))
+        for k, t in enumerate(state["expected_tokens_per_step"]):
+            expected.labels(engine=engine, k=str(k)).set(t)
+        if "no_k_pays" in state:
+            shared_gauge("specrl_adaptive_k_no_k_pays",
+                         "1 while no k pays at any batch size measured (speculation costs its bookkeeping "
+                         "for nothing: serve without it)", ("engine",)).labels(engine=engine).set(
+                int(state["no_k_pays"]))
+    return len(states)

@@ -63,17 +63,27 @@ def draft_and_target_configs(vllm_config: Any) -> tuple[dict[str, Any], dict[str
 
 
 def policy_checkpoint_dir(worker: Any) -> str:
-    return str(worker.vllm_config.model_config.model)
+    """The served policy's checkpoint on this host (a directory; a hub id's cached snapshot)."""
+    from vllm_specrl.sync.validate import local_checkpoint_dir
+
+    mc = worker.vllm_config.model_config
+    load = getattr(worker.vllm_config, "load_config", None)
+    return str(local_checkpoint_dir(mc.model, getattr(mc, "revision", None), getattr(load, "download_dir", None)))
 
 
 def draft_checkpoint_dir(worker: Any) -> str | None:
     """Where the served draft's weights came from: its own directory, or for MTP the policy's."""
     if policy_mtp_drafter(worker) is not None:
         return policy_checkpoint_dir(worker)
+    from vllm_specrl.sync.validate import local_checkpoint_dir
+
     spec = worker.vllm_config.speculative_config
     model = getattr(spec, "model", None) if spec is not None else None
     drafter = getattr(worker.model_runner, "drafter", None)
-    return str(model) if model and getattr(drafter, "model", None) is not None else None
+    if not model or getattr(drafter, "model", None) is None:
+        return None
+    load = getattr(worker.vllm_config, "load_config", None)
+    return str(local_checkpoint_dir(model, getattr(spec, "revision", None), getattr(load, "download_dir", None)))
 
 
 def is_mtp_tensor(worker: Any, name: str) -> bool:

@@ -31,9 +31,8 @@ from typing import Any
 
 import torch
 
+from vllm_specrl.routes import API_KEY_ENV
 from vllm_specrl.sync.client import EngineClient
-
-API_KEY_ENV = "VLLM_SPECRL_API_KEY"
 
 try:
     from trl.generation import vllm_client as _trl_vllm_client

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_specrl.processes import start_niced
+from vllm_specrl.routes import API_KEY_ENV
 
 
 @dataclass(frozen=True)
@@ -75,11 +76,12 @@ class DraftTrainerProcess:
     @classmethod
     def start(cls, capture: str, engine_url: str, draft: str | Path, target: str | Path, work_dir: Path,
               settings: DraftTrainerSettings = DraftTrainerSettings(), mtp: bool = False,
-              cpus: set[int] | None = None, name: str = "spec", start_timeout_s: float = 300.0
-              ) -> DraftTrainerProcess:
+              cpus: set[int] | None = None, name: str = "spec", start_timeout_s: float = 300.0,
+              api_key: str | None = None) -> DraftTrainerProcess:
         """Start the trainer and wait until it says it started. EAGLE-3: ``draft`` is the draft directory
         and ``target`` the policy checkpoint; MTP (``mtp``): ``draft`` is the policy checkpoint and
-        ``target`` what ``write_policy_head`` writes."""
+        ``target`` what ``write_policy_head`` writes. ``api_key``: the engine's ``--api-key`` (default:
+        ``VLLM_SPECRL_API_KEY``), handed over in the environment, never on the command line."""
         work_dir.mkdir(parents=True, exist_ok=True)
         pause_file(work_dir, name).unlink(missing_ok=True)
         s = settings
@@ -97,7 +99,8 @@ class DraftTrainerProcess:
         out = work_dir / f"draft_trainer_{name}.out"
         proc = start_niced(cmd, niceness=s.niceness, idle=s.sched_idle, cpus=cpus,
                            stdout=open(out, "w"), stderr=subprocess.STDOUT,  # noqa: SIM115 - the child owns it
-                           env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
+                           env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+                                    **({API_KEY_ENV: api_key} if api_key else {})))
         trainer = cls(proc, work_dir, name, pausable=s.yields)
         trainer.wait_started(start_timeout_s)
         return trainer
@@ -111,7 +114,9 @@ class DraftTrainerProcess:
             time.sleep(0.5)
         code = self.proc.poll()
         self.proc.kill()
-        raise RuntimeError(f"the draft trainer did not start (exit code {code}); see {self.output}")
+        tail = self.output.read_text().strip().splitlines()[-1:] if self.output.exists() else []
+        raise RuntimeError(f"the draft trainer did not start (exit code {code}): {' '.join(tail) or 'no output'}; "
+                           f"see {self.output}")
 
     def pause(self) -> None:
         """Stop training (it keeps ingesting captured rows) until ``resume``."""

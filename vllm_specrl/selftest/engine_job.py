@@ -12,7 +12,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 RESULT_TAG = "SELFTEST"
@@ -63,16 +62,15 @@ def _updates(llm: Any, job: dict, prompts: list[str], max_tokens: int) -> dict:
     """Policy: a perturbed set applied (outputs move), the original set applied back (outputs return
     exactly), a malformed set refused (outputs and version stay). Draft: a fresh draft applied, a
     malformed one refused; the greedy outputs after each, for ``run`` to hold against plain vLLM's."""
-    from safetensors.torch import load_file
-
     from vllm_specrl.sync.local import commit_update
+    from vllm_specrl.sync.validate import load_checkpoint
 
     def commit(target: str, tensors: dict, version: int) -> dict:
         answer = commit_update(llm, target, tensors, version)
         return {"ok": bool(answer.get("ok")), "error": answer.get("error"),
                 "problems": answer.get("problems", [])[:3]}
 
-    policy = load_file(str(Path(job["model"]) / "model.safetensors"))
+    policy = load_checkpoint(job["model"])  # every shard; a hub id from the cache
     out: dict[str, Any] = {"before": _greedy(llm, prompts, max_tokens)}
     out["perturbed"] = commit("policy", perturbed(policy, seed=7), 1)
     out["after_perturbed"] = _greedy(llm, prompts, max_tokens)
@@ -81,7 +79,7 @@ def _updates(llm: Any, job: dict, prompts: list[str], max_tokens: int) -> dict:
     broken, out["malformed_policy_kind"] = _malformed(policy)
     out["malformed_policy"] = commit("policy", broken, 3)
     out["after_malformed_policy"] = _greedy(llm, prompts, max_tokens)
-    fresh = load_file(str(Path(job["fresh_draft"]) / "model.safetensors"))
+    fresh = load_checkpoint(job["fresh_draft"])
     out["draft"] = commit("draft", fresh, 1)
     out["after_draft"] = _greedy(llm, prompts, max_tokens)
     broken, out["malformed_draft_kind"] = _malformed(fresh)

@@ -17,6 +17,7 @@ a draft) waits for it, up to ``begin_wait_s``.
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Iterable, Iterator
@@ -72,6 +73,7 @@ class EngineClient:
             raise ValueError(f"transport must be auto, shm or http; got {transport!r}")
         self.url = url.rstrip("/")
         self.session = requests.Session()
+        api_key = api_key if api_key is not None else os.environ.get(routes.API_KEY_ENV)
         if api_key:
             self.session.headers["Authorization"] = f"Bearer {api_key}"
         self.transport = transport
@@ -79,6 +81,7 @@ class EngineClient:
         self.timeout = timeout
         self.progress = progress
         self.begin_wait_s = begin_wait_s
+        self._auto: str | None = None  # what "auto" resolved to (probed once)
 
     # -- plumbing ---------------------------------------------------------------------------
     def _post(self, path: str, **kwargs: Any) -> dict:
@@ -94,11 +97,25 @@ class EngineClient:
         return body
 
     def resolved_transport(self) -> str:
+        """``shm`` when asked, or (``auto``) when the engine is on this host and every worker reads a
+        probe file written here (asked once per client); ``http`` otherwise."""
         if self.transport != "auto":
             return self.transport
-        host = urlparse(self.url).hostname or ""
-        local = host in LOCAL_HOSTS or host == socket.gethostname()
-        return "shm" if local and shm.shm_available() else "http"
+        if self._auto is None:
+            host = urlparse(self.url).hostname or ""
+            local = host in LOCAL_HOSTS or host == socket.gethostname()
+            self._auto = "shm" if local and shm.shm_available() and self.engine_reads_shm() else "http"
+        return self._auto
+
+    def engine_reads_shm(self) -> bool:
+        """Whether every worker of the engine reads what this process writes to shared memory."""
+        path, token = shm.write_probe()
+        try:
+            return bool(self._post("/specrl/shm/probe", json={"path": str(path), "token": token}).get("shared"))
+        except WeightSyncError:
+            return False
+        finally:
+            path.unlink(missing_ok=True)
 
     def _native(self, path: str, **body: Any) -> None:
         """One of vLLM's own weight-transfer routes (``VLLM_SERVER_DEV_MODE=1``); a refusal raises with

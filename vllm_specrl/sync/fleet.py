@@ -20,6 +20,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from vllm_specrl.routes import EngineKeyRefused
 from vllm_specrl.sync.client import EngineClient, WeightSyncError
 
 if TYPE_CHECKING:
@@ -54,6 +55,8 @@ class FleetClient:
             url, client = item
             try:
                 return url, (True, fn(url, client))
+            except EngineKeyRefused:
+                raise  # a setting to fix, not a replica to quarantine or retry
             except Exception as exc:  # noqa: BLE001 - collected per replica, reported together
                 return url, (False, str(exc))
         if len(clients) <= 1:  # no thread for one replica: an interrupt reaches the request itself

@@ -1,16 +1,17 @@
 """Weight updates for an in-process ``vllm.LLM`` (a colocated trainer, a test): the worker
-extension's validated, atomic, versioned commit, without the HTTP routes ``EngineClient`` uses."""
+extension's validated, atomic, versioned commit, without the HTTP routes ``EngineClient`` uses,
+all or none across tensor-parallel ranks as through ``vllm serve`` (``all_or_none``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from vllm_specrl.sync.all_or_none import failure_after_rollback, first_refusal, needs_rollback
+
 
 def _on_every_rank(llm: Any, method: str, *args: Any) -> dict:
     """The first refusal among the ranks' answers, else rank 0's."""
-    answers = llm.collective_rpc(method, args=args)
-    refused = [a for a in answers if not a.get("ok")]
-    return refused[0] if refused else answers[0]
+    return first_refusal(llm.collective_rpc(method, args=args))
 
 
 def commit_update(llm: Any, target: str, tensors: dict, version: int, keep_mtp: bool = False) -> dict:
@@ -18,8 +19,10 @@ def commit_update(llm: Any, target: str, tensors: dict, version: int, keep_mtp: 
     (``keep_mtp``: see ``EngineClient.update_policy``).
 
     Returns the worker's answer: ``ok`` False with the refusal (named problems) and nothing applied
-    when validation fails. A policy commit also drops the prefix cache (its KV is the old policy's),
-    as the server's commit route does."""
+    when validation fails; ``ok`` False with ``ranks_rolled_back`` when a rank failed while applying
+    (every rank then serves the previous weights). The prefix cache is dropped after a policy commit
+    (its KV is the old policy's) and after a failed one (some layers were new for a while), as the
+    server's commit route does."""
     begun = _on_every_rank(llm, "specrl_begin_update", target, version, None, keep_mtp)
     if not begun["ok"]:
         return begun
@@ -29,8 +32,12 @@ def commit_update(llm: Any, target: str, tensors: dict, version: int, keep_mtp: 
     if not ready["ok"]:
         llm.collective_rpc("specrl_abort_update", args=(uid,))
         return ready
-    done = _on_every_rank(llm, "specrl_commit_update", uid)
-    llm.collective_rpc("specrl_finalize_commit", args=(uid,))
-    if done["ok"] and target == "policy":
-        llm.reset_prefix_cache()
-    return done
+    results = llm.collective_rpc("specrl_commit_update", args=(uid,))
+    if all(r.get("ok") for r in results):
+        llm.collective_rpc("specrl_finalize_commit", args=(uid,))
+        if target == "policy":
+            llm.reset_prefix_cache()
+        return results[0]
+    undone = llm.collective_rpc("specrl_rollback_commit", args=(uid,)) if needs_rollback(results) else None
+    llm.reset_prefix_cache()
+    return failure_after_rollback(results, undone)

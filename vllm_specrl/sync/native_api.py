@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_specrl import engine_rpc, metrics
+from vllm_specrl import engine_rpc
 from vllm_specrl._log import logger
 from vllm_specrl.compat.registry import REGISTRY, Patch
 from vllm_specrl.sync.weight_watch import WATCH_SWITCH
@@ -32,18 +32,10 @@ WAKE_PATCH = REGISTRY.declare(Patch(
     checked_on=_CHECKED))
 
 
-def adopt_versions(state: Any, served: dict[str, int]) -> None:
-    """What the workers serve becomes what the API server reports; a policy change starts the guard's
-    new acceptance window."""
-    if served["policy"] != state.versions["policy"]:
-        state.guard.policy_updated(metrics.from_prometheus_registry())
-    state.versions.update(served)
-
-
 async def refresh_versions(state: Any) -> dict[str, int]:
     """The versions rank 0 serves, adopted."""
     answers = await engine_rpc.collective_rpc_all_engines(state.engine_client, "specrl_sync_state", 30.0)
-    adopt_versions(state, answers[0]["versions"])
+    state.adopt_versions(answers[0]["versions"])
     return answers[0]["versions"]
 
 

@@ -18,9 +18,12 @@ waits for it, up to the ``wait_s`` it names, before it is refused (409).
 from __future__ import annotations
 
 import asyncio
+import os
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -29,7 +32,8 @@ from fastapi.responses import JSONResponse
 from vllm_specrl import engine_rpc
 from vllm_specrl._log import logger
 from vllm_specrl.security import confined_file
-from vllm_specrl.sync.shm import SHM_DIR
+from vllm_specrl.sync.all_or_none import failure_after_rollback, first_refusal, needs_rollback
+from vllm_specrl.sync.shm import SHM_DIR, shm_available, write_probe
 
 PAUSE_MODES = ("wait", "keep", "abort", "none")
 RPC_TIMEOUT_S = 600.0
@@ -49,30 +53,18 @@ async def answers_from_every_rank(engine: Any, method: str, *args: Any) -> list:
 
 async def one_answer_from_every_rank(engine: Any, method: str, *args: Any) -> dict:
     """A worker method on every rank, answered as one: the first refusal among them, else rank 0's answer."""
-    results = await answers_from_every_rank(engine, method, *args)
-    for res in results:
-        if not res.get("ok", False):
-            return res
-    return results[0]
+    return first_refusal(await answers_from_every_rank(engine, method, *args))
 
 
 async def commit_on_every_rank(engine: Any, update_id: str) -> dict:
-    """Apply on every rank; if any rank failed (and restored itself), the ranks that applied go
-    back too, so all ranks serve one version. Rank 0's record, or the first failure."""
+    """Apply on every rank, all or none (``all_or_none``). Rank 0's record, or the first failure."""
     results = await answers_from_every_rank(engine, "specrl_commit_update", update_id)
-    failed = [r for r in results if not r.get("ok")]
-    if not failed:
+    if all(r.get("ok") for r in results):
         await answers_from_every_rank(engine, "specrl_finalize_commit", update_id)
         return results[0]
-    res = dict(failed[0])
-    if len(failed) < len(results):
-        undone = await answers_from_every_rank(engine, "specrl_rollback_commit", update_id)
-        res["ranks_rolled_back"] = [i for i, r in enumerate(undone) if r.get("rolled_back")]
-        bad = [r["error"] for r in undone if not r.get("ok")]
-        if bad:
-            res["rolled_back"] = False
-            res["error"] += "; " + "; ".join(bad)
-    return res
+    undone = (await answers_from_every_rank(engine, "specrl_rollback_commit", update_id)
+              if needs_rollback(results) else None)
+    return failure_after_rollback(results, undone)
 
 
 async def commit_paused(engine: Any, state: Any, update_id: str, mode: str) -> dict:
@@ -84,15 +76,24 @@ async def commit_paused(engine: Any, state: Any, update_id: str, mode: str) -> d
     if mode != "none":
         await engine_rpc.unless_engine_dies(engine, engine.pause_generation(mode=mode, clear_cache=False), "pause")
     t_paused = time.perf_counter()
+    hold = False
     try:
         res = await commit_on_every_rank(engine, update_id)
         if res.get("ok"):
             await state.committed(res, mode)
         else:
             await state.commit_failed(res)
+            # Partly applied with no rollback point (policy_rollback: false): never serve that; a
+            # complete update (or /specrl/resume, the operator's call) ends the pause.
+            hold = bool(res.get("no_rollback_point"))
+            if hold and mode == "none":
+                await engine_rpc.unless_engine_dies(engine, engine.pause_generation(mode="keep", clear_cache=False),
+                                                    "pause")
     finally:
-        if mode != "none" and not getattr(engine, "errored", False):
+        if not hold and mode != "none" and not getattr(engine, "errored", False):
             await engine_rpc.unless_engine_dies(engine, engine.resume_generation(), "resume")
+    if hold:
+        res["generation_paused"] = True
     if res.get("ok"):
         res["pause_window_s"] = round(time.perf_counter() - t0, 4)
         res["drain_s"] = round(t_paused - t0, 4)
@@ -105,7 +106,7 @@ def abandoned_uploads(state: Any) -> list[tuple[str, dict, float]]:
     """``(update_id, info, idle seconds)`` of open updates whose client went silent for longer
     than the idle timeout. An update being committed is never one (its commit marks it)."""
     now = time.time()
-    idle = [(uid, info, now - info.get("last", info["t0"])) for uid, info in list(state.uploads.items())]
+    idle = [(uid, info, now - info.get("last", info["t0"])) for uid, info in state.uploads.items()]
     return [(uid, info, s) for uid, info, s in idle
             if not info.get("committing") and s > state.update_idle_timeout_s]
 
@@ -114,11 +115,11 @@ async def abort_abandoned(state: Any) -> None:
     """Abort, on every rank, abandoned updates: a client that died mid-upload must not block every
     later update."""
     for update_id, info, idle in abandoned_uploads(state):
-        state.uploads.pop(update_id, None)
+        if state.upload_closed(update_id) is None:
+            continue  # another API server aborted it meanwhile
         res = await one_answer_from_every_rank(state.engine_client, "specrl_abort_update", update_id)
-        state.abandoned_updates.append({"update_id": update_id, "target": info["target"],
-                                        "version": info["version"], "idle_s": round(idle, 1),
-                                        "aborted_at": time.time(), "aborted": bool(res.get("ok"))})
+        state.upload_abandoned({"update_id": update_id, "target": info["target"], "version": info["version"],
+                                "idle_s": round(idle, 1), "aborted_at": time.time(), "aborted": bool(res.get("ok"))})
         logger.warning("vllm-specrl: update %s (%s v%s) abandoned after %.0f s idle; aborted",
                        update_id, info["target"], info["version"], idle)
 
@@ -138,9 +139,38 @@ async def begin_when_free(state: Any, begin_args: tuple, wait_s: float) -> dict:
             await asyncio.sleep(BEGIN_POLL_S)
 
 
+async def ranks_read_shm(state: Any) -> bool:
+    """Whether every worker reads this API server's shared memory (asked once per process): then an
+    HTTP body is staged from one shared-memory file that every rank maps (``shm.map_file``), not sent
+    to each rank to copy. Not across hosts (multi-node tensor parallelism), nor where /dev/shm is not
+    writable, nor with ``"shared_staging": false``."""
+    if state.ranks_read_shm is None:
+        shared = False
+        if state.shared_staging and shm_available():
+            path, token = write_probe()
+            try:
+                answers = await answers_from_every_rank(state.engine_client, "specrl_read_probe", str(path))
+                shared = all(a.get("token") == token for a in answers)
+            except Exception as exc:  # noqa: BLE001 - an older worker: copy per rank, as before
+                logger.info("vllm-specrl: ranks not probed for shared memory (%r); staging copies per rank", exc)
+            finally:
+                path.unlink(missing_ok=True)
+        state.ranks_read_shm = shared
+    return state.ranks_read_shm
+
+
+def write_body(body: bytes) -> Path:
+    """An HTTP chunk (a whole safetensors file) written to shared memory as the shm transport would."""
+    path = SHM_DIR / f"specrl-srv-{os.getpid()}-{uuid.uuid4().hex[:10]}.safetensors"
+    fd, name = tempfile.mkstemp(dir=SHM_DIR, prefix=".specrl-tmp-")
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(body)
+    Path(name).rename(path)
+    return path
+
+
 def touch(state: Any, update_id: str) -> None:
-    if update_id in state.uploads:
-        state.uploads[update_id]["last"] = time.time()
+    state.upload_touched(update_id)
 
 
 def answer(res: dict) -> JSONResponse:
@@ -162,8 +192,7 @@ def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
         res = await begin_when_free(state, (target, version, body.get("update_id") or uuid.uuid4().hex[:12],
                                             bool(body.get("keep_mtp", False))), wait_s)
         if res.get("ok"):
-            now = time.time()
-            state.uploads[res["update_id"]] = {"target": target, "version": version, "t0": now, "last": now}
+            state.upload_opened(res["update_id"], target, version)
         elif res.get("busy"):
             res["error"] += (f" (waited {wait_s:g} s; an update with no upload for "
                              f"{state.update_idle_timeout_s:g} s is aborted by the next begin)")
@@ -177,7 +206,15 @@ def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
         state = get_state(request)
         body = await request.body()
         touch(state, update_id)
-        res = await one_answer_from_every_rank(state.engine_client, "specrl_stage_bytes", update_id, body)
+        if await ranks_read_shm(state):  # one host copy, mapped by every rank, rather than one per rank
+            path = write_body(body)
+            try:
+                res = await one_answer_from_every_rank(state.engine_client, "specrl_stage_file", update_id,
+                                                       str(path), True)
+            finally:
+                path.unlink(missing_ok=True)
+        else:
+            res = await one_answer_from_every_rank(state.engine_client, "specrl_stage_bytes", update_id, body)
         touch(state, update_id)
         return answer(res)
 
@@ -190,9 +227,28 @@ def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
         except ValueError:
             return refused(f"shared-memory chunks must be {SHM_DIR}/specrl-*.safetensors; got {raw!r}")
         touch(state, update_id)
-        res = await one_answer_from_every_rank(state.engine_client, "specrl_stage_file", update_id, str(path))
+        res = await one_answer_from_every_rank(state.engine_client, "specrl_stage_file", update_id, str(path),
+                                               state.shared_staging)
         touch(state, update_id)
         return answer(res)
+
+    @router.post("/shm/probe")
+    async def shm_probe(request: Request) -> JSONResponse:
+        """Whether every worker reads the client's probe file: the shared-memory transport works only
+        when the client and the engine share ``/dev/shm`` (not across containers or hosts)."""
+        state = get_state(request)
+        body = await request.json()
+        raw, token = body.get("path", ""), body.get("token")
+        try:
+            path = confined_file(raw, SHM_DIR, "specrl-", ".safetensors")
+        except ValueError:
+            return JSONResponse({"ok": True, "shared": False,
+                                 "why": f"the engine reads shared memory in {SHM_DIR}, not {raw!r}"})
+        answers = await answers_from_every_rank(state.engine_client, "specrl_read_probe", str(path))
+        shared = bool(token) and all(a.get("token") == token for a in answers)
+        return JSONResponse({"ok": True, "shared": shared, "ranks": len(answers),
+                             **({} if shared else {"why": "a worker cannot read the client's file: another "
+                                                         "host or container (its own /dev/shm)"})})
 
     @router.post("/update/{update_id}/prepare")
     async def prepare(update_id: str, request: Request) -> JSONResponse:
@@ -212,24 +268,23 @@ def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
         if mode not in PAUSE_MODES:
             return refused(f"pause must be one of {PAUSE_MODES}; got {mode!r}")
         engine = state.engine_client
-        if update_id in state.uploads:
-            state.uploads[update_id]["committing"] = True
+        state.upload_touched(update_id, committing=True)
         async with state.commit_lock:
             try:
                 res = await commit_paused(engine, state, update_id, mode)
             except engine_rpc.EngineDied as exc:  # nothing can serve or be restored here: say so at once
-                state.uploads.pop(update_id, None)
+                state.upload_closed(update_id)
                 logger.error("vllm-specrl: %s; update %s outcome unknown", exc, update_id)
                 raise engine_rpc.EngineDied(  # answered 503 by the app's handler (http.py)
                     f"{exc}: update {update_id} may be partly applied; restart from the served checkpoint "
                     "plus the last committed update") from exc
-        state.uploads.pop(update_id, None)
+        state.upload_closed(update_id)
         return answer(res)
 
     @router.post("/update/{update_id}/abort")
     async def abort(update_id: str, request: Request) -> JSONResponse:
         state = get_state(request)
-        state.uploads.pop(update_id, None)
+        state.upload_closed(update_id)
         return JSONResponse(await one_answer_from_every_rank(state.engine_client, "specrl_abort_update", update_id))
 
     @router.post("/pause")
@@ -252,11 +307,14 @@ def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
 
 
 async def stamp_versions(request: Request, call_next: Callable, state: Any) -> Any:
-    """Policy version at a request's arrival and at its response (OpenAI routes)."""
+    """Policy version at a request's arrival and at its response (OpenAI routes), read from the record
+    every API server shares; ``x-specrl-api-server``: the pid of the API server that answered."""
     start = state.versions["policy"] if state else None
     response = await call_next(request)
-    if state is not None and request.url.path.startswith("/v1/"):
-        response.headers["x-specrl-policy-version-start"] = str(start)
-        response.headers["x-specrl-policy-version"] = str(state.versions["policy"])
+    if state is not None:
+        response.headers["x-specrl-api-server"] = str(os.getpid())
+        if request.url.path.startswith("/v1/"):
+            response.headers["x-specrl-policy-version-start"] = str(start)
+            response.headers["x-specrl-policy-version"] = str(state.versions["policy"])
     return response
 

@@ -3,7 +3,9 @@
 The trainer writes a chunk of tensors to RAM-backed tmpfs; the worker reads
 it back with safetensors (no pickling, no sockets, no HTTP body); the writer
 deletes it once the worker has staged it. Used automatically by
-``EngineClient`` when the engine runs on the same host.
+``EngineClient`` when the engine runs on the same host and its workers read
+what the client writes there (a probe file: a client in another container
+has another ``/dev/shm`` under the same name).
 """
 
 from __future__ import annotations
@@ -22,7 +24,57 @@ def shm_available() -> bool:
     return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
 
 
-def write_chunk(tensors: dict[str, torch.Tensor]) -> Path:
+def map_file(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file on tmpfs as read-only views of its pages, not copies: every
+    tensor-parallel rank of a host that maps the same file shares one host copy (the pages outlive the
+    file's name, so the writer may delete it at once; they are freed when the last view goes)."""
+    import json
+    import mmap
+    import warnings
+
+    from vllm_specrl.sync.validate import SAFETENSORS_DTYPES
+
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        mapped = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ) if size else b""
+    header_len = int.from_bytes(mapped[:8], "little")
+    header = json.loads(bytes(mapped[8:8 + header_len]))
+    base = 8 + header_len
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": the views are only read
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = SAFETENSORS_DTYPES[info["dtype"]]
+            start, end = info["data_offsets"]
+            count = (end - start) // torch.empty((), dtype=dtype).element_size()
+            flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=base + start) if count else \
+                torch.empty(0, dtype=dtype)
+            out[name] = flat.view(info["shape"])
+    return out
+
+
+def write_probe() -> tuple[Path, str]:
+    """A tiny safetensors file whose metadata holds a random token: the engine's workers read it back
+    (``/specrl/shm/probe``) only if they share this host's shared memory."""
+    token = uuid.uuid4().hex
+    path = write_chunk({}, metadata={"specrl_probe": token})
+    return path, token
+
+
+def read_probe(path: str | Path) -> str | None:
+    """The token in a probe file, or None when this process cannot read it."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as fh:
+            return (fh.metadata() or {}).get("specrl_probe")
+    except Exception:  # noqa: BLE001 - absent, unreadable or foreign: not shared
+        return None
+
+
+def write_chunk(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> Path:
     """Write one chunk; the caller deletes it (``path.unlink``) after the worker staged it."""
     from safetensors.torch import save_file
 
@@ -31,7 +83,7 @@ def write_chunk(tensors: dict[str, torch.Tensor]) -> Path:
     os.close(fd)
     tmp = Path(name)
     try:
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp)
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
         tmp.rename(path)  # the worker never sees a half-written file
     finally:
         tmp.unlink(missing_ok=True)

@@ -39,9 +39,38 @@ class ParamSpec:
     optional: bool = False  # checked when sent, never required (weights this engine does not serve)
 
 
+def local_checkpoint_dir(model: str | Path, revision: str | None = None, download_dir: str | None = None) -> Path:
+    """Where a served model's files are on this host: its directory, or for a hub id (``vllm serve
+    Qwen/Qwen3-8B``) the snapshot vLLM downloaded, read from the Hugging Face cache (``download_dir``:
+    vLLM's ``--download-dir``), never fetched again."""
+    if Path(model).is_dir():
+        return Path(model)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(model), revision=revision, cache_dir=download_dir, local_files_only=True,
+                                      allow_patterns=["*.safetensors", "*.json"]))
+    except Exception as exc:  # noqa: BLE001 - not a directory and not in the cache: say both
+        raise FileNotFoundError(f"{model} is neither a directory nor a model in the Hugging Face cache "
+                                f"({download_dir or 'default cache'}): {exc}") from exc
+
+
+def load_checkpoint(model: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint (a directory or a cached hub id), all its shards."""
+    from safetensors.torch import load_file
+
+    files = sorted(local_checkpoint_dir(model).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model}")
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        tensors.update(load_file(path))
+    return tensors
+
+
 def checkpoint_specs(model_dir: Path | str) -> dict[str, ParamSpec]:
-    """Name -> shape/dtype of every tensor in an HF checkpoint directory (headers only)."""
-    model_dir = Path(model_dir)
+    """Name -> shape/dtype of every tensor in an HF checkpoint (headers only; every shard)."""
+    model_dir = local_checkpoint_dir(model_dir)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")

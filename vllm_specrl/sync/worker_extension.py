@@ -30,7 +30,7 @@ from vllm_specrl.compat import engine_config
 from vllm_specrl.proposer import deferred_kv
 from vllm_specrl.sync import reload
 from vllm_specrl._version import __version__
-from vllm_specrl.sync.staging import UpdateBusy, UpdateStager
+from vllm_specrl.sync.staging import DROPPED, NO_ROLLBACK_HINT, UpdateBusy, UpdateStager
 from vllm_specrl.sync.validate import WeightUpdateError, checkpoint_specs
 from vllm_specrl.sync.weight_watch import own_load, watch_of
 from vllm_specrl.sync.weight_watch_rpcs import WeightWatchRPCs
@@ -39,6 +39,17 @@ from vllm_specrl.sync.weight_watch_rpcs import WeightWatchRPCs
 # Top-K logprobs of the target sent with every sampled row: the online trainer's soft targets,
 # taken from the engine's own logits of the policy version that produced the row (0 disables).
 DEFAULT_CAPTURE_TOPK = 64
+
+
+def host_memory() -> dict[str, int]:
+    """This process's memory in bytes: resident, unique to it (``uss``) and its proportional share of
+    pages it shares with others (``pss``: a shared-memory copy mapped by four ranks counts a quarter
+    in each)."""
+    import psutil
+
+    info = psutil.Process().memory_full_info()
+    return {"rss": info.rss, "uss": getattr(info, "uss", 0), "pss": getattr(info, "pss", 0),
+            "shared": getattr(info, "shared", 0)}
 
 
 def _refusal(exc: Exception) -> dict[str, Any]:
@@ -52,7 +63,9 @@ class SpecRLWorkerExtension(WeightWatchRPCs):
     def _specrl_stager(self) -> UpdateStager:
         stager = getattr(self, "_specrl_stager_obj", None)
         if stager is None:
-            stager = self._specrl_stager_obj = UpdateStager()
+            cfg = engine_config.specrl_additional_config(self.vllm_config)
+            stager = self._specrl_stager_obj = UpdateStager(
+                keep_last_good={"policy": bool(cfg.get("policy_rollback", True))})
         return stager
 
     def _specrl_specs(self, target: str, keep_mtp: bool = False) -> dict:
@@ -105,6 +118,7 @@ class SpecRLWorkerExtension(WeightWatchRPCs):
             "capture": self.specrl_capture_state(),
             "proposer": self.specrl_proposer_state(),
             "deferred_draft_kv": deferred_kv.deferred_draft_kv_counters(self),
+            "host_memory": host_memory(),
             **engine_config.worker_model_summary(self),
         }
 
@@ -115,7 +129,7 @@ class SpecRLWorkerExtension(WeightWatchRPCs):
 
     def specrl_sync_state(self) -> dict[str, Any]:
         stager = self._specrl_stager()
-        return {"versions": dict(stager.versions),
+        return {"versions": dict(stager.versions), "host_bytes": stager.host_bytes(),
                 "in_progress": stager.session.summary() if stager.session else None,
                 "last_commits": stager.history[-3:], "last_failure": stager.last_failure}
 
@@ -136,22 +150,36 @@ class SpecRLWorkerExtension(WeightWatchRPCs):
         except WeightUpdateError as exc:
             return _refusal(exc)
 
-    def _specrl_stage_parsed(self, update_id: str, parse: Any, refusal: Any) -> dict:
+    def _specrl_stage_parsed(self, update_id: str, parse: Any, refusal: Any, shared: bool = False) -> dict:
         """Parse a serialised chunk and stage it; an unreadable chunk ends the update."""
         try:
             tensors = parse()
         except Exception as exc:  # noqa: BLE001 - a truncated or foreign chunk is a refusal
             self._specrl_stager().abort(update_id)
             return _refusal(WeightUpdateError(refusal(exc)))
-        return self.specrl_stage_tensors(update_id, tensors, owned=True)
+        try:
+            return {"ok": True, **self._specrl_stager().stage(update_id, tensors, owned=True, shared=shared)}
+        except WeightUpdateError as exc:
+            return _refusal(exc)
 
-    def specrl_stage_file(self, update_id: str, path: str) -> dict:
-        """Stage a safetensors file (the shared-memory transport writes one to /dev/shm)."""
+    def specrl_stage_file(self, update_id: str, path: str, shared: bool = False) -> dict:
+        """Stage a safetensors file (the shared-memory transport writes one to /dev/shm). ``shared``: map
+        it rather than copy it, so every rank of this host holds the one copy in shared memory."""
         from safetensors.torch import load_file
 
+        from vllm_specrl.sync.shm import map_file
+
         return self._specrl_stage_parsed(
-            update_id, lambda: load_file(Path(path)),
-            lambda exc: f"cannot read update file {path}: {exc}; update aborted")
+            update_id, lambda: map_file(path) if shared else load_file(Path(path)),
+            lambda exc: f"cannot read update file {path} (not a complete safetensors chunk: {exc}); update aborted",
+            shared=shared)
+
+    def specrl_read_probe(self, path: str) -> dict:
+        """The token of a shared-memory probe file, if this worker can read it (``EngineClient`` picks
+        the shared-memory transport only when every worker does)."""
+        from vllm_specrl.sync.shm import read_probe
+
+        return {"ok": True, "token": read_probe(path)}
 
     def specrl_stage_bytes(self, update_id: str, body: bytes) -> dict:
         """Stage one safetensors-serialised chunk (the HTTP transport's bodies).
@@ -180,8 +208,11 @@ class SpecRLWorkerExtension(WeightWatchRPCs):
             else:
                 reload.apply_draft_weights(self, named)
 
-    def _specrl_restore(self, target: str, tensors: dict | None) -> str | None:
-        """Re-apply a known good set (``None``: the served checkpoint's files); the error, if any."""
+    def _specrl_restore(self, target: str, tensors: dict | str | None) -> str | None:
+        """Re-apply a known good set (``None``: the served checkpoint's files); the error, if any
+        (``DROPPED``: there is no set to go back to)."""
+        if tensors == DROPPED:
+            return NO_ROLLBACK_HINT
         try:
             with own_load(self):
                 reload.end_interrupted_reload(self, target)
@@ -210,9 +241,12 @@ class SpecRLWorkerExtension(WeightWatchRPCs):
             target, serving = session.target, stager.versions[session.target]
             restore_error = self._specrl_restore(target, stager.last_good[target])
             record = stager.fail(session, repr(exc), restored=restore_error is None)
-            outcome = (f"restored {target} v{serving}" if restore_error is None
-                       else f"COULD NOT RESTORE {target} v{serving} ({restore_error}): restart the engine")
+            no_rollback = stager.last_good[target] == DROPPED
+            outcome = (f"restored {target} v{serving}" if restore_error is None else
+                       f"{target} partly applied: {NO_ROLLBACK_HINT}" if no_rollback else
+                       f"COULD NOT RESTORE {target} v{serving} ({restore_error}): restart the engine")
             return {"ok": False, "rolled_back": restore_error is None, "failure": record, "problems": [],
+                    "no_rollback_point": no_rollback,
                     "error": f"{target} v{session.version} failed while applying ({exc!r}); {outcome}; "
                              f"version stays {serving}, update {update_id} closed"}
         finished = stager.finish(session, time.perf_counter() - t0)
@@ -250,6 +284,7 @@ class SpecRLWorkerExtension(WeightWatchRPCs):
         self._specrl_tell_proposer()
         self._specrl_own_commit(target)
         return {"ok": error is None, "rolled_back": error is None, "target": target, "version": version,
+                "no_rollback_point": tensors == DROPPED,
                 **({"error": f"COULD NOT RESTORE {target} v{version} ({error}): restart the engine"}
                    if error else {})}
 

@@ -42,6 +42,7 @@ from tqdm import tqdm
 
 from vllm_specrl.capture.receiver import CaptureReceiver, SequenceAssembler
 from vllm_specrl.proposer.checkpoint import load_draft, target_lm_head
+from vllm_specrl.routes import EngineKeyRefused
 from vllm_specrl.sync.client import WeightSyncError
 from vllm_specrl.trainer.core import TRAINER_STATE, DraftTrainer, TrainConfig
 from vllm_specrl.trainer.mtp import MTPTrainer
@@ -167,6 +168,7 @@ class OnlineDraftTrainer:
             from vllm_specrl.sync.fleet import FleetClient
 
             self.client = FleetClient(cfg.engine.split(","), api_key=cfg.api_key, timeout=120)
+            self.client.statuses()  # a refused API key stops the trainer here (EngineKeyRefused), not silently later
         self.log = open(log_path, "a") if log_path else None  # noqa: SIM115 - closed in close()
 
     # -- data ------------------------------------------------------------------------------
@@ -306,6 +308,8 @@ class OnlineDraftTrainer:
             return
         try:
             self.client.report_trainer(self.report())
+        except EngineKeyRefused:
+            raise
         except Exception:  # noqa: BLE001 - an unreachable engine hears at the next publish or report
             pass
 
@@ -359,6 +363,8 @@ class OnlineDraftTrainer:
                 self.publish_errors += 1
                 result["error"] = f"not applied on {sorted(result['quarantined'])}"
             return result, spec_decode
+        except EngineKeyRefused:
+            raise  # every later publish would be refused too: stop, with the reason in the log
         except Exception as exc:  # noqa: BLE001 - an unreachable engine is retried, never fatal
             self.publish_errors += 1
             return {"error": repr(exc)}, spec_decode

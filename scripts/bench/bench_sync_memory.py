@@ -1,0 +1,92 @@
+"""Host memory each rank holds for weight sync: before and after shared staging, at TP 1 and 2.
+
+Layouts (``--layouts``): ``private`` (every rank copies every tensor it is sent, the design before;
+``"shared_staging": false``), ``shared`` (one shared-memory copy per host that every rank maps, the
+default), ``shared-no-rollback`` (the same with ``"policy_rollback": false``: no copy kept after a
+commit). For each layout and tensor-parallel size: a ``vllm serve`` of the policy, then two policy
+updates through ``EngineClient`` over shared memory and one over HTTP; after each, every rank's
+``host_bytes`` (what the plugin holds, from ``/specrl/status``) and its process memory (PSS: shared pages
+counted once across the ranks that map them; USS: its own pages). Then the formula and its projection
+to 8B and 70B policies at TP 8. Output: JSON.
+
+    python scripts/bench/bench_sync_memory.py --out benchmarks/cpu/bench_sync_memory.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from bench_engine import host_info
+
+LAYOUTS = {"private": {"shared_staging": False}, "shared": {}, "shared-no-rollback": {"policy_rollback": False}}
+GIB = 2 ** 30
+
+
+def rank_memory(client) -> list[dict]:
+    """Per rank: what the plugin holds for sync and what the process holds."""
+    return [{"rank": w["rank"], "host_bytes": w["sync"]["host_bytes"], **w["host_memory"]}
+            for w in client.status()["workers"]]
+
+
+def measure(model: Path, tp: int, layout: str, log: Path) -> dict:
+    """Two updates over shared memory, one over HTTP, on a fresh server of ``layout`` at ``tp``."""
+    from vllm_specrl.server import VLLMServer, cpu_env
+    from vllm_specrl.sync.client import EngineClient
+
+    env = dict(cpu_env(), **({"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tp)))} if tp > 1 else {}))
+    args = ["--dtype", "bfloat16", "--max-model-len", "512", "--tensor-parallel-size", str(tp),
+            "--additional-config", json.dumps({"specrl": LAYOUTS[layout]})]
+    policy = load_file(model / "model.safetensors")
+    with VLLMServer(model, args, env=env, log_path=log) as srv:
+        steps = {"before": rank_memory(EngineClient(srv.url, progress=False))}
+        for version, transport in ((1, "shm"), (2, "shm"), (3, "http")):
+            client = EngineClient(srv.url, transport=transport, progress=False)
+            client.update_policy(policy, version=version)
+            steps[f"after_v{version}_{transport}"] = rank_memory(client)
+    return {"tp": tp, "layout": layout, "steps": steps,
+            "policy_bytes": sum(t.numel() * t.element_size() for t in policy.values()),
+            "pss_growth_per_rank": [after["pss"] - before["pss"]
+                                    for before, after in zip(steps["before"], steps["after_v3_http"])]}
+
+
+def projection(policy_bytes: float, ranks_per_host: int) -> dict:
+    """Host bytes per host held for sync, steady (between updates) and at the peak (staging the next
+    update, or committing: the new set and the rollback point), per layout."""
+    p, r = policy_bytes, ranks_per_host
+    return {"private": {"steady": r * p, "peak": 2 * r * p},
+            "shared": {"steady": p, "peak": 2 * p},
+            "shared-no-rollback": {"steady": 0, "peak": p}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fixtures", type=Path, default=None)
+    ap.add_argument("--tp", default="1,2")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--out", type=Path, default=Path("results/bench_sync_memory.json"))
+    args = ap.parse_args()
+
+    from vllm_specrl.fixtures import fixture_target
+
+    model = Path(fixture_target("real", args.fixtures))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"benchmark": "sync_host_memory", "model": str(model), "host": host_info(), "runs": [],
+              "projection_bf16_tp8": {name: projection(params * 2, 8) for name, params in (("8B", 8e9), ("70B", 70e9))}}
+    for tp in map(int, args.tp.split(",")):
+        for layout in args.layouts.split(","):
+            run = measure(model, tp, layout, args.out.with_suffix(f".tp{tp}.{layout}.log"))
+            report["runs"].append(run)
+            held = [r["host_bytes"]["total"] / GIB for r in run["steps"]["after_v3_http"]]
+            pss = [g / GIB for g in run["pss_growth_per_rank"]]
+            print(f"[sync-memory] TP {tp} {layout}: plugin holds {', '.join(f'{h:.2f}' for h in held)} GiB per rank "
+                  f"(policy {run['policy_bytes'] / GIB:.2f} GiB); PSS grew {', '.join(f'{g:.2f}' for g in pss)} GiB",
+                  flush=True)
+            args.out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
