@@ -4,6 +4,7 @@ all or none across tensor-parallel ranks as through ``vllm serve`` (``all_or_non
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from vllm_specrl.sync.all_or_none import failure_after_rollback, first_refusal, needs_rollback
@@ -23,10 +24,11 @@ def commit_update(llm: Any, target: str, tensors: dict, version: int, keep_mtp: 
     (every rank then serves the previous weights). The prefix cache is dropped after a policy commit
     (its KV is the old policy's) and after a failed one (some layers were new for a while), as the
     server's commit route does."""
-    begun = _on_every_rank(llm, "specrl_begin_update", target, version, None, keep_mtp)
+    uid = uuid.uuid4().hex[:12]  # one id for every rank (each would draw its own)
+    begun = _on_every_rank(llm, "specrl_begin_update", target, version, uid, keep_mtp)
     if not begun["ok"]:
+        llm.collective_rpc("specrl_abort_update", args=(uid,))  # the ranks that began
         return begun
-    uid = begun["update_id"]
     staged = _on_every_rank(llm, "specrl_stage_tensors", uid, tensors)
     ready = _on_every_rank(llm, "specrl_prepare_commit", uid) if staged["ok"] else staged
     if not ready["ok"]:
