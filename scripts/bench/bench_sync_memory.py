@@ -7,9 +7,11 @@ commit). For each layout and tensor-parallel size: a ``vllm serve`` of the polic
 updates through ``EngineClient`` over shared memory and one over HTTP; after each, every rank's
 ``host_bytes`` (what the plugin holds, from ``/specrl/status``) and its process memory (PSS: shared pages
 counted once across the ranks that map them; USS: its own pages). Then the formula and its projection
-to 8B and 70B policies at TP 8. Output: JSON.
+to 8B and 70B policies at TP 8. Output: JSON. SmolLM2-135M has 9 attention heads, so it serves at TP 1
+only; the tiny fixture serves at TP 2.
 
-    python scripts/bench/bench_sync_memory.py --out benchmarks/cpu/bench_sync_memory.json
+    python scripts/bench/bench_sync_memory.py --fixtures .fixtures --out results/bench_sync_memory.json
+    python scripts/bench/bench_sync_memory.py --fixtures .fixtures --fixture tiny --tp 1,2 --out results/tiny.json
 """
 
 from __future__ import annotations
@@ -53,6 +55,27 @@ def measure(model: Path, tp: int, layout: str, log: Path) -> dict:
                                     for before, after in zip(steps["before"], steps["after_v3_http"])]}
 
 
+def eight_heads_like(model: Path, out: Path) -> Path:
+    """A model of ``model``'s size and tokenizer whose attention heads divide by 2 and 4 (hidden 512,
+    8 heads of 64, 4 KV heads; random bf16 weights: memory, not text, is measured)."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if (out / "model.safetensors").exists():
+        return out
+    config = AutoConfig.from_pretrained(model)
+    config.hidden_size, config.num_attention_heads, config.num_key_value_heads = 512, 8, 4
+    config.head_dim, config.intermediate_size, config.tie_word_embeddings = 64, 1536, True
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16).save_pretrained(out)
+    for path in model.iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
+            shutil.copy(path, out / path.name)
+    return out
+
+
 def projection(policy_bytes: float, ranks_per_host: int) -> dict:
     """Host bytes per host held for sync, steady (between updates) and at the peak (staging the next
     update, or committing: the new set and the rollback point), per layout."""
@@ -65,14 +88,19 @@ def projection(policy_bytes: float, ranks_per_host: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fixtures", type=Path, default=None)
-    ap.add_argument("--tp", default="1,2")
+    ap.add_argument("--fixture", default="real", choices=["real", "real-8-heads", "tiny"],
+                    help="real: SmolLM2-135M (9 heads: TP 1 only); real-8-heads: a model of its size (30 layers, "
+                         "127M parameters, bf16) with 8 heads, random weights, which TP 2 serves; tiny: the test fixture")
+    ap.add_argument("--tp", default="1")
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--out", type=Path, default=Path("results/bench_sync_memory.json"))
     args = ap.parse_args()
 
     from vllm_specrl.fixtures import fixture_target
 
-    model = Path(fixture_target("real", args.fixtures))
+    model = Path(fixture_target(args.fixture.removesuffix("-8-heads"), args.fixtures))
+    if args.fixture == "real-8-heads":
+        model = eight_heads_like(model, model.parent / "smollm2-size-8-heads")  # beside the fixture
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {"benchmark": "sync_host_memory", "model": str(model), "host": host_info(), "runs": [],
               "projection_bf16_tp8": {name: projection(params * 2, 8) for name, params in (("8B", 8e9), ("70B", 70e9))}}

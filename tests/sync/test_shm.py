@@ -37,3 +37,28 @@ def test_the_probe_reads_back_its_token_and_nothing_else():
         assert shm.read_probe(chunk) is None  # a chunk is not a probe
     finally:
         chunk.unlink()
+
+
+def test_a_full_shared_memory_sends_the_chunk_another_way(tmp_path, monkeypatch):
+    """A container's small /dev/shm: the API server stages the body per rank (None), the client sends
+    the chunk over HTTP, rather than failing the update."""
+    import errno
+
+    from vllm_specrl.sync import routes
+    from vllm_specrl.sync.client import EngineClient
+
+    monkeypatch.setattr(routes, "SHM_DIR", tmp_path / "absent")
+    assert routes.write_body(b"x" * 10) is None
+    monkeypatch.setattr(routes, "SHM_DIR", tmp_path)
+    written = routes.write_body(b"abc")
+    assert written.read_bytes() == b"abc" and written.parent == tmp_path
+
+    def full(_tensors):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    sent = []
+    client = EngineClient("http://127.0.0.1:9", progress=False)
+    monkeypatch.setattr(shm, "write_chunk", full)
+    monkeypatch.setattr(client, "_post", lambda path, **kw: sent.append(path) or {"ok": True})
+    client._upload("u1", {"w": torch.ones(2)}, "shm")
+    assert sent == ["/specrl/update/u1/tensors"]

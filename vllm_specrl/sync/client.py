@@ -240,7 +240,10 @@ class EngineClient:
 
     def _upload(self, uid: str, chunk: dict[str, torch.Tensor], transport: str) -> None:
         if transport == "shm":
-            path = shm.write_chunk(chunk)
+            try:
+                path = shm.write_chunk(chunk)
+            except OSError:  # shared memory is full (the engine maps staged updates there): this chunk by HTTP
+                return self._upload(uid, chunk, "http")
             try:
                 self._post(f"/specrl/update/{uid}/shm", json={"path": str(path)})
             finally:

@@ -159,13 +159,22 @@ async def ranks_read_shm(state: Any) -> bool:
     return state.ranks_read_shm
 
 
-def write_body(body: bytes) -> Path:
-    """An HTTP chunk (a whole safetensors file) written to shared memory as the shm transport would."""
+def write_body(body: bytes) -> Path | None:
+    """An HTTP chunk (a whole safetensors file) written to shared memory as the shm transport would;
+    None when shared memory lacks the room (a container's 64 MB /dev/shm): the chunk is then sent to
+    each rank to copy, as before."""
     path = SHM_DIR / f"specrl-srv-{os.getpid()}-{uuid.uuid4().hex[:10]}.safetensors"
-    fd, name = tempfile.mkstemp(dir=SHM_DIR, prefix=".specrl-tmp-")
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(body)
-    Path(name).rename(path)
+    name = None
+    try:
+        fd, name = tempfile.mkstemp(dir=SHM_DIR, prefix=".specrl-tmp-")
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(body)
+        Path(name).rename(path)
+    except OSError as exc:
+        if name:
+            Path(name).unlink(missing_ok=True)
+        logger.info("vllm-specrl: a %d-byte chunk staged per rank, not in shared memory (%r)", len(body), exc)
+        return None
     return path
 
 
@@ -206,8 +215,8 @@ def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
         state = get_state(request)
         body = await request.body()
         touch(state, update_id)
-        if await ranks_read_shm(state):  # one host copy, mapped by every rank, rather than one per rank
-            path = write_body(body)
+        path = write_body(body) if await ranks_read_shm(state) else None  # one host copy every rank maps
+        if path is not None:
             try:
                 res = await one_answer_from_every_rank(state.engine_client, "specrl_stage_file", update_id,
                                                        str(path), True)

@@ -164,13 +164,14 @@ class SpecRLWorkerExtension(WeightWatchRPCs):
 
     def specrl_stage_file(self, update_id: str, path: str, shared: bool = False) -> dict:
         """Stage a safetensors file (the shared-memory transport writes one to /dev/shm). ``shared``: map
-        it rather than copy it, so every rank of this host holds the one copy in shared memory."""
-        from safetensors.torch import load_file
+        it, so every rank of this host holds the one copy in shared memory; otherwise read a private copy
+        (``"shared_staging": false``: /dev/shm is freed as soon as the writer deletes the file)."""
+        from safetensors.torch import load
 
         from vllm_specrl.sync.shm import map_file
 
         return self._specrl_stage_parsed(
-            update_id, lambda: map_file(path) if shared else load_file(Path(path)),
+            update_id, lambda: map_file(path) if shared else load(Path(path).read_bytes()),
             lambda exc: f"cannot read update file {path} (not a complete safetensors chunk: {exc}); update aborted",
             shared=shared)
 
