@@ -4,6 +4,7 @@ features look up."""
 from __future__ import annotations
 
 import multiprocessing
+from pathlib import Path
 from typing import Any
 
 
@@ -62,10 +63,24 @@ def draft_and_target_configs(vllm_config: Any) -> tuple[dict[str, Any], dict[str
                    "num_layers": target.get_total_num_hidden_layers()}
 
 
+def local_checkpoint_dir(model: str | Path, revision: str | None = None, download_dir: str | None = None) -> Path:
+    """Where a served model's files are on this host: its directory, or for a hub id (``vllm serve
+    Qwen/Qwen3-8B``) the snapshot vLLM downloaded, read from the Hugging Face cache (``download_dir``:
+    vLLM's ``--download-dir``), never fetched again."""
+    if Path(model).is_dir():
+        return Path(model)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(model), revision=revision, cache_dir=download_dir, local_files_only=True,
+                                      allow_patterns=["*.safetensors", "*.json"]))
+    except Exception as exc:  # noqa: BLE001 - not a directory and not in the cache: say both
+        raise FileNotFoundError(f"{model} is neither a directory nor a model in the Hugging Face cache "
+                                f"({download_dir or 'default cache'}): {exc}") from exc
+
+
 def policy_checkpoint_dir(worker: Any) -> str:
     """The served policy's checkpoint on this host (a directory; a hub id's cached snapshot)."""
-    from vllm_specrl.sync.validate import local_checkpoint_dir
-
     mc = worker.vllm_config.model_config
     load = getattr(worker.vllm_config, "load_config", None)
     return str(local_checkpoint_dir(mc.model, getattr(mc, "revision", None), getattr(load, "download_dir", None)))
@@ -75,8 +90,6 @@ def draft_checkpoint_dir(worker: Any) -> str | None:
     """Where the served draft's weights came from: its own directory, or for MTP the policy's."""
     if policy_mtp_drafter(worker) is not None:
         return policy_checkpoint_dir(worker)
-    from vllm_specrl.sync.validate import local_checkpoint_dir
-
     spec = worker.vllm_config.speculative_config
     model = getattr(spec, "model", None) if spec is not None else None
     drafter = getattr(worker.model_runner, "drafter", None)

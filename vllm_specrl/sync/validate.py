@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from vllm_specrl.compat.engine_config import local_checkpoint_dir
+
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
                       "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
@@ -37,22 +39,6 @@ class ParamSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
     optional: bool = False  # checked when sent, never required (weights this engine does not serve)
-
-
-def local_checkpoint_dir(model: str | Path, revision: str | None = None, download_dir: str | None = None) -> Path:
-    """Where a served model's files are on this host: its directory, or for a hub id (``vllm serve
-    Qwen/Qwen3-8B``) the snapshot vLLM downloaded, read from the Hugging Face cache (``download_dir``:
-    vLLM's ``--download-dir``), never fetched again."""
-    if Path(model).is_dir():
-        return Path(model)
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(str(model), revision=revision, cache_dir=download_dir, local_files_only=True,
-                                      allow_patterns=["*.safetensors", "*.json"]))
-    except Exception as exc:  # noqa: BLE001 - not a directory and not in the cache: say both
-        raise FileNotFoundError(f"{model} is neither a directory nor a model in the Hugging Face cache "
-                                f"({download_dir or 'default cache'}): {exc}") from exc
 
 
 def load_checkpoint(model: str | Path) -> dict[str, torch.Tensor]:
