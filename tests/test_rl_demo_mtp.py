@@ -56,7 +56,10 @@ def test_the_online_trainer_publishes_the_mtp_layer_beside_the_policy_updates(re
     assert published and all("error" not in p for p in published), published
     assert any(p.get("version", 0) >= 1 for p in published), published
     steps = data["runs"]["mtp"]["steps"]
-    assert all(s["acceptance_length"] for s in steps), steps  # the MTP layer drafted every step
+    # The MTP layer drafted on every step adaptive k let it draft on (k = 0 for a whole step is the timing
+    # calibration's call on a loaded machine, not the drafter's), and a published layer's drafts were accepted.
+    assert all(s["acceptance_length"] for s in steps if s["mean_k"] > 0), steps
+    assert any((s["acceptance_length"] or 0) > 1 for s in steps if s["draft_version"] >= 1), steps
     assert "mtp_vs_plain" in data["summary"]["comparisons"] and "mtp_vs_plain" in stdout
 
 

@@ -62,3 +62,15 @@ def test_a_full_shared_memory_sends_the_chunk_another_way(tmp_path, monkeypatch)
     monkeypatch.setattr(client, "_post", lambda path, **kw: sent.append(path) or {"ok": True})
     client._upload("u1", {"w": torch.ones(2)}, "shm")
     assert sent == ["/specrl/update/u1/tensors"]
+
+
+def test_a_write_into_a_mapped_tensor_stays_private():
+    """A loader that writes into the tensor it is given (in place) must neither fault nor change what
+    another rank mapping the same file reads: the mapping is copy-on-write."""
+    path = shm.write_chunk({"w": torch.zeros(4)})
+    try:
+        mine, theirs = shm.map_file(path), shm.map_file(path)
+        mine["w"].add_(1)
+        assert torch.equal(mine["w"], torch.ones(4)) and torch.equal(theirs["w"], torch.zeros(4))
+    finally:
+        path.unlink()

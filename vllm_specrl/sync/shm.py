@@ -25,33 +25,32 @@ def shm_available() -> bool:
 
 
 def map_file(path: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file on tmpfs as read-only views of its pages, not copies: every
+    """The tensors of a safetensors file on tmpfs as views of its pages, not copies: every
     tensor-parallel rank of a host that maps the same file shares one host copy (the pages outlive the
-    file's name, so the writer may delete it at once; they are freed when the last view goes)."""
+    file's name, so the writer may delete it at once; they are freed when the last view goes). Mapped
+    copy-on-write, as safetensors maps a file: a loader that writes into a tensor it is given gets a
+    private copy of those pages, never a fault or a change another rank sees."""
     import json
     import mmap
-    import warnings
 
     from vllm_specrl.sync.validate import SAFETENSORS_DTYPES
 
     with open(path, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
-        mapped = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ) if size else b""
+        mapped = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY) if size else bytearray()
     header_len = int.from_bytes(mapped[:8], "little")
     header = json.loads(bytes(mapped[8:8 + header_len]))
     base = 8 + header_len
     out = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": the views are only read
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            dtype = SAFETENSORS_DTYPES[info["dtype"]]
-            start, end = info["data_offsets"]
-            count = (end - start) // torch.empty((), dtype=dtype).element_size()
-            flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=base + start) if count else \
-                torch.empty(0, dtype=dtype)
-            out[name] = flat.view(info["shape"])
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = SAFETENSORS_DTYPES[info["dtype"]]
+        start, end = info["data_offsets"]
+        count = (end - start) // torch.empty((), dtype=dtype).element_size()
+        flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=base + start) if count else \
+            torch.empty(0, dtype=dtype)
+        out[name] = flat.view(info["shape"])
     return out
 
 
