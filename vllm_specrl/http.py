@@ -49,19 +49,27 @@ def update_capture_gauges(capture: dict | None) -> None:
 
 
 def update_gauges(state: SpecRLHttpState, extra_reasons: list[str] = ()) -> dict:
-    """Prometheus gauges on vLLM's /metrics: versions, the stale-draft flag, adaptive k, the trainer's
-    report; from the shared record, so every API server shows the same values."""
+    """Prometheus gauges on vLLM's /metrics: the stale-draft flag (with ``extra_reasons``: what the
+    workers reported) and ``update_record_gauges``."""
     stale = state.stale_draft()
     if extra_reasons:
         stale = dict(stale, stale=True, reasons=[*stale["reasons"], *extra_reasons])
+    _gauge("specrl_draft_stale", "1 when the draft no longer helps (see /specrl/status)").set(
+        1 if stale["stale"] else 0)
+    update_record_gauges(state)
+    return stale
+
+
+def update_record_gauges(state: SpecRLHttpState) -> None:
+    """The gauges read from the record every API server shares (versions, the trainer's report) and
+    from the engine cores' adaptive-k files, so every API server shows the same values; set before each
+    /metrics scrape. The stale-draft flag is not among them: it needs the workers' answers, and is set
+    when status is gathered or a commit lands."""
     versions = state.versions
     _gauge("specrl_policy_version", "policy weight version being served").set(versions["policy"])
     _gauge("specrl_draft_version", "draft weight version being served").set(versions["draft"])
-    _gauge("specrl_draft_stale", "1 when the draft no longer helps (see /specrl/status)").set(
-        1 if stale["stale"] else 0)
     update_trainer_gauges(state.draft_trainer)
     adaptive_state.export_gauges()
-    return stale
 
 
 def update_trainer_gauges(report: dict | None) -> None:
@@ -219,10 +227,11 @@ class SpecRLHttpState:
     def stale_draft(self) -> dict:
         record = self.shared.read()
         start = record.get("guard_window_start")
-        self.guard.baseline = metrics.SpecDecodeCounters.from_summary(start) if start else None
+        counters = metrics.from_prometheus_registry()
+        window = counters.minus(metrics.SpecDecodeCounters.from_summary(start)) if start else counters
         versions = record.get("versions") or SHARED_DEFAULTS["versions"]
-        return self.guard.assess(versions["policy"], versions["draft"], self.has_draft,
-                                 metrics.from_prometheus_registry(), draft_is_policy=self.draft_is_policy)
+        return self.guard.assess(versions["policy"], versions["draft"], self.has_draft, window,
+                                 draft_is_policy=self.draft_is_policy)
 
     @property
     def auth_required(self) -> bool:
@@ -381,7 +390,7 @@ class SpecRLEndpointPlugin:
         async def specrl_versions(request: Request, call_next):  # noqa: ANN202 - Starlette hook
             state = getattr(request.app.state, "specrl", None)
             if state is not None and request.url.path.startswith("/metrics"):
-                update_gauges(state)  # this process's gauges from the shared record, before the scrape
+                update_record_gauges(state)  # this process's gauges from the shared record, before the scrape
             return await stamp_versions(request, call_next, state)
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:

@@ -84,11 +84,11 @@ def summary_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
 def served_registry() -> Any:
     """The registry this server's /metrics shows: with several API servers (Prometheus' multiprocess
     mode) every process's counters summed, as vLLM serves them; else this process's own."""
-    import os
-
     import prometheus_client
 
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    from vllm_specrl.instance_state import several_api_servers
+
+    if several_api_servers():
         from prometheus_client import multiprocess
 
         registry = prometheus_client.CollectorRegistry()

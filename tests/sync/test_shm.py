@@ -47,9 +47,9 @@ def test_a_full_shared_memory_sends_the_chunk_another_way(tmp_path, monkeypatch)
     from vllm_specrl.sync import routes
     from vllm_specrl.sync.client import EngineClient
 
-    monkeypatch.setattr(routes, "SHM_DIR", tmp_path / "absent")
+    monkeypatch.setattr(shm, "SHM_DIR", tmp_path / "absent")
     assert routes.write_body(b"x" * 10) is None
-    monkeypatch.setattr(routes, "SHM_DIR", tmp_path)
+    monkeypatch.setattr(shm, "SHM_DIR", tmp_path)
     written = routes.write_body(b"abc")
     assert written.read_bytes() == b"abc" and written.parent == tmp_path
 

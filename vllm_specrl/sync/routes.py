@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -33,7 +32,8 @@ from vllm_specrl import engine_rpc
 from vllm_specrl._log import logger
 from vllm_specrl.security import confined_file
 from vllm_specrl.sync.all_or_none import failure_after_rollback, first_refusal, needs_rollback
-from vllm_specrl.sync.shm import SHM_DIR, shm_available, write_probe
+from vllm_specrl.sync import shm
+from vllm_specrl.sync.shm import SHM_DIR
 
 PAUSE_MODES = ("wait", "keep", "abort", "none")
 RPC_TIMEOUT_S = 600.0
@@ -139,6 +139,13 @@ async def begin_when_free(state: Any, begin_args: tuple, wait_s: float) -> dict:
             await asyncio.sleep(BEGIN_POLL_S)
 
 
+async def every_rank_reads(engine: Any, path: Path, token: str | None) -> tuple[bool, int]:
+    """Whether every worker reads ``token`` from the probe file at ``path`` (``shm.write_probe``), and
+    how many workers were asked."""
+    answers = await answers_from_every_rank(engine, "specrl_read_probe", str(path))
+    return bool(token) and all(a.get("token") == token for a in answers), len(answers)
+
+
 async def ranks_read_shm(state: Any) -> bool:
     """Whether every worker reads this API server's shared memory (asked once per process): then an
     HTTP body is staged from one shared-memory file that every rank maps (``shm.map_file``), not sent
@@ -146,11 +153,10 @@ async def ranks_read_shm(state: Any) -> bool:
     writable, nor with ``"shared_staging": false``."""
     if state.ranks_read_shm is None:
         shared = False
-        if state.shared_staging and shm_available():
-            path, token = write_probe()
+        if state.shared_staging and shm.shm_available():
+            path, token = shm.write_probe()
             try:
-                answers = await answers_from_every_rank(state.engine_client, "specrl_read_probe", str(path))
-                shared = all(a.get("token") == token for a in answers)
+                shared, _ = await every_rank_reads(state.engine_client, path, token)
             except Exception as exc:  # noqa: BLE001 - an older worker: copy per rank, as before
                 logger.info("vllm-specrl: ranks not probed for shared memory (%r); staging copies per rank", exc)
             finally:
@@ -160,22 +166,13 @@ async def ranks_read_shm(state: Any) -> bool:
 
 
 def write_body(body: bytes) -> Path | None:
-    """An HTTP chunk (a whole safetensors file) written to shared memory as the shm transport would;
-    None when shared memory lacks the room (a container's 64 MB /dev/shm): the chunk is then sent to
-    each rank to copy, as before."""
-    path = SHM_DIR / f"specrl-srv-{os.getpid()}-{uuid.uuid4().hex[:10]}.safetensors"
-    name = None
+    """An HTTP chunk written to shared memory as the shm transport would; None when shared memory lacks
+    the room (a container's 64 MB /dev/shm): the chunk is then sent to each rank to copy, as before."""
     try:
-        fd, name = tempfile.mkstemp(dir=SHM_DIR, prefix=".specrl-tmp-")
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(body)
-        Path(name).rename(path)
+        return shm.write_bytes(body)
     except OSError as exc:
-        if name:
-            Path(name).unlink(missing_ok=True)
         logger.info("vllm-specrl: a %d-byte chunk staged per rank, not in shared memory (%r)", len(body), exc)
         return None
-    return path
 
 
 def touch(state: Any, update_id: str) -> None:
@@ -253,9 +250,8 @@ def build_sync_router(get_state: Callable[[Request], Any]) -> APIRouter:
         except ValueError:
             return JSONResponse({"ok": True, "shared": False,
                                  "why": f"the engine reads shared memory in {SHM_DIR}, not {raw!r}"})
-        answers = await answers_from_every_rank(state.engine_client, "specrl_read_probe", str(path))
-        shared = bool(token) and all(a.get("token") == token for a in answers)
-        return JSONResponse({"ok": True, "shared": shared, "ranks": len(answers),
+        shared, ranks = await every_rank_reads(state.engine_client, path, token)
+        return JSONResponse({"ok": True, "shared": shared, "ranks": ranks,
                              **({} if shared else {"why": "a worker cannot read the client's file: another "
                                                          "host or container (its own /dev/shm)"})})
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,33 +26,14 @@ def shm_available() -> bool:
 
 
 def map_file(path: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file on tmpfs as views of its pages, not copies: every
-    tensor-parallel rank of a host that maps the same file shares one host copy (the pages outlive the
-    file's name, so the writer may delete it at once; they are freed when the last view goes). Mapped
-    copy-on-write, as safetensors maps a file: a loader that writes into a tensor it is given gets a
-    private copy of those pages, never a fault or a change another rank sees."""
-    import json
-    import mmap
+    """The tensors of a safetensors file on tmpfs as views of its pages, not copies: safetensors maps
+    the file copy-on-write, so every tensor-parallel rank of a host that maps the same file shares one
+    host copy (the pages outlive the file's name, so the writer may delete it at once; they are freed
+    when the last view goes), and a loader that writes into a tensor it is given gets private pages,
+    never a change another rank sees."""
+    from safetensors.torch import load_file
 
-    from vllm_specrl.sync.validate import SAFETENSORS_DTYPES
-
-    with open(path, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
-        mapped = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY) if size else bytearray()
-    header_len = int.from_bytes(mapped[:8], "little")
-    header = json.loads(bytes(mapped[8:8 + header_len]))
-    base = 8 + header_len
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = SAFETENSORS_DTYPES[info["dtype"]]
-        start, end = info["data_offsets"]
-        count = (end - start) // torch.empty((), dtype=dtype).element_size()
-        flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=base + start) if count else \
-            torch.empty(0, dtype=dtype)
-        out[name] = flat.view(info["shape"])
-    return out
+    return load_file(Path(path))
 
 
 def write_probe() -> tuple[Path, str]:
@@ -77,12 +59,24 @@ def write_chunk(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | Non
     """Write one chunk; the caller deletes it (``path.unlink``) after the worker staged it."""
     from safetensors.torch import save_file
 
+    return _write_whole(lambda tmp: save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+                                              tmp, metadata=metadata))
+
+
+def write_bytes(data: bytes) -> Path:
+    """Write an already serialised chunk (an HTTP body: a whole safetensors file), as ``write_chunk``."""
+    return _write_whole(lambda tmp: tmp.write_bytes(data))
+
+
+def _write_whole(fill: Callable[[Path], object]) -> Path:
+    """A new ``specrl-*.safetensors`` file in ``SHM_DIR`` that ``fill`` writes: under a private temporary
+    name first, so a reader never sees a half-written file. ``OSError`` when shared memory is full."""
     path = SHM_DIR / f"specrl-{os.getpid()}-{uuid.uuid4().hex[:10]}.safetensors"
     fd, name = tempfile.mkstemp(dir=SHM_DIR, prefix=".specrl-tmp-")  # created 0600, never guessed
     os.close(fd)
     tmp = Path(name)
     try:
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        fill(tmp)
         tmp.rename(path)  # the worker never sees a half-written file
     finally:
         tmp.unlink(missing_ok=True)

@@ -144,9 +144,9 @@ class SpecRLWorkerExtension(WeightWatchRPCs):
             return _refusal(exc)
         return {"ok": True, **session.summary()}
 
-    def specrl_stage_tensors(self, update_id: str, tensors: dict, owned: bool = False) -> dict:
+    def specrl_stage_tensors(self, update_id: str, tensors: dict, owned: bool = False, shared: bool = False) -> dict:
         try:
-            return {"ok": True, **self._specrl_stager().stage(update_id, tensors, owned)}
+            return {"ok": True, **self._specrl_stager().stage(update_id, tensors, owned, shared)}
         except WeightUpdateError as exc:
             return _refusal(exc)
 
@@ -157,10 +157,7 @@ class SpecRLWorkerExtension(WeightWatchRPCs):
         except Exception as exc:  # noqa: BLE001 - a truncated or foreign chunk is a refusal
             self._specrl_stager().abort(update_id)
             return _refusal(WeightUpdateError(refusal(exc)))
-        try:
-            return {"ok": True, **self._specrl_stager().stage(update_id, tensors, owned=True, shared=shared)}
-        except WeightUpdateError as exc:
-            return _refusal(exc)
+        return self.specrl_stage_tensors(update_id, tensors, owned=True, shared=shared)
 
     def specrl_stage_file(self, update_id: str, path: str, shared: bool = False) -> dict:
         """Stage a safetensors file (the shared-memory transport writes one to /dev/shm). ``shared``: map
