@@ -32,6 +32,7 @@ from vllm_specrl import engine_rpc
 from vllm_specrl._log import logger
 from vllm_specrl._version import __version__
 from vllm_specrl.adaptive import state as adaptive_state
+from vllm_specrl.lifecycle import state as lifecycle_state
 from vllm_specrl.sync.guard import StaleDraftGuard
 from vllm_specrl.sync.native_api import watch_engine_client
 from vllm_specrl.sync.routes import build_sync_router, stamp_versions
@@ -70,6 +71,7 @@ def update_record_gauges(state: SpecRLHttpState) -> None:
     _gauge("specrl_draft_version", "draft weight version being served").set(versions["draft"])
     update_trainer_gauges(state.draft_trainer)
     adaptive_state.export_gauges()
+    lifecycle_state.export_gauges()
 
 
 def update_trainer_gauges(report: dict | None) -> None:
@@ -309,6 +311,7 @@ async def gather_status(state: SpecRLHttpState) -> dict[str, Any]:
     out["last_commit_failure"] = record["last_commit_failure"]
     out["draft_trainer"] = record["draft_trainer"]
     out["adaptive_k"] = adaptive_state.read()  # None unless --scheduler-cls ...AdaptiveKScheduler
+    out["drafter"] = drafter_status(lifecycle_state.export_gauges())
     is_paused = getattr(engine, "is_paused", None)
     out["generation_paused"] = bool(await is_paused()) if callable(is_paused) else None
     try:
@@ -325,6 +328,21 @@ async def gather_status(state: SpecRLHttpState) -> dict[str, Any]:
     out["versions"] = dict(state.versions)
     out["stale_draft"] = update_gauges(state, draft_mismatches(out["workers"]))
     return out
+
+
+def drafter_status(states: dict[int, dict]) -> dict | None:
+    """The drafter's lifecycle as status shows it: ``draft_collapsed`` and ``refusing`` (true on any engine
+    core), repairs summed, and every core's state (``engines``)."""
+    if not states:
+        return None
+    repairs: dict[str, int] = {}
+    for state in states.values():
+        for cause, n in state["repairs"].items():
+            repairs[cause] = repairs.get(cause, 0) + n
+    return {"draft_collapsed": any((s.get("collapse") or {}).get("active") for s in states.values()),
+            "refusing": any(s["refusing"] is not None for s in states.values()),
+            "repairs": repairs, "repairs_total": sum(repairs.values()),
+            "on_damage": states[min(states)]["on_damage"], "engines": {str(r): s for r, s in states.items()}}
 
 
 def draft_mismatches(workers: list[dict] | None) -> list[str]:

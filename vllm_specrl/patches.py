@@ -21,6 +21,7 @@ from vllm_specrl.compat.cpu_expand_kernel import EXPAND_KERNEL_PATCH, install_cp
 from vllm_specrl.compat.cpu_seeded_rewind import SEEDED_REWIND_PATCH, install_cpu_seeded_rewind_fix
 from vllm_specrl.compat.cpu_start_method import START_METHOD_PATCH, install_cpu_start_method
 from vllm_specrl.compat.registry import REGISTRY
+from vllm_specrl.lifecycle.engine_core import POST_STEP_PATCH, install_drafter_lifecycle
 from vllm_specrl.proposer.custom_binding import CUSTOM_BINDING_PATCH, install_custom_proposer_binding
 from vllm_specrl.proposer.deferred_kv import DEFERRED_KV_PATCH, install_deferred_draft_kv
 from vllm_specrl.proposer.eagle3_config import register_eagle3_architecture
@@ -88,4 +89,6 @@ WORKER = (
                                 LOAD_MODEL_PATCH))),
     Step("weight_events", "weight changes turned into versions (engine core)", install_weight_events,
          (RPC_PATCH.name, LABEL_PATCH.name, WAKE_PATCH.name)),
+    Step("drafter_lifecycle", "drafter checks, repairs and the collapse alarm between steps (engine core)",
+         install_drafter_lifecycle, (POST_STEP_PATCH.name,)),
 )

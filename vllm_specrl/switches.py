@@ -52,6 +52,8 @@ SWITCHES: tuple[Switch, ...] = (
            "`reload_weights` and worker extensions unwatched (no versions, draft validation or repair there)"),
     Switch("VLLM_SPECRL_MAX_DRAFT_LAG", ENV, "2", "policy versions a draft may lag before the stale-draft guard warns"),
     Switch("VLLM_SPECRL_STALE_MIN_DRAFTS", ENV, "64", "drafts the guard waits for before it judges acceptance"),
+    Switch("drafter", CONFIG, "repair, 30 s", "the drafter's lifecycle (`DrafterConfig`): `on_damage` (`repair`, `report` "
+           "or `refuse`), `check_every_s`, the collapse alarm's `collapse_window`/`collapse_below`/`collapse_drop`"),
     # Capture
     Switch("capture", CONFIG, "unset", "stream committed rows to this ZMQ address from start-up (needs the worker "
                                        "extension)"),

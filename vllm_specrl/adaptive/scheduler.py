@@ -97,6 +97,8 @@ def adaptive_k_scheduler_class(vllm_config: Any) -> type:
             if controller is not None:
                 queued = (r.request_id for r in itertools.chain(self.running, self.waiting))
                 self.dynamic_sd_lookup = controller.lookup_for_step(calibrating=only_calibration(queued))
+                if getattr(self, "_specrl_refused", False):  # the drafter lifecycle stopped drafting
+                    self.dynamic_sd_lookup = [0] * len(self.dynamic_sd_lookup)
             out = super().schedule(*args, **kwargs)
             if controller is not None and out.num_scheduled_tokens:
                 controller.record_choice(len(out.num_scheduled_tokens), out.num_spec_tokens_to_schedule,

@@ -117,6 +117,14 @@ class DraftKVStash:
         self._requests: dict[str, _RequestRows] = {}
         self.rows = 0
 
+    def clear(self) -> int:
+        """Forget every held row (the drafter was repaired: the engine core recomputes the batch's KV);
+        the rows dropped."""
+        dropped = self.rows
+        self.counters.rows_dropped += dropped
+        self._clear()
+        return dropped
+
     def fits(self, num_rows: int) -> bool:
         return self.rows + num_rows <= self.max_rows
 

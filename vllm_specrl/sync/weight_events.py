@@ -10,7 +10,7 @@ where capture frames and the history proposer read it; after a policy change the
 (running requests recompute their KV on the new weights) and vLLM's weight version follows. A label
 that follows names the version instead, when it is an integer above the counted one. After any other
 call the draft's fingerprint is checked (a drafter changed or emptied behind the plugin's back is
-reported). The API server reads the result from the workers (``sync.native_api``).
+repaired, reported or refused: ``vllm_specrl.lifecycle``). The API server reads the result from the workers (``sync.native_api``).
 
 The plugin's own RPCs (``specrl_*``) are skipped: its commits keep their versions themselves.
 """
@@ -21,6 +21,7 @@ from typing import Any
 
 from vllm_specrl._log import logger
 from vllm_specrl.compat.registry import REGISTRY, Patch
+from vllm_specrl.lifecycle.engine_core import lifecycle_of
 from vllm_specrl.sync.weight_watch import WATCH_SWITCH
 
 _CORE = "vllm.v1.engine.core:EngineCore"
@@ -62,15 +63,20 @@ def observe(core: Any, event: str) -> list[str]:
             seen[target] = loads
             changed.append(target)
     versions = states[0]["versions"]
+    life = lifecycle_of(core)
+    if life is not None:
+        life.noted(event)
     for target in changed:
         version = versions[target] + 1
-        _workers(core, "specrl_note_weight_change", target, version, event)
+        answers = _workers(core, "specrl_note_weight_change", target, version, event)
         logger.info("vllm-specrl: %s changed by %s: version %d", target, event, version)
+        if life is not None:
+            life.handle(core, event, [a.get("drafter") for a in answers if isinstance(a, dict)])
     if "policy" in changed:
         core.reset_prefix_cache(reset_running_requests=True)
         REGISTRY.original(LABEL_PATCH.name)(core, str(versions["policy"] + 1))
-    elif not changed:
-        _workers(core, "specrl_check_draft", event)
+    elif not changed and life is not None:
+        life.check(core, event)  # the drafter must be as it was: repaired, reported or refused if not
     core._specrl_label_target = changed[0] if changed else None
     return changed
 
@@ -84,9 +90,14 @@ def _collective_rpc(inner: Any) -> Any:
     def collective_rpc(self: Any, method: Any, timeout: float | None = None, args: tuple = (),
                        kwargs: dict | None = None) -> list:
         if isinstance(method, str) and method.startswith("specrl_"):
-            if method == "specrl_commit_update":
-                self._specrl_label_target = None
-            return inner(self, method, timeout, args, kwargs)
+            if method != "specrl_commit_update":
+                return inner(self, method, timeout, args, kwargs)
+            self._specrl_label_target = None
+            answers = inner(self, method, timeout, args, kwargs)
+            life = lifecycle_of(self)
+            if life is not None:  # the plugin's own commit: a draft publish, or a policy update checked
+                life.handle(self, "plugin update", [a.get("drafter") for a in answers if isinstance(a, dict)])
+            return answers
         try:
             return inner(self, method, timeout, args, kwargs)
         finally:

@@ -17,8 +17,9 @@ own commits are one path more. Every one of them ends in a model instance's ``lo
   last complete set back (the draft's, or the policy's where one is known), so serving goes on
   unchanged.
 - the draft's fingerprint (``fingerprint.draft_fingerprint``), taken at every draft update and checked
-  after any other change (a policy reload, a wake-up, a user's RPC): a drafter changed or emptied
-  behind the plugin's back is reported, never silent.
+  after any other change (a policy reload, a wake-up, a user's RPC, a periodic check): a drafter changed
+  or emptied behind the plugin's back is repaired from the host copy, reported or refused
+  (``vllm_specrl.lifecycle``), never silent.
 
 ``VLLM_SPECRL_WEIGHT_WATCH=0`` leaves vLLM's methods as they are (and the guarantees to the plugin's
 own routes).
@@ -82,6 +83,10 @@ class WeightWatch:
     policy_restorable: bool = True   # no policy load from outside since the plugin's last known set
     published_fingerprint: str | None = None
     mismatch: dict | None = None     # the draft's weights changed without a draft update
+    refusing: dict | None = None     # on_damage=refuse: the damage drafting stopped for
+    repairs: dict[str, int] = field(default_factory=dict)  # drafter repairs, by the event they followed
+    last_repair: dict | None = None
+    load_checks: dict | None = None  # ``lifecycle.load_checks``: what the draft covers, found at load
     events: list[dict] = field(default_factory=list)  # the last few loads, refusals and repairs
 
     def note(self, **event: Any) -> None:
@@ -90,7 +95,8 @@ class WeightWatch:
     def state(self) -> dict[str, Any]:
         return {"loads": dict(self.loads), "session": self.session, "session_kind": self.session_kind,
                 "policy_restorable": self.policy_restorable, "draft_fingerprint": self.published_fingerprint,
-                "draft_mismatch": self.mismatch, "events": list(self.events)}
+                "draft_mismatch": self.mismatch, "refusing": self.refusing, "repairs": dict(self.repairs),
+                "last_repair": self.last_repair, "load_checks": self.load_checks, "events": list(self.events)}
 
 
 def watch_of(worker: Any) -> WeightWatch:
@@ -122,22 +128,7 @@ def publish_fingerprint(worker: Any) -> None:
     """The draft just changed on purpose: what it looks like now is what must keep serving."""
     watch = watch_of(worker)
     watch.published_fingerprint = draft_fingerprint(worker)
-    watch.mismatch = None
-
-
-def check_fingerprint(worker: Any, event: str) -> dict | None:
-    """After a change that must leave the draft as it was: a draft that differs is reported."""
-    watch = watch_of(worker)
-    if watch.published_fingerprint is None:
-        publish_fingerprint(worker)
-        return None
-    now = draft_fingerprint(worker)
-    if now != watch.published_fingerprint and watch.mismatch is None:
-        watch.mismatch = {"after": event, "expected": watch.published_fingerprint, "found": now,
-                          "time": round(time.time(), 3)}
-        logger.warning("vllm-specrl: the draft's weights changed without a draft update (after %s): the "
-                       "drafter serves weights nobody published; publish a draft to clear it", event)
-    return watch.mismatch
+    watch.mismatch = watch.refusing = None
 
 
 # --- repair --------------------------------------------------------------------------------
@@ -238,7 +229,11 @@ def _load_model(inner: Any) -> Any:
     def load_model(self: Any, *args: Any, **kwargs: Any) -> None:
         inner(self, *args, **kwargs)
         if watched(self):
+            from vllm_specrl.lifecycle import load_checks, worker as lifecycle
+
             watch_models(self)
+            lifecycle.keep_loaded_draft(self)
+            load_checks.check_loaded_draft(self)
     return load_model
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_specrl.compat import engine_config
-from vllm_specrl.sync.weight_watch import check_fingerprint, publish_fingerprint, served_models, watch_of
+from vllm_specrl.sync.weight_watch import publish_fingerprint, served_models, watch_of
 
 
 class WeightWatchRPCs:
@@ -21,9 +21,9 @@ class WeightWatchRPCs:
         stager = self._specrl_stager()
         stager.versions[target] = max(int(version), stager.versions[target])
         self._specrl_tell_proposer()
-        self._specrl_after_change(target, event)
+        outcome = self._specrl_after_change(target, event)
         watch_of(self).note(event="version", target=target, version=stager.versions[target], path=event)
-        return {"ok": True, "versions": dict(stager.versions)}
+        return {"ok": True, "versions": dict(stager.versions), "drafter": outcome}
 
     def specrl_label_version(self, target: str, label: int | None, text: str) -> dict:
         """A version label (``finish_weight_update(weight_version)``, ``/update_weight_version``): an
@@ -39,19 +39,22 @@ class WeightWatchRPCs:
 
     def specrl_check_draft(self, event: str) -> dict:
         """After a call that changed no weights on purpose: is the draft still the one published?"""
-        if not served_models(self)["draft"]:
-            return {"ok": True, "mismatch": None}
-        return {"ok": True, "mismatch": check_fingerprint(self, event)}
+        from vllm_specrl.lifecycle.worker import verify_draft
 
-    def _specrl_after_change(self, target: str, event: str) -> None:
+        outcome = verify_draft(self, event)
+        return {"ok": True, "mismatch": watch_of(self).mismatch, "drafter": outcome}
+
+    def _specrl_after_change(self, target: str, event: str) -> dict | None:
         """The draft's fingerprint after a change of ``target``: a draft update (or, where the policy's own
         MTP layers draft, a policy update) publishes it; any other change must leave it as it was."""
+        from vllm_specrl.lifecycle.worker import verify_draft
+
         if not served_models(self)["draft"]:
-            return
+            return None
         if target == "draft" or self._specrl_drafts_with_mtp():
             publish_fingerprint(self)
-        else:
-            check_fingerprint(self, event)
+            return {"action": "published"}
+        return verify_draft(self, event)
 
     def _specrl_checkpoint_tensors(self, target: str) -> dict[str, Any]:
         """The served checkpoint's tensors of ``target`` (a draft served from the policy's MTP layers:

@@ -33,6 +33,7 @@ from vllm_specrl._version import __version__
 from vllm_specrl.sync.staging import DROPPED, NO_ROLLBACK_HINT, UpdateBusy, UpdateStager
 from vllm_specrl.sync.validate import WeightUpdateError, checkpoint_specs
 from vllm_specrl.sync.weight_watch import own_load, watch_of
+from vllm_specrl.lifecycle.worker import DrafterRPCs
 from vllm_specrl.sync.weight_watch_rpcs import WeightWatchRPCs
 
 
@@ -57,7 +58,7 @@ def _refusal(exc: Exception) -> dict[str, Any]:
             "busy": isinstance(exc, UpdateBusy)}
 
 
-class SpecRLWorkerExtension(WeightWatchRPCs):
+class SpecRLWorkerExtension(WeightWatchRPCs, DrafterRPCs):
     """Mixin for vLLM workers; see the module docstring."""
 
     def _specrl_stager(self) -> UpdateStager:
@@ -249,17 +250,21 @@ class SpecRLWorkerExtension(WeightWatchRPCs):
                              f"version stays {serving}, update {update_id} closed"}
         finished = stager.finish(session, time.perf_counter() - t0)
         self._specrl_tell_proposer()
-        self._specrl_own_commit(session.target)
-        return {"ok": True, **finished}
+        if session.target == "policy" and self._specrl_drafts_with_mtp() and not session.keep_mtp:
+            # the policy's MTP layers came with it: they are the drafter's good set now
+            stager.last_good["draft"] = {k: v for k, v in session.staged.items()
+                                         if engine_config.is_mtp_tensor(self, k)}
+        outcome = self._specrl_own_commit(session.target)
+        return {"ok": True, **finished, "drafter": outcome}
 
-    def _specrl_own_commit(self, target: str) -> None:
+    def _specrl_own_commit(self, target: str) -> dict | None:
         """After the plugin's own commit (or rollback) of ``target``: its set is the known good one."""
         watch = watch_of(self)
         if target == "policy":
             watch.policy_restorable = True
         else:
             watch.draft_last_good = None  # the stager's last good set is the newer one
-        self._specrl_after_change(target, f"{target} update")
+        return self._specrl_after_change(target, f"{target} update")
 
     def specrl_finalize_commit(self, update_id: str) -> dict:
         """Phase three: every rank applied; the previous weights are no longer needed."""
@@ -279,6 +284,9 @@ class SpecRLWorkerExtension(WeightWatchRPCs):
             return {"ok": True, "rolled_back": False}
         target, version, tensors = undo
         error = self._specrl_restore(target, tensors)
+        if target == "policy" and self._specrl_drafts_with_mtp() and isinstance(tensors, dict):
+            self._specrl_stager().last_good["draft"] = {k: v for k, v in tensors.items()
+                                                        if engine_config.is_mtp_tensor(self, k)}
         self._specrl_tell_proposer()
         self._specrl_own_commit(target)
         return {"ok": error is None, "rolled_back": error is None, "target": target, "version": version,
