@@ -416,7 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="an HF model directory (Llama/Qwen2/Qwen3 for the EAGLE-3 checks); default: the "
                          "package's tiny fixture, built once into ~/.cache/vllm-specrl/fixtures")
     se.add_argument("--samples", type=int, default=3000, help="samples per engine for the T=1 tests")
-    se.add_argument("--only", default=None, help="comma-separated groups: eagle3,history,updates,capture,status")
+    from vllm_specrl.selftest.run import GROUPS
+
+    se.add_argument("--only", default=None, help=f"comma-separated groups: {','.join(GROUPS)}")
     se.add_argument("--json", type=Path, default=None, help="also write the results here")
     se.set_defaults(func=_cmd_selftest)
     return parser

@@ -10,7 +10,9 @@ out-of-memory kill or a lost host would. Versions pick the faulty update, so a
 test can arm a server once and still run every other update normally. Kind ``refuse`` acts in the
 ``specrl_gloo`` backend, where a round has no version until it is applied: its "version" is the
 round's number on that engine (1, 2, ...), and the engine refuses that round after receiving it, as
-a validation failure would.
+a validation failure would. Entry ``logprobs:<delta>`` shifts the logprobs the CPU rejection sampler
+returns for verified rows by ``delta`` (a lossy logprob path, which the self-test's logprob conformance
+check must catch).
 """
 
 from __future__ import annotations
@@ -53,3 +55,12 @@ def with_apply_fault(named: Iterable[tuple[str, Any]], target: str, version: int
                 os.kill(os.getpid(), signal.SIGKILL)
             raise InjectedFault(f"injected fault ({FAULTS_ENV}): {target} v{version} after {after} tensors")
         yield item
+
+
+def logprob_shift() -> float:
+    """The ``logprobs:<delta>`` failpoint's shift (0.0 when not armed)."""
+    for entry in filter(None, (e.strip() for e in os.environ.get(FAULTS_ENV, "").split(","))):
+        kind, _, delta = entry.partition(":")
+        if kind == "logprobs":
+            return float(delta)
+    return 0.0

@@ -70,8 +70,21 @@ def update_record_gauges(state: SpecRLHttpState) -> None:
     _gauge("specrl_policy_version", "policy weight version being served").set(versions["policy"])
     _gauge("specrl_draft_version", "draft weight version being served").set(versions["draft"])
     update_trainer_gauges(state.draft_trainer)
+    update_logprob_gauges(state.shared.read().get("logprob_conformance"))
     adaptive_state.export_gauges()
     lifecycle_state.export_gauges()
+
+
+def update_logprob_gauges(report: dict | None) -> None:
+    """``specrl_logprob_abs_diff{stat}``: the policy trainer's last |trainer logprob - served logprob| over
+    its on-policy tokens (an alert on ``max`` catches a logprob path that went lossy)."""
+    if not report:
+        return
+    gauge = _gauge("specrl_logprob_abs_diff", "the policy trainer's |its logprob - vLLM's| over the last step's "
+                   "on-policy tokens (GRPOLoop's report)", ("stat",))
+    for stat in ("max", "mean"):
+        if isinstance(report.get(stat), (int, float)):
+            gauge.labels(stat=stat).set(float(report[stat]))
 
 
 def update_trainer_gauges(report: dict | None) -> None:
@@ -107,6 +120,7 @@ SHARED_DEFAULTS: dict[str, Any] = {
     "abandoned_updates_total": 0,
     "last_commit_failure": None,
     "draft_trainer": None,  # the online trainer's last report (with its publishes)
+    "logprob_conformance": None,  # the policy trainer's last |its logprobs - the served ones| (GRPOLoop)
     "guard_window_start": None,  # the spec-decode counters at the last policy change
 }
 ABANDONED_KEPT = 10
@@ -226,6 +240,12 @@ class SpecRLHttpState:
             record["draft_trainer"] = dict(report, received_at=time.time())
         update_trainer_gauges(self.draft_trainer)
 
+    def logprobs_reported(self, report: dict) -> None:
+        """The policy trainer's comparison of the logprobs vLLM returned with its own, for the same tokens."""
+        with self.shared.changing() as record:
+            record["logprob_conformance"] = dict(report, received_at=time.time())
+        update_logprob_gauges(report)
+
     def stale_draft(self) -> dict:
         record = self.shared.read()
         start = record.get("guard_window_start")
@@ -310,6 +330,7 @@ async def gather_status(state: SpecRLHttpState) -> dict[str, Any]:
     out["abandoned_updates_total"] = record.get("abandoned_updates_total", 0)
     out["last_commit_failure"] = record["last_commit_failure"]
     out["draft_trainer"] = record["draft_trainer"]
+    out["logprob_conformance"] = record.get("logprob_conformance")
     out["adaptive_k"] = adaptive_state.read()  # None unless --scheduler-cls ...AdaptiveKScheduler
     out["drafter"] = drafter_status(lifecycle_state.export_gauges())
     is_paused = getattr(engine, "is_paused", None)
@@ -368,6 +389,18 @@ def build_router() -> APIRouter:
         if not isinstance(body, dict):
             return JSONResponse({"error": "the trainer report must be a JSON object"}, status_code=400)
         state.trainer_reported(body)
+        return JSONResponse({"ok": True})
+
+    @router.post("/logprobs")
+    async def logprobs(request: Request) -> JSONResponse:
+        """The policy trainer's logprob comparison (``{"max", "mean", "tokens", "step", ...}``), for status,
+        /metrics and an alert."""
+        state = _specrl_state(request)
+        body = await request.json() if await request.body() else None
+        if not isinstance(body, dict) or not isinstance(body.get("max"), (int, float)):
+            return JSONResponse({"error": "the logprob report must be a JSON object with a number 'max'"},
+                                status_code=400)
+        state.logprobs_reported(body)
         return JSONResponse({"ok": True})
 
     @router.post("/capture")

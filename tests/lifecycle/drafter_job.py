@@ -79,6 +79,15 @@ def run(config: dict) -> dict:
             policy = load_file(f"{config['target']}/model.safetensors")
             outcome = llm.collective_rpc(_policy_to_every_runner, args=(policy,))[0]
             report["steps"].append(snapshot(step=step, outcome=outcome))
+        elif step == "wake_after_discard":
+            # vLLM #52479's shape: a wake-up after a level-2 sleep that does not reload the drafter (the CPU has
+            # no sleep mode: the executor's wake-up is replaced by the discard it leaves, and vLLM's own
+            # EngineCore.wake_up runs around it)
+            executor = llm.llm_engine.engine_core.engine_core.model_executor
+            executor.wake_up = lambda tags=None: _damage(worker)
+            llm.wake_up()
+            del executor.wake_up
+            report["steps"].append(snapshot(step=step))
         elif step == "draft_update":
             from vllm_specrl.sync.shm import write_chunk
 

@@ -8,7 +8,10 @@ sequence (``drafter_job.py``):
   is repaired after that call, before the next step drafts; zeroed directly (no event) it is repaired by
   the periodic check; a policy update aimed at every runner (miles #1926's shape) loads the target and
   is refused at the drafter. After each, the served acceptance equals the first, the tokens are the
-  same, and the repair is counted with its cause in the workers' watch and the engine core's state.
+  same, and the repair is counted with its cause in the workers' watch and the engine core's state. A
+  wake-up that leaves the drafter discarded (vLLM #52479; the CPU has no sleep mode, so the executor's
+  wake-up is replaced by that discard inside vLLM's own ``EngineCore.wake_up``) is repaired before serving
+  resumes.
 - ``report``, no periodic check, a short collapse window: the drafter zeroed through an RPC is reported
   and collapses the acceptance; ``draft_collapsed`` is raised naming that call, nothing repaired; a draft update
   brings acceptance back and the alarm clears. The draft's config says 64 positions against the
@@ -60,7 +63,7 @@ def steps_of(report: dict, name: str) -> list[dict]:
 def repair_run(tiny_model, warm_draft) -> dict:
     return play(tiny_model, warm_draft, {"on_damage": "repair", "check_every_s": 0},
                 ["generate", "damage_rpc", "generate", "damage_direct", "generate", "policy_to_every_runner",
-                 "generate"])
+                 "generate", "wake_after_discard", "generate"])
 
 
 def test_a_drafter_overwritten_through_an_rpc_is_repaired_before_the_next_step(repair_run):
@@ -87,7 +90,14 @@ def test_a_policy_update_aimed_at_every_runner_never_reaches_the_drafter(repair_
     assert update["versions"]["policy"] == 1 and update["versions"]["draft"] == 0
     first, last = steps_of(repair_run, "generate")[0], steps_of(repair_run, "generate")[-1]
     assert last["served"]["acceptance_length"] == pytest.approx(first["served"]["acceptance_length"], abs=0.05)
-    assert sum(last["drafter"]["repairs"].values()) == 2  # the refused load changed nothing to repair
+    assert last["drafter"]["repairs"] == {"collective_rpc": 1, "periodic check": 1}  # the refused load: nothing
+
+
+def test_a_wake_up_that_leaves_the_drafter_discarded_is_repaired_before_serving_resumes(repair_run):
+    first, after_wake = steps_of(repair_run, "generate")[0], steps_of(repair_run, "generate")[-1]
+    woken = steps_of(repair_run, "wake_after_discard")[0]
+    assert woken["drafter"]["repairs"].get("wake_up") == 1, woken["drafter"]
+    assert after_wake["served"] == first["served"] and after_wake["tokens"] == first["tokens"]
 
 
 @pytest.fixture(scope="module")

@@ -91,3 +91,28 @@ def test_the_on_policy_logprob_difference_leaves_out_samples_of_another_version(
     (diff,) = result.on_policy_logprob_abs_diff()
     assert torch.equal(diff, torch.tensor([0.0, 0.5]))
     assert len(result.logprob_abs_diff()) == 2
+
+
+def test_each_steps_logprob_difference_is_reported_to_the_engine():
+    """``GRPOLoop.report_logprobs``: the on-policy tokens' largest and mean |difference| go to the engine
+    (``/specrl/status`` ``logprob_conformance``), a failing report never stops the step. No engine."""
+    import torch
+
+    from vllm_specrl.rl.loop import GRPOLoop, StepResult
+
+    sent = []
+    samples = [{"vllm_logprobs": [-1.0, -2.0], "policy_version_start": 3, "policy_version_end": 3},
+               {"vllm_logprobs": [-1.0], "policy_version_start": 2, "policy_version_end": 3}]
+    result = StepResult(5, samples, {}, 0.0, [torch.tensor([-1.0, -2.5]), torch.tensor([-4.0])], 0.0, 0.0, 0.0,
+                        0.0, 0.0, 3, {}, {}, {})
+    loop = GRPOLoop.__new__(GRPOLoop)
+    loop.engine = type("Engine", (), {"report_logprobs": lambda self, report: sent.append(report)})()
+    report = loop.report_logprobs(result)
+    assert sent == [report] and report == {"step": 5, "policy_version": 3, "tokens": 2, "samples": 1, "max": 0.5,
+                                           "mean": 0.25}
+
+    def refuse(report):
+        raise ConnectionError("engine gone")
+
+    loop.engine = type("Engine", (), {"report_logprobs": lambda self, report: refuse(report)})()
+    assert loop.report_logprobs(result)["max"] == 0.5

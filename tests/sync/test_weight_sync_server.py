@@ -117,6 +117,22 @@ def bad_updates(original):
 
 
 @pytest.mark.parametrize("transport", ["shm", "http"])
+def test_the_drafters_lifecycle_and_the_logprob_report_reach_status_and_metrics(server, client, baseline):
+    status = client.status()  # after the baseline's steps: the engine core's lifecycle is published
+    drafter = status["drafter"]
+    assert drafter["on_damage"] == "repair" and not drafter["draft_collapsed"] and not drafter["refusing"], drafter
+    worker = status["workers"][0]
+    assert worker["weight_watch"]["load_checks"]["errors"] == []
+    assert worker["sync"]["host_bytes"]["last_good"]["draft"] > 0  # the host copy, from the first load
+    client.report_logprobs({"max": 0.02, "mean": 0.004, "tokens": 100, "step": 3})
+    assert client.status()["logprob_conformance"]["max"] == 0.02
+    text = requests.get(server.url + "/metrics", timeout=30).text
+    assert 'specrl_draft_collapsed{engine="0"} 0.0' in text and 'specrl_draft_refused{engine="0"} 0.0' in text
+    assert 'specrl_logprob_abs_diff{stat="max"} 0.02' in text
+    bad = requests.post(server.url + "/specrl/logprobs", headers=server.headers, json={"mean": 1}, timeout=30)
+    assert bad.status_code == 400 and "'max'" in bad.json()["error"]
+
+
 def test_bad_updates_are_refused_and_change_nothing(server, original, prompts, baseline, transport):
     client = EngineClient(server.url, api_key=KEY, transport=transport, progress=False,
                           chunk_bytes=1 << 20)

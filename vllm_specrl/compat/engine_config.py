@@ -92,7 +92,7 @@ def draft_checkpoint_dir(worker: Any) -> str | None:
         return policy_checkpoint_dir(worker)
     spec = worker.vllm_config.speculative_config
     model = getattr(spec, "model", None) if spec is not None else None
-    drafter = getattr(worker.model_runner, "drafter", None)
+    drafter = runner_drafter(worker)
     if not model or getattr(drafter, "model", None) is None:
         return None
     load = getattr(worker.vllm_config, "load_config", None)
@@ -123,7 +123,7 @@ def policy_mtp_drafter(worker: Any) -> Any | None:
     spec = worker.vllm_config.speculative_config
     if spec is None or getattr(spec, "method", None) != "mtp":
         return None
-    return getattr(getattr(worker.model_runner, "drafter", None), "model", None)
+    return getattr(runner_drafter(worker), "model", None)
 
 
 def specrl_additional_config(vllm_config: Any) -> dict[str, Any]:
@@ -133,8 +133,11 @@ def specrl_additional_config(vllm_config: Any) -> dict[str, Any]:
 
 
 def runner_drafter(worker: Any) -> Any:
-    """The worker's drafter object (None without speculation)."""
-    return getattr(getattr(worker, "model_runner", None), "drafter", None)
+    """The worker's drafter object (None without speculation): the V1 runner's ``drafter``, Model Runner
+    V2's ``speculator`` (vLLM 0.32's ``vllm/v1/worker/gpu/model_runner.py``; not run here)."""
+    runner = getattr(worker, "model_runner", None)
+    drafter = getattr(runner, "drafter", None)
+    return drafter if drafter is not None else getattr(runner, "speculator", None)
 
 
 def data_parallel_rank(worker: Any) -> int:

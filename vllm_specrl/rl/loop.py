@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from vllm_specrl import metrics
+from vllm_specrl._log import logger
 from vllm_specrl.rl.draft_trainer import DraftTrainerProcess
 from vllm_specrl.rl.policy import Policy
 from vllm_specrl.rl.rollouts import check_rollouts, sample_groups
@@ -153,7 +154,25 @@ class GRPOLoop:
         result = StepResult(i, samples, timing, exposed, logps, loss, logprob_s, training_s, sync_s,
                             time.perf_counter() - t_step, trained_version, served, self._before, status)
         self._before = status
+        self.report_logprobs(result)
         return result
+
+    def report_logprobs(self, result: StepResult) -> dict | None:
+        """The step's |trainer logprob - served logprob| over its on-policy tokens, sent to the engine's
+        status and metrics (an alert on it catches a logprob path gone lossy); None without such tokens."""
+        diffs = result.on_policy_logprob_abs_diff()
+        if not diffs or not sum(d.numel() for d in diffs):
+            return None
+        flat = torch.cat([d.reshape(-1) for d in diffs])
+        report = {"step": result.step, "policy_version": result.trained_version, "tokens": int(flat.numel()),
+                  "samples": len(diffs), "max": float(flat.max()), "mean": float(flat.mean())}
+        report_to = getattr(self.engine, "report_logprobs", None)
+        if callable(report_to):
+            try:
+                report_to(report)
+            except Exception as exc:  # noqa: BLE001 - a report never stops training
+                logger.debug("logprob report not sent: %r", exc)
+        return report
 
     def close(self) -> None:
         """Drops a queued next step's rollouts (lag 1 past the last step is never queued)."""

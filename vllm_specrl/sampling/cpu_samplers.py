@@ -43,6 +43,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from vllm_specrl import faults
 from vllm_specrl.compat.registry import REGISTRY
 
 FAST_SAMPLING_ENV = "VLLM_SPECRL_FAST_SAMPLING"
@@ -150,6 +151,9 @@ def fast_logprobs_tensors(self, max_num_logprobs, metadata, logits, target_logit
                       bonus_logits.index_select(0, picked[~from_target] - num_target).float()])
     dest = torch.cat([emitted[from_target], emitted[~from_target]])
     scored = rows if self.is_logits_logprobs_mode else self.sampler.compute_logprobs(rows)
+    shift = faults.logprob_shift()
+    if shift:
+        scored = scored + shift
     return _logprobs_at(self.sampler.gather_logprobs(scored, max_num_logprobs, tokens[dest]), dest, tokens.shape[0])
 
 

@@ -1,7 +1,8 @@
 """One engine of the self-test, in a process of its own: ``python -m vllm_specrl.selftest.engine_job JOB``.
 
 ``JOB`` is JSON: the engine (``model``, ``dtype``, ``speculative_config``, ``device``) and what to do with
-it: ``greedy`` outputs, ``samples`` at temperature 1, ``updates`` (policy and draft updates, applied
+it: ``greedy`` outputs, ``samples`` at temperature 1, ``logprobs`` (samples with their logprobs and the
+prompts'), ``score`` (every token's logprob of given sequences), ``updates`` (policy and draft updates, applied
 and refused), ``capture`` (rows streamed to a receiver in this process) and ``status`` (the worker's
 plugin state). Prints one line ``SELFTEST <json>`` with what it found; judging is ``run``'s job.
 """
@@ -29,6 +30,54 @@ def _samples(llm: Any, prompt: str, n: int, tokens: int) -> list[list[int]]:
 
     params = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True)
     return [list(o.outputs[0].token_ids) for o in llm.generate([prompt] * n, params, use_tqdm=False)]
+
+
+def _logprobs(llm: Any, prompts: list[str], tokens: int) -> list[dict]:
+    """Samples at temperature 1 with the sampled tokens' logprobs and the prompts' logprobs, as an RL job
+    asks for them (its importance ratios read them)."""
+    from vllm import SamplingParams
+
+    outs = llm.generate(prompts, [SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, seed=100 + i,
+                                                 logprobs=0, prompt_logprobs=0) for i in range(len(prompts))],
+                        use_tqdm=False)
+    found = []
+    for out in outs:
+        sample = out.outputs[0]
+        found.append({"prompt_ids": list(out.prompt_token_ids), "token_ids": list(sample.token_ids),
+                      "logprobs": [step[t].logprob for step, t in zip(sample.logprobs, sample.token_ids)],
+                      "prompt_logprobs": [None if step is None else step[t].logprob
+                                          for step, t in zip(out.prompt_logprobs, out.prompt_token_ids)]})
+    return found
+
+
+def _score(llm: Any, sequences: list[list[int]]) -> list[list[float | None]]:
+    """Each token's logprob given the tokens before it (prompt logprobs over the whole sequence)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences],
+                        SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    return [[None if step is None else step[t].logprob for step, t in zip(o.prompt_logprobs, o.prompt_token_ids)]
+            for o in outs]
+
+
+def _sleep_cycle(llm: Any, prompts: list[str], max_tokens: int) -> dict:
+    """Greedy outputs and acceptance, then ``sleep(level=2)`` (weights discarded), ``wake_up``, the policy
+    reloaded from its checkpoint (as an RL job reloads it), and the same again. Where sleep mode exists
+    only (not the CPU): written against vLLM 0.32's ``LLM.sleep``/``wake_up``, not run here."""
+    def served() -> dict:
+        before = _spec_decode(llm)
+        tokens = _greedy(llm, prompts, max_tokens)
+        after = _spec_decode(llm)
+        return {"tokens": tokens, "spec_decode": {k: after[k] - before[k] for k in ("num_drafts", "num_accepted_tokens")}}
+
+    first = served()
+    llm.sleep(level=2)
+    llm.wake_up()
+    llm.collective_rpc("reload_weights")
+    second = served()
+    repairs = sum(llm.collective_rpc("specrl_weight_watch_state")[0]["repairs"].values())
+    return {"before": first, "after": second, "repairs": repairs}
 
 
 def _spec_decode(llm: Any) -> dict[str, float]:
@@ -119,6 +168,7 @@ def run_job(job: dict) -> dict:
 
     llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), enforce_eager=True, seed=job.get("seed", 0),
               max_model_len=512, max_num_seqs=job.get("max_num_seqs", 256), disable_log_stats=False,
+              **({"enable_sleep_mode": True} if job.get("sleep") else {}),
               speculative_config=job.get("speculative_config"),
               worker_extension_cls="vllm_specrl.sync.SpecRLWorkerExtension" if job.get("plugin") else "")
     result: dict[str, Any] = {}
@@ -128,8 +178,14 @@ def run_job(job: dict) -> dict:
     samples = job.get("samples")
     if samples:
         result["samples"] = _samples(llm, samples["prompt"], samples["n"], samples["tokens"])
+    if job.get("logprobs"):
+        result["logprobs"] = _logprobs(llm, job["logprobs"]["prompts"], job["logprobs"]["tokens"])
+    if job.get("score"):
+        result["scored"] = _score(llm, job["score"])
     if job.get("speculative_config"):
         result["spec_decode"] = _spec_decode(llm)
+    if job.get("sleep") and greedy:
+        result["sleep"] = _sleep_cycle(llm, greedy["prompts"], greedy["max_tokens"])
     if job.get("updates") and greedy:
         result["updates"] = _updates(llm, job, greedy["prompts"], greedy["max_tokens"])
     if job.get("capture") and greedy:

@@ -24,11 +24,15 @@ from typing import Any
 from vllm_specrl.selftest.engine_job import RESULT_TAG
 from vllm_specrl.selftest.stats import per_position_pvalues
 
-GROUPS = ("eagle3", "history", "updates", "capture", "status")
+GROUPS = ("eagle3", "history", "updates", "capture", "status", "logprobs", "sleep")
 # A lossless engine must not be rejected at this level (per position; a handful of positions).
 ALPHA = 1e-3
 SAMPLE_PROMPT = "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2, 3]\nw = [1, 2, 3]\nv ="
 GREEDY_PROMPTS = ["def fibonacci(n):", "The capital of France is", "import os\nimport sys\n", "1, 2, 3, 4,"]
+LOGPROB_TOKENS = 16
+# Returned logprobs against the same tokens scored by plain vLLM and by an HF forward (float32): a
+# bound on the engines' numerics, far below what a lossy path moves them by.
+LOGPROB_TOLERANCE = 1e-3
 
 
 @dataclass
@@ -36,6 +40,7 @@ class Check:
     name: str
     passed: bool
     detail: str
+    skipped: bool = False  # the platform cannot run it (the detail says why)
 
 
 @dataclass
@@ -116,6 +121,73 @@ def _update_checks(plain_greedy: list[list[int]], found: dict) -> list[Check]:
     ]
 
 
+def hf_logprobs(model: str, sequences: list[list[int]]) -> list[list[float | None]]:
+    """Every token's logprob given the tokens before it, from a transformers forward in float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for seq in sequences:
+            logprobs = torch.log_softmax(hf(torch.tensor([seq])).logits[0].float(), dim=-1)
+            out.append([None] + [float(logprobs[i - 1, seq[i]]) for i in range(1, len(seq))])
+    return out
+
+
+def _largest_gap(found: list[dict], reference: list[list[float | None]]) -> tuple[float, float]:
+    """The largest |difference| over the sampled tokens' logprobs and over the prompts' (first token
+    excepted), of ``found`` against ``reference`` scores of the same sequences."""
+    sampled, prompt = 0.0, 0.0
+    for item, ref in zip(found, reference):
+        n = len(item["prompt_ids"])
+        sampled = max([sampled] + [abs(a - b) for a, b in zip(item["logprobs"], ref[n:])])
+        prompt = max([prompt] + [abs(a - b) for a, b in zip(item["prompt_logprobs"][1:], ref[1:n])])
+    return sampled, prompt
+
+
+def _logprob_check(name: str, found: dict, plain: list, hf: list) -> Check:
+    if "error" in found or "logprobs" not in found:
+        return Check(name, False, found.get("error", "no logprobs returned"))
+    gaps = {"plain": _largest_gap(found["logprobs"], plain), "HF": _largest_gap(found["logprobs"], hf)}
+    worst = max(max(g) for g in gaps.values())
+    tokens = sum(len(item["token_ids"]) for item in found["logprobs"])
+    detail = (f"{tokens} sampled tokens at T = 1: largest |logprob difference| sampled / prompt "
+              + ", ".join(f"{k} {g[0]:.1e} / {g[1]:.1e}" for k, g in gaps.items())
+              + f" (bound {LOGPROB_TOLERANCE:g})")
+    return Check(name, worst <= LOGPROB_TOLERANCE, detail)
+
+
+def _sleep_check(model: str, base: dict, settings: Settings, progress: Callable[[str], None]) -> Check:
+    """A level-2 sleep and wake-up of an EAGLE-3 engine, the policy reloaded as an RL job does: the drafter
+    comes back (from the plugin's host copy) and serves exactly the acceptance it served before. SKIPPED
+    where vLLM has no sleep mode (the CPU)."""
+    from vllm.platforms import current_platform
+
+    from vllm_specrl.proposer.checkpoint import init_draft
+    from vllm_specrl.rl.serving import serve_args
+
+    name = "drafter survives sleep/wake"
+    if not current_platform.is_sleep_mode_available():
+        return Check(name, True, f"vLLM has no sleep mode on the {current_platform.device_type} platform",
+                     skipped=True)
+    progress("[selftest] EAGLE-3 through a level-2 sleep and wake-up")
+    with tempfile.TemporaryDirectory(prefix="specrl-selftest-sleep-") as tmp:
+        vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+        init_draft(model, Path(tmp) / "draft", draft_vocab_size=vocab // 2, seed=0)
+        found = run_engine({**base, "speculative_config": serve_args("eagle3", draft=Path(tmp) / "draft")
+                            .speculative_config, "plugin": True, "sleep": True}, plugin=True,
+                           timeout_s=settings.timeout_s, env=settings.env)
+    if "error" in found:
+        return Check(name, False, found["error"])
+    cycle = found["sleep"]
+    same = cycle["before"] == cycle["after"]
+    return Check(name, same,
+                 f"greedy tokens and acceptance {'the same' if same else 'CHANGED'} after the cycle "
+                 f"({cycle['before']['spec_decode']['num_accepted_tokens']} tokens accepted each time); "
+                 f"{cycle['repairs']} drafter repair(s) at wake-up")
+
+
 def _capture_check(found: dict) -> Check:
     c = found["capture"]
     if not c["started"].get("ok"):
@@ -154,19 +226,26 @@ def selftest(settings: Settings, progress: Callable[[str], None] = print) -> lis
         t0 = time.time()
         progress(f"[selftest] plain vLLM (no plugin): {len(GREEDY_PROMPTS)} greedy prompts, "
                  f"{settings.samples} samples at T = 1")
-        plain = run_engine({**base, "samples": samples, "seed": 1}, plugin=False, timeout_s=settings.timeout_s)
+        sampled = {"eagle3", "history"} & set(groups)  # the T = 1 distribution checks need plain's samples
+        plain = run_engine({**base, "samples": samples if sampled else None, "seed": 1}, plugin=False,
+                           timeout_s=settings.timeout_s)
         if "error" in plain:
             return [Check("plain vLLM runs", False, plain["error"])]
-        if {"eagle3", "updates", "capture", "status"} & set(groups):
+        logprobs = {"prompts": GREEDY_PROMPTS, "tokens": LOGPROB_TOKENS} if "logprobs" in groups else None
+        with_logprobs: dict[str, dict] = {}
+        if {"eagle3", "updates", "capture", "status", "logprobs"} & set(groups):
             draft, fresh = Path(tmp) / "draft", Path(tmp) / "fresh-draft"
             vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
             init_draft(model, draft, draft_vocab_size=vocab // 2, seed=0)
             init_draft(model, fresh, draft_vocab_size=vocab // 2, seed=1)
             job = {**base, "speculative_config": serve_args("eagle3", draft=draft).speculative_config, "plugin": True, "seed": 5, "fresh_draft": str(fresh),
                    "samples": samples if "eagle3" in groups else None, "updates": "updates" in groups,
+                   "logprobs": logprobs,
                    "capture": f"tcp://127.0.0.1:{free_port()}" if "capture" in groups else None}
             progress(f"[selftest] EAGLE-3, random draft ({time.time() - t0:.0f} s so far)")
             found = run_engine(job, plugin=True, timeout_s=settings.timeout_s, env=settings.env)
+            if logprobs:
+                with_logprobs["EAGLE-3"] = found
             if "eagle3" in groups:
                 checks += [_greedy("EAGLE-3 greedy = plain", plain["greedy"], found),
                            _distribution("EAGLE-3 T=1 distribution = plain", plain["samples"], found)]
@@ -176,23 +255,50 @@ def selftest(settings: Settings, progress: Callable[[str], None] = print) -> lis
                 checks += _update_checks(plain["greedy"], found) if "updates" in groups else []
                 checks += [_capture_check(found)] if "capture" in groups else []
                 checks += [_status_check(found)] if "status" in groups else []
-        if "history" in groups:
+        if {"history", "logprobs"} & set(groups):
             progress(f"[selftest] history proposer ({time.time() - t0:.0f} s so far)")
             history = serve_args("history").speculative_config
-            found = run_engine({**base, "samples": samples, "speculative_config": history, "plugin": True,
-                                "seed": 8}, plugin=True, timeout_s=settings.timeout_s, env=settings.env)
-            checks += [_greedy("history greedy = plain", plain["greedy"], found),
-                       _distribution("history T=1 distribution = plain", plain["samples"], found)]
+            found = run_engine({**base, "samples": samples if "history" in groups else None,
+                                "speculative_config": history, "plugin": True, "seed": 8, "logprobs": logprobs},
+                               plugin=True, timeout_s=settings.timeout_s, env=settings.env)
+            if logprobs:
+                with_logprobs["history"] = found
+            if "history" in groups:
+                checks += [_greedy("history greedy = plain", plain["greedy"], found),
+                           _distribution("history T=1 distribution = plain", plain["samples"], found)]
+        if logprobs and with_logprobs:
+            checks += _logprob_checks(model, base, with_logprobs, settings, progress, t0)
+        if "sleep" in groups:
+            checks.append(_sleep_check(model, base, settings, progress))
         progress(f"[selftest] done in {time.time() - t0:.0f} s")
+    return checks
+
+
+def _logprob_checks(model: str, base: dict, with_logprobs: dict[str, dict], settings: Settings,
+                    progress: Callable[[str], None], t0: float) -> list[Check]:
+    """The proposers' returned logprobs against plain vLLM scoring the same sequences, and an HF forward."""
+    sequences = [item["prompt_ids"] + item["token_ids"] for found in with_logprobs.values()
+                 for item in found.get("logprobs", [])]
+    progress(f"[selftest] plain vLLM scoring {len(sequences)} sampled sequences ({time.time() - t0:.0f} s so far)")
+    scored = run_engine({**base, "greedy": None, "score": sequences}, plugin=False, timeout_s=settings.timeout_s)
+    if "error" in scored:
+        return [Check(f"{name} logprobs = plain", False, scored["error"]) for name in with_logprobs]
+    hf = hf_logprobs(model, sequences)
+    checks, at = [], 0
+    for name, found in with_logprobs.items():
+        n = len(found.get("logprobs", []))
+        checks.append(_logprob_check(f"{name} logprobs = plain", found, scored["scored"][at:at + n], hf[at:at + n]))
+        at += n
     return checks
 
 
 def format_table(checks: list[Check]) -> str:
     width = max(len(c.name) for c in checks)
     lines = [f"{'check':{width}}  result  detail"]
-    lines += [f"{c.name:{width}}  {'PASS' if c.passed else 'FAIL':6}  {c.detail}" for c in checks]
-    failed = sum(not c.passed for c in checks)
-    lines.append(f"selftest: {len(checks) - failed} passed, {failed} failed")
+    lines += [f"{c.name:{width}}  {'SKIP' if c.skipped else 'PASS' if c.passed else 'FAIL':6}  {c.detail}"
+              for c in checks]
+    failed, skipped = sum(not c.passed for c in checks), sum(c.skipped for c in checks)
+    lines.append(f"selftest: {len(checks) - failed - skipped} passed, {failed} failed, {skipped} skipped")
     return "\n".join(lines)
 
 

@@ -192,6 +192,11 @@ class EngineClient:
         """Show an online trainer's report in ``/specrl/status`` and ``/metrics`` without an update."""
         return self._post("/specrl/draft_trainer", json=report)
 
+    def report_logprobs(self, report: dict) -> dict:
+        """Show the policy trainer's logprob comparison (``{"max", "mean", "tokens", ...}``) in
+        ``/specrl/status`` (``logprob_conformance``) and ``/metrics`` (``specrl_logprob_abs_diff``)."""
+        return self._post("/specrl/logprobs", json=report)
+
     def stage(self, target: str, named_tensors: Any, version: int, trainer_report: dict | None = None,
               keep_mtp: bool = False) -> dict:
         """Begin an update and upload every tensor (validated by the engine, nothing applied).

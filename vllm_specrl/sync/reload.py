@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_specrl.compat.engine_config import is_mtp_tensor, policy_mtp_drafter
+from vllm_specrl.compat.engine_config import is_mtp_tensor, policy_mtp_drafter, runner_drafter
 
 def apply_policy_weights(worker: Any, named_tensors: list[tuple[str, Any]]) -> None:
     """Load a full set of policy weights in place: the target (``model_runner.reload_weights``)
@@ -77,7 +77,7 @@ def apply_draft_weights(worker: Any, named_tensors: list[tuple[str, Any]]) -> No
     were (``finalize_layerwise_reload``)."""
     from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
-    drafter = worker.model_runner.drafter
+    drafter = runner_drafter(worker)
     mask_hidden = []
 
     def passing_through():   # a lazy iterator stays lazy: a fault part way still interrupts the reload
@@ -130,7 +130,7 @@ def end_interrupted_reload(worker: Any, target: str) -> None:
     from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
     models = ([worker.model_runner.get_model(), policy_mtp_drafter(worker)] if target == "policy"
-              else [worker.model_runner.drafter.model])
+              else [runner_drafter(worker).model])
     for model in models:
         if model is not None:
             finalize_layerwise_reload(model, worker.vllm_config.model_config)
