@@ -149,7 +149,21 @@ class SpecRLWorkerExtension(WeightWatchRPCs, DrafterRPCs):
         try:
             return {"ok": True, **self._specrl_stager().stage(update_id, tensors, owned, shared)}
         except WeightUpdateError as exc:
+            if set(tensors) & self._specrl_draft_names():
+                exc.problems = [f"{p} (the draft's tensor: a policy update never reaches the drafter; send the "
+                                "draft as a draft update)" if p.split(":")[0] in self._specrl_draft_names() else p
+                                for p in exc.problems]
             return _refusal(exc)
+
+    def _specrl_draft_names(self) -> set[str]:
+        """The served draft's own tensor names, when a policy update is open (empty otherwise)."""
+        session = self._specrl_stager().session
+        if session is None or session.target != "policy" or self._specrl_drafts_with_mtp():
+            return set()
+        try:
+            return set(self._specrl_specs("draft")) - set(self._specrl_specs("policy"))
+        except (WeightUpdateError, FileNotFoundError):
+            return set()
 
     def _specrl_stage_parsed(self, update_id: str, parse: Any, refusal: Any, shared: bool = False) -> dict:
         """Parse a serialised chunk and stage it; an unreadable chunk ends the update."""
