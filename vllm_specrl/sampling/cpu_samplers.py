@@ -151,9 +151,6 @@ def fast_logprobs_tensors(self, max_num_logprobs, metadata, logits, target_logit
                       bonus_logits.index_select(0, picked[~from_target] - num_target).float()])
     dest = torch.cat([emitted[from_target], emitted[~from_target]])
     scored = rows if self.is_logits_logprobs_mode else self.sampler.compute_logprobs(rows)
-    shift = faults.logprob_shift()
-    if shift:
-        scored = scored + shift
     return _logprobs_at(self.sampler.gather_logprobs(scored, max_num_logprobs, tokens[dest]), dest, tokens.shape[0])
 
 
@@ -174,6 +171,9 @@ def _logprobs_at(part, slots, num_slots: int):
     full = [t.new_zeros((num_slots, *t.shape[1:])) for t in part[:3]]
     for whole, piece in zip(full, part[:3]):
         whole[slots] = piece
+    shift = faults.logprob_shift()  # a planted lossy logprob path (off unless VLLM_SPECRL_FAULTS says so)
+    if shift:
+        full[1] += shift
     return LogprobsTensors(*full)
 
 
