@@ -9,8 +9,8 @@ import pytest
 from vllm_specrl.selftest.run import LOGPROB_TOLERANCE, Check, _largest_gap, _logprob_check, format_table
 
 
-def found(shift: float = 0.0, prompt_shift: float = 0.0) -> dict:
-    return {"logprobs": [{"prompt_ids": [1, 2, 3], "token_ids": [4, 5],
+def found(shift: float = 0.0, prompt_shift: float = 0.0, drafts: int = 5) -> dict:
+    return {"spec_decode": {"num_drafts": drafts}, "logprobs": [{"prompt_ids": [1, 2, 3], "token_ids": [4, 5],
                           "logprobs": [-1.0 + shift, -2.0 + shift],
                           "prompt_logprobs": [None, -3.0 + prompt_shift, -0.5 + prompt_shift]}]}
 
@@ -30,6 +30,8 @@ def test_a_lossy_path_fails_against_either_reference():
     assert not _logprob_check("x", found(), REFERENCE, [[None, -3.0, -0.5, -1.0, -2.1]]).passed  # HF disagrees
     assert not _logprob_check("x", found(0.0, 0.05), REFERENCE, REFERENCE).passed  # prompt logprobs
     assert not _logprob_check("x", {"error": "engine died"}, REFERENCE, REFERENCE).passed
+    assert not _logprob_check("x", found(drafts=0), REFERENCE, REFERENCE).passed  # nothing speculative was checked
+    assert _logprob_check("x", found(), REFERENCE, None).passed  # no HF forward: plain vLLM alone judges
 
 
 def test_a_skipped_check_is_counted_apart():

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_specrl.proposer.eagle3_config import TARGET_ARCHS
 from vllm_specrl.selftest.engine_job import RESULT_TAG
 from vllm_specrl.selftest.stats import per_position_pvalues
 
@@ -161,10 +162,11 @@ def _logprob_check(name: str, found: dict, plain: list, hf: list | None) -> Chec
         gaps["HF"] = _largest_gap(found["logprobs"], hf)
     worst = max(max(g) for g in gaps.values())
     tokens = sum(len(item["token_ids"]) for item in found["logprobs"])
-    detail = (f"{tokens} sampled tokens at T = 1: largest |logprob difference| sampled / prompt "
-              + ", ".join(f"{k} {g[0]:.1e} / {g[1]:.1e}" for k, g in gaps.items())
+    drafts = int((found.get("spec_decode") or {}).get("num_drafts", 0))
+    detail = (f"{tokens} sampled tokens at T = 1, {drafts} drafts verified: largest |logprob difference| sampled / "
+              "prompt " + ", ".join(f"{k} {g[0]:.1e} / {g[1]:.1e}" for k, g in gaps.items())
               + f" (bound {LOGPROB_TOLERANCE:g})")
-    return Check(name, worst <= LOGPROB_TOLERANCE, detail)
+    return Check(name, worst <= LOGPROB_TOLERANCE and drafts > 0, detail)
 
 
 def _sleep_check(model: str, base: dict, settings: Settings, progress: Callable[[str], None]) -> Check:
@@ -242,7 +244,13 @@ def selftest(settings: Settings, progress: Callable[[str], None] = print) -> lis
             return [Check("plain vLLM runs", False, plain["error"])]
         logprobs = {"prompts": GREEDY_PROMPTS, "tokens": LOGPROB_TOKENS} if "logprobs" in groups else None
         with_logprobs: dict[str, dict] = {}
-        if {"eagle3", "updates", "capture", "status", "logprobs"} & set(groups):
+        eagle3_groups = {"eagle3", "updates", "capture", "status", "logprobs"} & set(groups)
+        architectures = json.loads((Path(model) / "config.json").read_text()).get("architectures", [])
+        if eagle3_groups and not set(architectures) & set(TARGET_ARCHS):
+            checks += [Check(f"EAGLE-3 ({g})", True, f"an EAGLE-3 draft needs one of {', '.join(TARGET_ARCHS)} as its "
+                             f"target, not {', '.join(architectures)}", skipped=True) for g in sorted(eagle3_groups)]
+            eagle3_groups = set()
+        if eagle3_groups:
             draft, fresh = Path(tmp) / "draft", Path(tmp) / "fresh-draft"
             vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
             init_draft(model, draft, draft_vocab_size=vocab // 2, seed=0)
