@@ -72,6 +72,9 @@ def test_a_switch_without_effect_is_named_with_what_it_needs():
     assert "capture_fraction" in ineffective({"capture_fraction": 0.5}, None, eagle, environ={})[0]
     assert ineffective({"capture": "tcp://127.0.0.1:5557", "capture_fraction": 0.5}, None, eagle, environ={}) == []
     assert "neither 0 nor 1" in ineffective({}, None, eagle, environ={"VLLM_SPECRL_FAST_SAMPLING": "off"})[0]
+    assert ineffective({"drafter": {"on_damage": "report"}}, None, eagle, environ={}) == []
+    history = _Spec("custom_class", HISTORY_PROPOSER)
+    assert "no draft model to keep" in ineffective({"drafter": {}}, None, history, environ={})[0]
 
 
 def test_the_server_reads_the_scheduler_and_proposer_off_vllms_config():

@@ -113,6 +113,8 @@ def ineffective(additional: Mapping[str, Any], scheduler_cls: str | None, specul
         found.append("adaptive_k is set but nothing is speculated (no --speculative-config)")
     if "history" in additional and str(getattr(speculative, "model", "")) != HISTORY_PROPOSER:
         found.append(f"history is set but the proposer is {method or 'none'}: the history index is not used")
+    if "drafter" in additional and method not in ("eagle", "eagle3", "mtp", "draft_model"):
+        found.append(f"drafter is set but the proposer is {method or 'none'}: there is no draft model to keep")
     capture_knobs = sorted(k for k in additional if k.startswith("capture_"))
     if capture_knobs and not additional.get("capture"):
         found.append(f"{', '.join(capture_knobs)} set without capture: they apply only once capture starts "

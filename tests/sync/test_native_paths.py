@@ -9,11 +9,12 @@ native API with a label (``finish_weight_update(weight_version="5")``), ``reload
 verl- and NeMo-RL-style extensions do (counted). A native draft update whose ``d2t`` maps outside the
 vocabulary is refused with the reason before anything of it loads and the engine serves on unchanged
 (vLLM alone leaves its layerwise reload half done and every later step fails); a drafter whose weights
-are changed behind the plugin's back (zeroed in place) is reported by its fingerprint.
+are changed behind the plugin's back (zeroed in place) is seen by its fingerprint and repaired from the
+host copy (``vllm_specrl.lifecycle``; tests/lifecycle/ checks what it serves afterwards).
 
 What would fail: a path whose change is not counted (version stays), a label not taken, the prefix cache
 not reset (the prompt hits its old blocks), a draft refused only after part of it loaded (outputs
-change or the engine fails), an emptied drafter not reported.
+change or the engine fails), an emptied drafter not repaired.
 
 Engines: one in-process engine (the zygote's snippet); its outputs compared with its own before/after.
 """
@@ -165,8 +166,9 @@ def test_a_malformed_native_draft_update_is_refused_and_serving_is_unchanged(nat
     assert r["after_bad_user_draft"]["watch"]["draft_mismatch"] is None
 
 
-def test_a_drafter_changed_behind_the_plugins_back_is_reported(native_run):
+def test_a_drafter_changed_behind_the_plugins_back_is_repaired(native_run):
     r = native_run
     assert r["draft"]["watch"]["draft_mismatch"] is None
-    mismatch = r["zeroed"]["watch"]["draft_mismatch"]
-    assert mismatch and "zero_draft" in mismatch["after"], r["zeroed"]["watch"]
+    watch = r["zeroed"]["watch"]
+    assert watch["repairs"] == {"collective_rpc": 1} and watch["draft_mismatch"] is None, watch
+    assert watch["last_repair"]["repaired"] and "zero_draft" in watch["last_repair"]["after"]

@@ -37,13 +37,6 @@ class WeightWatchRPCs:
             watch.note(event="label_kept_apart", target=target, label=text, version=stager.versions[target])
         return {"ok": True, "versions": dict(stager.versions)}
 
-    def specrl_check_draft(self, event: str) -> dict:
-        """After a call that changed no weights on purpose: is the draft still the one published?"""
-        from vllm_specrl.lifecycle.worker import verify_draft
-
-        outcome = verify_draft(self, event)
-        return {"ok": True, "mismatch": watch_of(self).mismatch, "drafter": outcome}
-
     def _specrl_after_change(self, target: str, event: str) -> dict | None:
         """The draft's fingerprint after a change of ``target``: a draft update (or, where the policy's own
         MTP layers draft, a policy update) publishes it; any other change must leave it as it was."""
