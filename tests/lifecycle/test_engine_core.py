@@ -95,3 +95,19 @@ def test_report_mode_raises_the_alarm_without_a_repair(tmp_path, monkeypatch):
     life.after_step(core, model_executed=False)
     assert life.collapse["active"] and not life.collapse["repair_tried"]
     assert life.collapse["after_event"]["event"] == "no event seen" and core.model_executor.calls == []
+
+
+def test_a_half_loaded_drafter_inside_a_native_session_is_left_alone(monkeypatch):
+    """A periodic check that lands between a native session's chunks must not 'repair' the update away."""
+    from vllm_specrl.lifecycle import worker as lifecycle_worker
+    from vllm_specrl.sync.weight_watch import watch_of
+
+    stand_in = NS(model_runner=NS(drafter=NS(model=object())))
+    monkeypatch.setattr(lifecycle_worker, "served_models", lambda w: {"policy": [], "draft": [object()]})
+    monkeypatch.setattr(lifecycle_worker, "draft_fingerprint", lambda w: "half-loaded")
+    watch = watch_of(stand_in)
+    watch.published_fingerprint, watch.session, watch.session_kind = "published", "draft", "native"
+    assert lifecycle_worker.verify_draft(stand_in, "periodic check")["action"] == "none"
+    watch.session = None
+    stand_in._specrl_drafter_config = lifecycle_worker.DrafterConfig(on_damage="report")
+    assert lifecycle_worker.verify_draft(stand_in, "periodic check")["action"] == "reported"

@@ -83,6 +83,8 @@ def verify_draft(worker: Any, event: str, force: bool = False) -> dict:
     if not served_models(worker)["draft"]:
         return {"action": "none", "draft": False}
     watch = watch_of(worker)
+    if watch.session is not None:  # a native session or reload is loading: half-loaded is not damage
+        return {"action": "none", "session_open": watch.session_kind}
     if watch.published_fingerprint is None:
         publish_fingerprint(worker)
         return {"action": "none"}
