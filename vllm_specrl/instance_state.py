@@ -151,3 +151,24 @@ def own_instance_dir_cleanup() -> None:
     if not getattr(own_instance_dir_cleanup, "_registered", False):
         atexit.register(remove_own_instance_dir)
         own_instance_dir_cleanup._registered = True  # type: ignore[attr-defined]
+
+
+def read_engine_states(prefix: str, directory: Path | None = None) -> dict[int, dict]:
+    """Every engine core's latest ``<prefix>-dp<rank>.json`` in the serve instance's directory, by data-parallel
+    rank (a file being replaced or unreadable is skipped)."""
+    import re
+
+    directory = directory or instance_dir()
+    pattern = re.compile(rf"{re.escape(prefix)}-dp(\d+)\.json$")
+    out = {}
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return out
+    for name in names:
+        if match := pattern.match(name):
+            try:
+                out[int(match.group(1))] = json.loads((directory / name).read_text())
+            except (OSError, ValueError):
+                continue
+    return out

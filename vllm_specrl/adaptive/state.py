@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 from pathlib import Path
 
-from vllm_specrl.instance_state import instance_dir
+from vllm_specrl.instance_state import read_engine_states
 
-_NAME = re.compile(r"adaptive-k-dp(\d+)\.json$")
 
 
 def state_path(directory: Path, dp_rank: int = 0) -> Path:
@@ -46,20 +44,7 @@ def remove(path: Path) -> None:
 
 def read_all(directory: Path | None = None) -> dict[int, dict]:
     """Every engine core's latest state, by data-parallel rank."""
-    directory = directory or instance_dir()
-    out = {}
-    try:
-        names = sorted(os.listdir(directory))
-    except OSError:
-        return out
-    for name in names:
-        match = _NAME.match(name)
-        if match:
-            try:
-                out[int(match.group(1))] = json.loads((directory / name).read_text())
-            except (OSError, ValueError):
-                continue
-    return out
+    return read_engine_states("adaptive-k", directory)
 
 
 def read(directory: Path | None = None) -> dict | None:

@@ -3,16 +3,12 @@ instance's shared directory, as adaptive k does), and the gauges the API servers
 
 from __future__ import annotations
 
-import json
-import os
-import re
 from pathlib import Path
 
 from vllm_specrl.adaptive.state import publish, remove
-from vllm_specrl.instance_state import instance_dir
+from vllm_specrl.instance_state import read_engine_states
 
 __all__ = ["export_gauges", "publish", "read_all", "remove", "state_path"]
-_NAME = re.compile(r"drafter-dp(\d+)\.json$")
 
 
 def state_path(directory: Path, dp_rank: int = 0) -> Path:
@@ -21,19 +17,7 @@ def state_path(directory: Path, dp_rank: int = 0) -> Path:
 
 def read_all(directory: Path | None = None) -> dict[int, dict]:
     """Every engine core's latest drafter state, by data-parallel rank."""
-    directory = directory or instance_dir()
-    out = {}
-    try:
-        names = sorted(os.listdir(directory))
-    except OSError:
-        return out
-    for name in names:
-        if match := _NAME.match(name):
-            try:
-                out[int(match.group(1))] = json.loads((directory / name).read_text())
-            except (OSError, ValueError):
-                continue
-    return out
+    return read_engine_states("drafter", directory)
 
 
 def export_gauges(directory: Path | None = None) -> dict[int, dict]:
