@@ -144,7 +144,9 @@ def test_without_a_rollback_point_nothing_is_held_and_a_failed_apply_pauses(serv
     client = EngineClient(server.url, api_key=API_KEY, progress=False)
     for worker in client.status()["workers"]:
         held = worker["sync"]["host_bytes"]
-        assert held["total"] == 0 and held["keep_last_good"]["policy"] is False, held
+        # nothing of the policy is held; what is, is the draft's host copy (the drafter's repair source)
+        assert held["last_good"]["policy"] == 0 and held["keep_last_good"]["policy"] is False, held
+        assert held["total"] == held["last_good"]["draft"], held
     weights = load_file(tiny_model / "model.safetensors")
     with pytest.raises(WeightSyncError, match="no rollback point"):
         client.update_policy(weights, version=FAILS_APPLYING)

@@ -160,7 +160,7 @@ class GRPOLoop:
     def report_logprobs(self, result: StepResult) -> dict | None:
         """The step's |trainer logprob - served logprob| over its on-policy tokens, sent to the engine's
         status and metrics (an alert on it catches a logprob path gone lossy); None without such tokens."""
-        diffs = result.on_policy_logprob_abs_diff()
+        diffs = result.on_policy_logprob_abs_diff() if result.logprobs else []
         if not diffs or not sum(d.numel() for d in diffs):
             return None
         flat = torch.cat([d.reshape(-1) for d in diffs])
