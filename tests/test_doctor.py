@@ -41,7 +41,7 @@ def test_doctor_lists_every_patch_installed_where_it_applies():
     assert found["touch_points"]["checked"] == len(REGISTRY.touch_points()) and not found["touch_points"]["failing"]
     per_object = {"capture_tap", "capture_tap.sample_tokens", "capture_tap.compute_logprobs", "draft_recorder",
                   "deferred_draft_kv.propose", "weight_watch.load_weights", "native_api.collective_rpc",
-                  "native_api.update_weight_version", "native_api.wake_up"}
+                  "native_api.update_weight_version", "native_api.wake_up", "drafter_lifecycle.update_from_output"}
     for name, row in rows.items():
         if name in per_object:  # installed per runner, drafter, served model or engine client, once one exists
             assert row["state"] == "declared", row
