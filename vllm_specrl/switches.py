@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_specrl.adaptive import SCHEDULER_CLS as ADAPTIVE_K_SCHEDULER
+from vllm_specrl.lifecycle.config import DRAFT_MODEL_METHODS
 
 HISTORY_PROPOSER = "vllm_specrl.proposer.history.HistoryProposer"
 
@@ -113,7 +114,7 @@ def ineffective(additional: Mapping[str, Any], scheduler_cls: str | None, specul
         found.append("adaptive_k is set but nothing is speculated (no --speculative-config)")
     if "history" in additional and str(getattr(speculative, "model", "")) != HISTORY_PROPOSER:
         found.append(f"history is set but the proposer is {method or 'none'}: the history index is not used")
-    if "drafter" in additional and method not in ("eagle", "eagle3", "mtp", "draft_model"):
+    if "drafter" in additional and method not in DRAFT_MODEL_METHODS:
         found.append(f"drafter is set but the proposer is {method or 'none'}: there is no draft model to keep")
     capture_knobs = sorted(k for k in additional if k.startswith("capture_"))
     if capture_knobs and not additional.get("capture"):

@@ -18,7 +18,7 @@ class Executor:
 
     def collective_rpc(self, method, args=()):
         self.calls.append((method, args))
-        return [dict(self.answer)]
+        return [{"ok": True, "drafter": dict(self.answer)}]
 
 
 def make_core(tmp_path, monkeypatch, drafter: dict, answer: dict | None = None):
@@ -57,7 +57,7 @@ def test_refuse_gates_the_scheduler_until_a_draft_update(tmp_path, monkeypatch):
     assert core.scheduler.dynamic_sd_lookup == [0] * 5 and life.refusing["after"] == "collective_rpc(f)"
     life.check(core, "periodic check")  # still refused: the first cause stays
     assert life.refusing["after"] == "collective_rpc(f)"
-    life.handle(core, "draft update", [{"action": "published"}])
+    life.handle(core, "draft update", [{"ok": True, "drafter": {"action": "published"}}])
     assert core.scheduler.dynamic_sd_lookup == [3, 3, 2, 2, 1] and life.refusing is None
 
 

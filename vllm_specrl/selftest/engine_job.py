@@ -40,14 +40,15 @@ def _logprobs(llm: Any, prompts: list[str], tokens: int) -> list[dict]:
     outs = llm.generate(prompts, [SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True, seed=100 + i,
                                                  logprobs=0, prompt_logprobs=0) for i in range(len(prompts))],
                         use_tqdm=False)
-    found = []
-    for out in outs:
-        sample = out.outputs[0]
-        found.append({"prompt_ids": list(out.prompt_token_ids), "token_ids": list(sample.token_ids),
-                      "logprobs": [step[t].logprob for step, t in zip(sample.logprobs, sample.token_ids)],
-                      "prompt_logprobs": [None if step is None else step[t].logprob
-                                          for step, t in zip(out.prompt_logprobs, out.prompt_token_ids)]})
-    return found
+    return [{"prompt_ids": list(out.prompt_token_ids), "token_ids": list(out.outputs[0].token_ids),
+             "logprobs": _token_logprobs(out.outputs[0].logprobs, out.outputs[0].token_ids),
+             "prompt_logprobs": _token_logprobs(out.prompt_logprobs, out.prompt_token_ids)} for out in outs]
+
+
+def _token_logprobs(steps: list, tokens: list[int]) -> list[float | None]:
+    """Each token's logprob from vLLM's per-position logprob dicts (None where vLLM gives none: a prompt's
+    first token)."""
+    return [None if step is None else step[t].logprob for step, t in zip(steps, tokens)]
 
 
 def _score(llm: Any, sequences: list[list[int]]) -> list[list[float | None]]:
@@ -57,19 +58,19 @@ def _score(llm: Any, sequences: list[list[int]]) -> list[list[float | None]]:
 
     outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences],
                         SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    return [[None if step is None else step[t].logprob for step, t in zip(o.prompt_logprobs, o.prompt_token_ids)]
-            for o in outs]
+    return [_token_logprobs(o.prompt_logprobs, o.prompt_token_ids) for o in outs]
 
 
 def _sleep_cycle(llm: Any, prompts: list[str], max_tokens: int) -> dict:
     """Greedy outputs and acceptance, then ``sleep(level=2)`` (weights discarded), ``wake_up``, the policy
     reloaded from its checkpoint (as an RL job reloads it), and the same again. Where sleep mode exists
     only (not the CPU): written against vLLM 0.32's ``LLM.sleep``/``wake_up``, not run here."""
+    from vllm_specrl.metrics import summary_delta
+
     def served() -> dict:
         before = _spec_decode(llm)
         tokens = _greedy(llm, prompts, max_tokens)
-        after = _spec_decode(llm)
-        return {"tokens": tokens, "spec_decode": {k: after[k] - before[k] for k in ("num_drafts", "num_accepted_tokens")}}
+        return {"tokens": tokens, "spec_decode": summary_delta(before, _spec_decode(llm))}
 
     first = served()
     llm.sleep(level=2)

@@ -122,9 +122,23 @@ def _update_checks(plain_greedy: list[list[int]], found: dict) -> list[Check]:
     ]
 
 
+def model_config(model: str) -> dict:
+    """The checkpoint's config.json."""
+    return json.loads((Path(model) / "config.json").read_text())
+
+
+def random_draft(model: str, out: Path, seed: int) -> Path:
+    """A random EAGLE-3 draft for ``model`` with half its vocabulary (the ``d2t``/``t2d`` maps served too):
+    losslessness must hold whatever the draft proposes."""
+    from vllm_specrl.proposer.checkpoint import init_draft
+
+    init_draft(model, out, draft_vocab_size=model_config(model)["vocab_size"] // 2, seed=seed)
+    return out
+
+
 def has_mtp_layers(model: str) -> bool:
     """The checkpoint ships MTP layers vLLM drafts with (MiMo's, DeepSeek-style ``num_nextn_predict_layers``)."""
-    config = json.loads((Path(model) / "config.json").read_text())
+    config = model_config(model)
     return (any("MiMo" in a for a in config.get("architectures", []))
             or int(config.get("num_nextn_predict_layers") or 0) > 0)
 
@@ -175,7 +189,6 @@ def _sleep_check(model: str, base: dict, settings: Settings, progress: Callable[
     where vLLM has no sleep mode (the CPU)."""
     from vllm.platforms import current_platform
 
-    from vllm_specrl.proposer.checkpoint import init_draft
     from vllm_specrl.rl.serving import serve_args
 
     name = "drafter survives sleep/wake"
@@ -184,10 +197,8 @@ def _sleep_check(model: str, base: dict, settings: Settings, progress: Callable[
                      skipped=True)
     progress("[selftest] EAGLE-3 through a level-2 sleep and wake-up")
     with tempfile.TemporaryDirectory(prefix="specrl-selftest-sleep-") as tmp:
-        vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-        init_draft(model, Path(tmp) / "draft", draft_vocab_size=vocab // 2, seed=0)
-        found = run_engine({**base, "speculative_config": serve_args("eagle3", draft=Path(tmp) / "draft")
-                            .speculative_config, "plugin": True, "sleep": True}, plugin=True,
+        draft = random_draft(model, Path(tmp) / "draft", seed=0)
+        found = run_engine({**base, "speculative_config": serve_args("eagle3", draft=draft).speculative_config, "plugin": True, "sleep": True}, plugin=True,
                            timeout_s=settings.timeout_s, env=settings.env)
     if "error" in found:
         return Check(name, False, found["error"])
@@ -225,7 +236,6 @@ def _status_check(found: dict) -> Check:
 
 def selftest(settings: Settings, progress: Callable[[str], None] = print) -> list[Check]:
     """Run the checks of ``settings.groups``; one ``Check`` per promise."""
-    from vllm_specrl.proposer.checkpoint import init_draft
     from vllm_specrl.rl.serving import serve_args
     from vllm_specrl.server import free_port
 
@@ -245,16 +255,14 @@ def selftest(settings: Settings, progress: Callable[[str], None] = print) -> lis
         logprobs = {"prompts": GREEDY_PROMPTS, "tokens": LOGPROB_TOKENS} if "logprobs" in groups else None
         with_logprobs: dict[str, dict] = {}
         eagle3_groups = {"eagle3", "updates", "capture", "status", "logprobs"} & set(groups)
-        architectures = json.loads((Path(model) / "config.json").read_text()).get("architectures", [])
+        architectures = model_config(model).get("architectures", [])
         if eagle3_groups and not set(architectures) & set(TARGET_ARCHS):
             checks += [Check(f"EAGLE-3 ({g})", True, f"an EAGLE-3 draft needs one of {', '.join(TARGET_ARCHS)} as its "
                              f"target, not {', '.join(architectures)}", skipped=True) for g in sorted(eagle3_groups)]
             eagle3_groups = set()
         if eagle3_groups:
-            draft, fresh = Path(tmp) / "draft", Path(tmp) / "fresh-draft"
-            vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-            init_draft(model, draft, draft_vocab_size=vocab // 2, seed=0)
-            init_draft(model, fresh, draft_vocab_size=vocab // 2, seed=1)
+            draft = random_draft(model, Path(tmp) / "draft", seed=0)
+            fresh = random_draft(model, Path(tmp) / "fresh-draft", seed=1)
             job = {**base, "speculative_config": serve_args("eagle3", draft=draft).speculative_config, "plugin": True, "seed": 5, "fresh_draft": str(fresh),
                    "samples": samples if "eagle3" in groups else None, "updates": "updates" in groups,
                    "logprobs": logprobs,

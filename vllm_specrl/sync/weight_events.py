@@ -71,7 +71,7 @@ def observe(core: Any, event: str) -> list[str]:
         answers = _workers(core, "specrl_note_weight_change", target, version, event)
         logger.info("vllm-specrl: %s changed by %s: version %d", target, event, version)
         if life is not None:
-            life.handle(core, event, [a.get("drafter") for a in answers if isinstance(a, dict)])
+            life.handle(core, event, answers)
     if "policy" in changed:
         core.reset_prefix_cache(reset_running_requests=True)
         REGISTRY.original(LABEL_PATCH.name)(core, str(versions["policy"] + 1))
@@ -96,7 +96,7 @@ def _collective_rpc(inner: Any) -> Any:
             answers = inner(self, method, timeout, args, kwargs)
             life = lifecycle_of(self)
             if life is not None:  # the plugin's own commit: a draft publish, or a policy update checked
-                life.handle(self, "plugin update", [a.get("drafter") for a in answers if isinstance(a, dict)])
+                life.handle(self, "plugin update", answers)
             return answers
         try:
             return inner(self, method, timeout, args, kwargs)

@@ -149,9 +149,10 @@ class SpecRLWorkerExtension(WeightWatchRPCs, DrafterRPCs):
         try:
             return {"ok": True, **self._specrl_stager().stage(update_id, tensors, owned, shared)}
         except WeightUpdateError as exc:
-            if set(tensors) & self._specrl_draft_names():
+            draft_names = self._specrl_draft_names() & set(tensors)
+            if draft_names:
                 exc.problems = [f"{p} (the draft's tensor: a policy update never reaches the drafter; send the "
-                                "draft as a draft update)" if p.split(":")[0] in self._specrl_draft_names() else p
+                                "draft as a draft update)" if p.split(":")[0] in draft_names else p
                                 for p in exc.problems]
             return _refusal(exc)
 
@@ -264,12 +265,17 @@ class SpecRLWorkerExtension(WeightWatchRPCs, DrafterRPCs):
                              f"version stays {serving}, update {update_id} closed"}
         finished = stager.finish(session, time.perf_counter() - t0)
         self._specrl_tell_proposer()
-        if session.target == "policy" and self._specrl_drafts_with_mtp() and not session.keep_mtp:
-            # the policy's MTP layers came with it: they are the drafter's good set now
-            stager.last_good["draft"] = {k: v for k, v in session.staged.items()
-                                         if engine_config.is_mtp_tensor(self, k)}
+        if session.target == "policy" and not session.keep_mtp:
+            self._specrl_keep_mtp_layers(session.staged)  # the policy's MTP layers came with it
         outcome = self._specrl_own_commit(session.target)
         return {"ok": True, **finished, "drafter": outcome}
+
+    def _specrl_keep_mtp_layers(self, policy: dict) -> None:
+        """Where the policy's own MTP layers draft, the MTP layers of the policy set now serving are the
+        drafter's good set (what a repair restores)."""
+        if self._specrl_drafts_with_mtp():
+            self._specrl_stager().last_good["draft"] = {k: v for k, v in policy.items()
+                                                        if engine_config.is_mtp_tensor(self, k)}
 
     def _specrl_own_commit(self, target: str) -> dict | None:
         """After the plugin's own commit (or rollback) of ``target``: its set is the known good one."""
@@ -298,9 +304,8 @@ class SpecRLWorkerExtension(WeightWatchRPCs, DrafterRPCs):
             return {"ok": True, "rolled_back": False}
         target, version, tensors = undo
         error = self._specrl_restore(target, tensors)
-        if target == "policy" and self._specrl_drafts_with_mtp() and isinstance(tensors, dict):
-            self._specrl_stager().last_good["draft"] = {k: v for k, v in tensors.items()
-                                                        if engine_config.is_mtp_tensor(self, k)}
+        if target == "policy" and isinstance(tensors, dict):
+            self._specrl_keep_mtp_layers(tensors)
         self._specrl_tell_proposer()
         self._specrl_own_commit(target)
         return {"ok": error is None, "rolled_back": error is None, "target": target, "version": version,
