@@ -42,7 +42,7 @@ build_draft = if [ ! -f $(1)/trainer_meta.json ] || [ "$$(cat $(1)/make_args 2>/
 	echo "[draft] building $(1) (missing, or built with other arguments or recipe)"; \
 	rm -rf $(1) && $(TRAIN_DRAFT) --draft $(1) $(2) && echo "$(strip $(2)) recipe=$(DRAFT_RECIPE)" > $(1)/make_args; fi
 
-.PHONY: setup fixtures draft demo demo-plan demo-full demo-rollouts rl-run test test-all test-slow bench doctor selftest \
+.PHONY: setup fixtures draft demo demo-plan demo-full demo-rollouts rl-run test test-all test-slow bench doctor selftest check-vllm \
 	clean-fixtures
 
 setup:
@@ -103,6 +103,13 @@ test-slow: fixtures
 
 doctor: setup
 	@$(VENV)/bin/vllm-specrl doctor
+
+# `make check-vllm VERSION=0.34.0`: a vLLM release that cannot run here, checked before users install it:
+# its source touch point by touch point, then an import-only environment (its Python, no compiled kernels)
+# in which the plugin registers the package's methods and vLLM resolves them (scripts/check_vllm_import.sh).
+VERSION ?= 0.34.0
+check-vllm: fixtures
+	@bash scripts/check_vllm_import.sh $(VERSION)
 
 selftest: fixtures
 	@$(VENV)/bin/vllm-specrl selftest --model $(FIXTURES)/tiny/target

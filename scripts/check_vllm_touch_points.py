@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vllm_specrl import patches  # noqa: E402,F401 - declares every patch and read
 from vllm_specrl.compat.registry import REGISTRY  # noqa: E402
-from vllm_specrl.compat.source_check import compare, source_root, version_of  # noqa: E402
+from vllm_specrl.compat.source_check import compare, runner_of_source, source_root, version_of  # noqa: E402
 
 
 def markdown_table() -> str:
@@ -40,10 +40,14 @@ def markdown_table() -> str:
         why = patch.why + (f" Repro: `{patch.repro}`." if patch.repro else "")
         out.append(f"| `{patch.name}` | `{patch.target}` | {patch.scope} | `{patch.switch}` | "
                    f"{'; '.join(patch.checked_on)} | {why.replace('|', '/')} |")
-    out += ["", "## Read without patching", "", "| File | Name | Kind | Used for |", "|---|---|---|---|"]
+    out += ["", "## Read without patching", "",
+            "Runner: `any` must hold on every supported vLLM; `v1` only where the V1 model runner serves (vLLM 0.32, "
+            "0.33); `mrv2` only where Model Runner V2 takes registered speculators (vLLM 0.34).", "",
+            "| File | Name | Kind | Runner | Used for |", "|---|---|---|---|---|"]
     for point in REGISTRY.touch_points():
         if not point.used_for.startswith("patch "):
-            out.append(f"| `vllm/{point.file}` | `{point.name or '-'}` | `{point.kind}` | {point.used_for} |")
+            out.append(f"| `vllm/{point.file}` | `{point.name or '-'}` | `{point.kind}` | {point.runner} | "
+                       f"{point.used_for} |")
     return "\n".join(out) + "\n"
 
 
@@ -60,18 +64,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ref_root, ref_name = source_root(None, None)
     new_root, new_name = source_root(args.wheel, args.tree)
-    rows, failures = compare(REGISTRY, ref_root, new_root)
+    runner = runner_of_source(new_root)
+    rows, failures = compare(REGISTRY, ref_root, new_root, runner)
     for row in rows:
         print(f"{row['verdict']:28s} {row['file']}::{row['name']}")
         if row["verdict"] == "changed" or row["verdict"].startswith("patch skips"):
             print(f"{'':28s}   {row['reference']}\n{'':28s} ->{row['checked']}")
     report = {"reference": {"what": ref_name, "version": version_of(ref_root)},
-              "checked": {"what": new_name, "version": version_of(new_root)},
+              "checked": {"what": new_name, "version": version_of(new_root), "runner": runner},
               "touch_points": len(rows), "missing_or_changed": failures, "rows": rows}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"{len(rows)} touch points, {failures} missing, changed or skipping a patch "
+    print(f"{len(rows)} touch points of the {runner} runner, {failures} missing, changed or skipping a patch "
           f"({report['checked']['version']} vs {report['reference']['version']})")
     return 1 if failures else 0
 

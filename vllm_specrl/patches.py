@@ -22,6 +22,8 @@ from vllm_specrl.compat.cpu_seeded_rewind import SEEDED_REWIND_PATCH, install_cp
 from vllm_specrl.compat.cpu_start_method import START_METHOD_PATCH, install_cpu_start_method
 from vllm_specrl.compat.registry import REGISTRY
 from vllm_specrl.lifecycle.engine_core import POST_STEP_PATCH, install_drafter_lifecycle
+from vllm_specrl.mrv2 import touch_points as mrv2_touch_points  # noqa: F401 - declares the port's reads
+from vllm_specrl.mrv2.registration import register_speculative_methods
 from vllm_specrl.proposer.custom_binding import CUSTOM_BINDING_PATCH, install_custom_proposer_binding
 from vllm_specrl.proposer.deferred_kv import DEFERRED_KV_PATCH, install_deferred_draft_kv
 from vllm_specrl.proposer.eagle3_config import register_eagle3_architecture
@@ -67,6 +69,8 @@ EVERY_PROCESS = (
     Step("gloo_weight_transfer_backend", "specrl_gloo weight-transfer backend (worker and trainer)",
          register_gloo_weight_transfer_backend),
     Step("cpu_start_method", "engine start method on CPU", install_cpu_start_method, (START_METHOD_PATCH.name,)),
+    Step("speculative_methods", "specrl_eagle3 / specrl_mtp / specrl_history speculative methods (Model Runner V2)",
+         register_speculative_methods),
 )
 # Processes that run a model (engine core, workers, or an in-process engine).
 WORKER = (
@@ -92,3 +96,19 @@ WORKER = (
     Step("drafter_lifecycle", "drafter checks, repairs and the collapse alarm between steps (engine core)",
          install_drafter_lifecycle, (POST_STEP_PATCH.name,)),
 )
+
+# What carries over to Model Runner V2 (vLLM >= 0.34): registrations, the weight watch on the worker and
+# the engine core's events and lifecycle (their vLLM methods are unchanged). The rest patches the V1 runner,
+# its sampler and proposers (removed in 0.34) or the CPU platform (no CPU build of 0.34 exists); the
+# registered speculators serve instead (docs/vllm-0.34-port-map.md).
+MRV2_STEPS = frozenset({"model_architecture", "weight_transfer_backend", "gloo_weight_transfer_backend",
+                        "speculative_methods", "weight_watch", "weight_events", "drafter_lifecycle"})
+
+
+def steps_for(runner: str, runs_model: bool) -> tuple[list[Step], list[Step]]:
+    """(the steps to install, the steps left out as not ported) for a vLLM whose speculators run on
+    ``runner`` (``v1`` or ``mrv2``), in a process that runs a model or not."""
+    steps = list(EVERY_PROCESS) + (list(WORKER) if runs_model else [])
+    if runner != "mrv2":
+        return steps, []
+    return [s for s in steps if s.key in MRV2_STEPS], [s for s in steps if s.key not in MRV2_STEPS]

@@ -40,9 +40,11 @@ def _install_registrations() -> list[str]:
     """Everything the plugin installs (``vllm_specrl.patches``), each guarded: a failure is logged, never
     raised."""
     from vllm_specrl import patches
+    from vllm_specrl.mrv2.registration import has_speculator_registry
 
-    steps = list(patches.EVERY_PROCESS) + (list(patches.WORKER) if _runs_model_here() else [])
-    done = []
+    runner = "mrv2" if has_speculator_registry() else "v1"
+    steps, not_ported = patches.steps_for(runner, _runs_model_here())
+    done = [f"{step.key}: not ported to Model Runner V2 (a V1-runner or CPU-only patch)" for step in not_ported]
     for step in steps:
         result = patches.install_step(step)
         if result.startswith("failed"):
@@ -90,12 +92,27 @@ def register() -> None:
                           reason=f"vLLM {version} is outside {vllm_versions.SUPPORTED_RANGE}")
             log_early(
                 logging.WARNING,
-                "vllm-specrl %s supports vLLM %s (0.32.x and 0.33.x) but found %s: "
-                "the plugin registers nothing and vLLM runs unchanged",
-                __version__, vllm_versions.SUPPORTED_RANGE, version)
+                "vllm-specrl %s supports vLLM %s (%s) but found %s: the plugin registers nothing and "
+                "vLLM runs unchanged; the package's methods, routes and worker extension refuse to run",
+                __version__, vllm_versions.SUPPORTED_RANGE, vllm_versions.SUPPORTED_TEXT, version)
             return
+        from vllm_specrl.mrv2.registration import has_speculator_registry
+
         _state.update(status="active", role=role, pid=pid, vllm=version, platform=_platform(),
-                      forked=pid != _IMPORTED_IN_PID,
+                      forked=pid != _IMPORTED_IN_PID, model_runner="mrv2" if has_speculator_registry() else "v1",
+                      validation=vllm_versions.validation(version),
                       vllm_specrl=__version__, registrations=_install_registrations())
         log_early(logging.INFO, "vllm-specrl %s plugin active in %s process (pid %d, vLLM %s)",
                     __version__, role, pid, version)
+
+
+class PluginDeclined(RuntimeError):
+    """A feature of the package was asked for on a vLLM the plugin declined."""
+
+
+def require_active() -> None:
+    """Raise where the plugin declined this process's vLLM: a feature asked for there must fail with the
+    reason, never run half-installed (a weight update without its watch, capture without its tap)."""
+    if _state.get("status") == "declined" and _state.get("pid") == os.getpid():
+        raise PluginDeclined(f"vllm-specrl {__version__}: {_state.get('reason')}; install a vLLM in "
+                             f"{vllm_versions.SUPPORTED_RANGE} ({vllm_versions.SUPPORTED_TEXT})")

@@ -12,7 +12,7 @@ import vllm
 
 from vllm_specrl import patches  # noqa: F401 - declares every patch and read
 from vllm_specrl.compat.registry import REGISTRY
-from vllm_specrl.compat.source_check import compare, patch_signatures, skipped_patches
+from vllm_specrl.compat.source_check import compare, patch_signatures, runner_of_source, skipped_patches
 
 from helpers import load_script
 
@@ -25,6 +25,7 @@ def _script():
 
 def test_every_touch_point_holds_in_the_installed_vllm():
     root = Path(vllm.__file__).parents[1]
+    assert runner_of_source(root) == "v1"   # vLLM 0.32: the V1 runner serves speculators
     rows, failures = compare(REGISTRY, root, root)
     assert failures == 0, [r for r in rows if r["verdict"] not in ("same", "same (touched names present)")]
     names = {(row["file"], row["name"]) for row in rows}
@@ -68,4 +69,48 @@ def test_the_checked_0_33_report_covers_the_registry():
     report = json.loads((REPO / "docs" / "vllm_0.33.0_touch_points.json").read_text())
     assert report["checked"]["version"] == "0.33.0" and report["missing_or_changed"] == 0
     assert {(r["file"], r["name"]) for r in report["rows"]} == {
-        (f"vllm/{p.file}", p.name or p.kind) for p in REGISTRY.touch_points()}
+        (f"vllm/{p.file}", p.name or p.kind) for p in REGISTRY.touch_points("v1")}
+
+
+def test_the_checked_0_34_report_covers_what_model_runner_v2_needs():
+    """The committed check of vLLM 0.34.0's source (``make check-vllm VERSION=0.34.0``) was made from this
+    registry's list for Model Runner V2: every touch point the port and the carried-over patches rely on,
+    and none of the V1 runner's, holds there."""
+    import json
+
+    report = json.loads((REPO / "docs" / "vllm_0.34.0_touch_points.json").read_text())
+    assert report["checked"]["version"] == "0.34.0" and report["checked"]["runner"] == "mrv2"
+    assert report["missing_or_changed"] == 0
+    expected = {(f"vllm/{p.file}", p.name or p.kind) for p in REGISTRY.touch_points("mrv2")}
+    assert {(r["file"], r["name"]) for r in report["rows"]} == expected
+    assert not any(p.runner == "v1" for p in REGISTRY.touch_points("mrv2"))
+    assert {r["runner"] for r in report["rows"]} == {"any", "mrv2"}
+
+
+def _tree(tmp_path: Path, propose_params: str, registry: bool = True) -> Path:
+    sd = tmp_path / "vllm" / "v1" / "worker" / "gpu" / "spec_decode"
+    sd.mkdir(parents=True)
+    (sd / "speculator_config.py").write_text(
+        "def register_speculative_method(name, config_cls):\n    pass\n" if registry else "X = 1\n")
+    (sd / "speculator.py").write_text(f"class BaseSpeculator:\n    def propose(self, {propose_params}):\n        pass\n")
+    return tmp_path
+
+
+def test_a_model_runner_v2_signature_drift_fails_the_check(tmp_path):
+    """A touch point with the signatures it was written for is held to them, whatever the reference says."""
+    from vllm_specrl.compat.registry import Registry, TouchPoint
+    from vllm_specrl.mrv2.touch_points import _PROPOSE
+
+    registry = Registry()
+    registry.reads(TouchPoint("v1/worker/gpu/spec_decode/speculator.py", "BaseSpeculator.propose", "function",
+                              "test", runner="mrv2", signatures=(_PROPOSE,)))
+    params = ", ".join(p.replace("=", "=None") for p in _PROPOSE[1:])
+    same = _tree(tmp_path / "same", params)
+    assert runner_of_source(same) == "mrv2"
+    rows, failures = compare(registry, same, same)
+    assert failures == 0 and rows[0]["verdict"].startswith("same")
+    drifted = _tree(tmp_path / "drift", params.replace("num_rejected, ", ""))
+    rows, failures = compare(registry, same, drifted)
+    assert failures == 1 and rows[0]["verdict"] == "changed"
+    v1 = _tree(tmp_path / "v1", params, registry=False)
+    assert runner_of_source(v1) == "v1" and compare(registry, same, v1)[0] == []   # not checked on a V1 vLLM

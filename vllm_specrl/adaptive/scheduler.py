@@ -156,7 +156,8 @@ def verified_drafts(scheduler_output: Any, model_runner_output: Any) -> list[tup
     from vllm_specrl.adaptive.calibrate import is_calibration_request
 
     verified = []
-    index = model_runner_output.req_id_to_index
+    # Rows are in ``req_ids`` order (vLLM 0.34 dropped ``req_id_to_index``, which 0.32 kept beside it).
+    index = {rid: row for row, rid in enumerate(model_runner_output.req_ids)}
     sampled = model_runner_output.sampled_token_ids
     for rid, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
         row = index.get(rid)

@@ -104,6 +104,8 @@ def install_capture_tap(runner: Any, on_step: Any) -> str:
     an instance override) or the one-pass verify takes at T = 1 (``raw_logprobs``: the tap takes no
     second one).
     """
+    if hasattr(runner, "speculator") and not hasattr(runner, "drafter"):
+        return _install_speculator_tee(runner, on_step)
     if getattr(runner, "_specrl_capture_on_step", None) is not None:
         runner._specrl_capture_on_step = on_step
         return "replaced"
@@ -158,8 +160,36 @@ def install_capture_tap(runner: Any, on_step: Any) -> str:
     return result
 
 
+class CaptureUnavailable(RuntimeError):
+    """Capture was asked of an engine whose drafter cannot tee its rows."""
+
+
+def _install_speculator_tee(runner: Any, on_step: Any) -> str:
+    """Model Runner V2 (vLLM >= 0.34): no runner patch; the registered capturing speculator's tee takes the
+    tap. Any other speculator cannot capture: say which method can, rather than capture nothing."""
+    tee = getattr(runner.speculator, "specrl_capture", None)
+    if tee is None:
+        method = getattr(getattr(runner, "speculative_config", None), "method", None)
+        raise CaptureUnavailable(
+            f"capture on Model Runner V2 (vLLM >= 0.34) needs a capturing speculator: serve with "
+            f"--speculative-config method 'specrl_eagle3' (an EAGLE-3 draft) or 'specrl_mtp' (MTP layers), "
+            f"not {method!r}")
+    replaced = tee.tap is not None
+    tee.tap = on_step
+    return "replaced" if replaced else "installed (Model Runner V2: the speculator's capture tee)"
+
+
+def speculator_tee(runner: Any) -> Any:
+    """The capture tee of a Model Runner V2 capturing speculator, or None."""
+    return getattr(getattr(runner, "speculator", None), "specrl_capture", None)
+
+
 def remove_capture_tap(runner: Any) -> None:
     """Take the tap off the runner (vLLM's methods, or the recorder's, again)."""
+    tee = speculator_tee(runner)
+    if tee is not None:
+        tee.tap = None
+        return
     if getattr(runner, "_specrl_capture_on_step", None) is None:
         return
     sampler = getattr(runner, "sampler", None)

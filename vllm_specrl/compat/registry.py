@@ -73,7 +73,8 @@ class Patch:
     def touch_point(self) -> TouchPoint:
         """What this patch relies on in vLLM's source: the patched function, with its parameters."""
         module, _, dotted = (self.defined_in or self.target).partition(":")
-        return TouchPoint(module_file(module), dotted, "function", f"patch {self.name}")
+        file = module_file(module)
+        return TouchPoint(file, dotted, "function", f"patch {self.name}")
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,30 @@ class TouchPoint:
     name: str
     kind: str
     used_for: str
+    # Which model runner relies on it: "any" (every supported vLLM), "v1" (vLLM 0.32 / 0.33's V1 runner,
+    # removed in 0.34), "mrv2" (the Model Runner V2 port, vLLM >= 0.34's registry of speculators).
+    runner: str | None = None  # None: from the file (``runner_of_file``)
+    # A function's parameter lists the package was written for (each as the check reads it); when set,
+    # the verdict is against these, not against the reference vLLM's.
+    signatures: tuple[tuple[str, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.runner is None:
+            object.__setattr__(self, "runner", runner_of_file(self.file))
+        if self.runner not in RUNNERS:
+            raise ValueError(f"touch point {self.name}: runner must be one of {RUNNERS}, not {self.runner!r}")
+
+
+RUNNERS = ("any", "v1", "mrv2")
+# vLLM sources only the V1 model runner uses: every one is gone or rewritten in vLLM 0.34, whose Model
+# Runner V2 the ``mrv2`` port serves instead.
+V1_RUNNER_FILES = ("v1/worker/gpu_model_runner.py", "v1/worker/cpu_model_runner.py", "v1/worker/gpu_input_batch.py",
+                   "v1/sample/", "v1/spec_decode/", "utils/cpu_triton_utils.py")
+
+
+def runner_of_file(file: str) -> str:
+    """``v1`` for a source only the V1 runner uses, else ``any``."""
+    return "v1" if file.startswith(V1_RUNNER_FILES) else "any"
 
 
 def module_file(module: str) -> str:
@@ -133,13 +158,14 @@ class Registry:
         """Declare vLLM internals the package reads (listed and checked with the patches' targets)."""
         self._reads.extend(p for p in points if p not in self._reads)
 
-    def touch_points(self) -> list[TouchPoint]:
-        """Every vLLM internal the package relies on: each patch's target, then every declared read."""
+    def touch_points(self, runner: str | None = None) -> list[TouchPoint]:
+        """Every vLLM internal the package relies on: each patch's target, then every declared read;
+        with ``runner`` (``v1`` or ``mrv2``) those a vLLM with that model runner must hold."""
         points = [p.touch_point() for p in sorted(self._declared.values(), key=lambda p: p.name)]
         unique: dict[tuple[str, str, str], TouchPoint] = {}
         for point in points + self._reads:
             unique.setdefault((point.file, point.name, point.kind), point)
-        return list(unique.values())
+        return [p for p in unique.values() if runner is None or p.runner in ("any", runner)]
 
     def patches(self) -> list[Patch]:
         return list(self._declared.values())

@@ -138,18 +138,34 @@ def skipped_patches(found: list[str], accepted: list[tuple[str, tuple[tuple[str,
 
 
 
-def compare(registry: Registry, ref_root: Path, new_root: Path) -> tuple[list[dict[str, Any]], int]:
-    """One row per touch point of ``registry``: the source at ``new_root`` against the one at ``ref_root``
-    (same / extended / changed / missing / patch skips); and how many of them fail."""
+def runner_of_source(root: Path) -> str:
+    """The model runner a vLLM source tree serves speculators with: ``mrv2`` where it has Model Runner V2's
+    registry of speculative methods (vLLM >= 0.34), else ``v1``."""
+    tree = parse(root, "v1/worker/gpu/spec_decode/speculator_config.py")
+    return "mrv2" if tree is not None and find(tree, "register_speculative_method") is not None else "v1"
+
+
+def compare(registry: Registry, ref_root: Path, new_root: Path,
+            runner: str | None = None) -> tuple[list[dict[str, Any]], int]:
+    """One row per touch point of ``registry`` that the source at ``new_root`` must hold (those of its model
+    runner, ``runner_of_source`` unless given), against the one at ``ref_root`` (same / extended / changed /
+    missing / patch skips); and how many of them fail. A function with ``signatures`` is held to them."""
     rows, failures = [], 0
     accepted = patch_signatures(registry)
-    for rel, dotted, kind, used_for in ((p.file, p.name, p.kind, p.used_for) for p in registry.touch_points()):
+    runner = runner or runner_of_source(new_root)
+    for point in registry.touch_points(runner):
+        rel, dotted, kind, used_for = point.file, point.name, point.kind, point.used_for
         ref, new = check(ref_root, rel, dotted, kind), check(new_root, rel, dotted, kind)
         skipped = skipped_patches(new.signature, accepted.get((rel, dotted), [])) if new.status == "ok" else []
         if new.status == "missing":
             verdict = "missing"
         elif skipped:
             verdict = f"patch skips: {', '.join(skipped)}"
+        elif kind == "function" and (rel, dotted) in accepted and new.signature != ref.signature:
+            verdict = "same (a signature its patches were written for)"
+        elif point.signatures and kind == "function":
+            verdict = "same (a signature it was written for)" if tuple(new.signature) in point.signatures \
+                else "changed"
         elif ref.status == "ok" and kind == "function" and new.signature != ref.signature:
             added = new.signature[len(ref.signature):]
             extended = new.signature[:len(ref.signature)] == ref.signature and all(p.endswith("=") for p in added)
@@ -158,6 +174,7 @@ def compare(registry: Registry, ref_root: Path, new_root: Path) -> tuple[list[di
             verdict = "same" if new.signature == ref.signature else "same (touched names present)"
         failures += verdict in ("missing", "changed") or verdict.startswith("patch skips")
         rows.append({"file": f"vllm/{rel}", "name": dotted or kind, "kind": kind.split(":")[0], "used_for": used_for,
+                     "runner": point.runner,
                      "verdict": verdict, "reference": ref.signature if kind == "function" else None,
                      "checked": new.signature if kind == "function" or new.status == "missing" else None})
     return rows, failures

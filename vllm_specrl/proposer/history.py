@@ -185,6 +185,20 @@ class HistoryProposer:
         if entry.completion is not None and len(entry.completion) and entry.key in self.index.groups:
             self.index.add_completion(entry.key, entry.completion, entry.version, rid)
 
+    def retire(self, request_ids: set[str]) -> None:
+        """Requests that finished: their completions join the history now (a speculator told of them,
+        Model Runner V2's ``on_requests_finished``), not at the next call."""
+        for rid in request_ids:
+            if rid in self.live:
+                self._retire(rid)
+
+    def reset(self) -> None:
+        """Forget every request and completion (Model Runner V2 calls it after its warm-up requests)."""
+        self.live.clear()
+        self._last_drafts = {}
+        version, self.index = self.index.policy_version, HistoryIndex(self.index.cfg)
+        self.index.policy_version = version
+
     # --- vllm-specrl hooks ------------------------------------------------------------
 
     def on_policy_version(self, version: int) -> None:

@@ -47,10 +47,11 @@ _WHY = ("the sync guarantees (a version per change, the prefix-cache reset, draf
         "native weight-transfer API and a user's worker extension included")
 
 
-def _declare(name: str, attribute: str, signature: tuple[str, ...] | None, what: str) -> Patch:
+def _declare(name: str, attribute: str, signature: tuple[str, ...] | None, what: str,
+             also_checked: tuple[tuple[str, ...], ...] = ()) -> Patch:
     return REGISTRY.declare(Patch(name=f"weight_watch.{name}", target=f"{_WORKER}.{attribute}",
                                   why=f"{_WHY}: {what}", scope="everywhere", switch=WATCH_SWITCH,
-                                  checked_on=_CHECKED, signature=signature))
+                                  checked_on=_CHECKED, signature=signature, also_checked=also_checked))
 
 
 START_PATCH = _declare("start_weight_update", "start_weight_update", ("self",), "a native policy session opens")
@@ -60,7 +61,9 @@ UPDATE_PATCH = _declare("update_weights", "update_weights", ("self", "update_inf
                         "a native chunk that fails is repaired")
 FINISH_PATCH = _declare("finish_weight_update", "finish_weight_update", ("self",), "a native session counts once")
 RELOAD_PATCH = _declare("reload_weights", "reload_weights", ("self", "args", "kwargs"),
-                        "vLLM's reload_weights counts, and is repaired when it fails")
+                        "vLLM's reload_weights counts, and is repaired when it fails",
+                        # vLLM 0.34 spells out the arguments the wrapper passes through.
+                        also_checked=(("self", "weights_iterator", "weights_path", "is_checkpoint_format"),))
 LOAD_MODEL_PATCH = _declare("load_model", "load_model", ("self", "load_dummy_weights"),
                             "the served models' load_weights are watched once they exist")
 LOAD_WEIGHTS_PATCH = REGISTRY.declare(Patch(

@@ -64,6 +64,7 @@ class SpecRLWorkerExtension(WeightWatchRPCs, DrafterRPCs):
     def _specrl_stager(self) -> UpdateStager:
         stager = getattr(self, "_specrl_stager_obj", None)
         if stager is None:
+            plugin.require_active()  # no update without the watch the plugin installs
             cfg = engine_config.specrl_additional_config(self.vllm_config)
             stager = self._specrl_stager_obj = UpdateStager(
                 keep_last_good={"policy": bool(cfg.get("policy_rollback", True))})
@@ -326,6 +327,7 @@ class SpecRLWorkerExtension(WeightWatchRPCs, DrafterRPCs):
         from vllm_specrl.capture.sender_process import SenderProcess
         from vllm_specrl.capture.tap import CaptureTap
 
+        plugin.require_active()
         cfg = engine_config.specrl_additional_config(self.vllm_config)
         address = address or cfg.get("capture")
         if not address:
@@ -354,7 +356,11 @@ class SpecRLWorkerExtension(WeightWatchRPCs, DrafterRPCs):
             return {"ok": False, "error": f"capture_dtype must be 'bfloat16' or 'float32', not {dtype!r}"}
         tap = CaptureTap(sender, fraction, lambda: stager.versions["policy"], dtype=getattr(torch, dtype),
                          topk=int(cfg.get("capture_topk", DEFAULT_CAPTURE_TOPK)))
-        how = runner_hooks.install_capture_tap(self.model_runner, tap)
+        try:
+            how = runner_hooks.install_capture_tap(self.model_runner, tap)
+        except runner_hooks.CaptureUnavailable as exc:
+            sender.close()
+            return {"ok": False, "error": str(exc)}
         self._specrl_capture = tap
         return {"ok": True, "tap": how, "address": address, "fraction": fraction}
 
@@ -372,11 +378,13 @@ class SpecRLWorkerExtension(WeightWatchRPCs, DrafterRPCs):
         if tap is None:
             return None
         runner = self.model_runner
+        tee = runner_hooks.speculator_tee(runner)
+        errors = (tee.errors, tee.last_error) if tee is not None else (
+            getattr(runner, "_specrl_capture_errors", 0), getattr(runner, "_specrl_capture_last_error", None))
         return {**tap.sender.state(), "fraction": tap.fraction, "steps": tap.steps,
                 "steps_scored_by_sampler": tap.steps_scored_by_sampler,
                 "steps_scored_by_sender": tap.steps_scored_by_sender,
-                "tap_errors": getattr(runner, "_specrl_capture_errors", 0),
-                "last_tap_error": getattr(runner, "_specrl_capture_last_error", None)}
+                "tap_errors": errors[0], "last_tap_error": errors[1]}
 
     def specrl_record_drafts(self, enabled: bool = True, limit: int = 10_000) -> dict:
         """Start (or stop) recording what the drafter proposes: tokens and, with probabilistic
