@@ -37,4 +37,6 @@ def test_unsupported_version_declines_with_one_warning(fresh_plugin_state, monke
     assert state["status"] == "declined" and "0.31.2" in state["reason"]
     warnings = [m for m in _logged(caplog, capsys) if "registers nothing" in m]
     assert len(warnings) == 1
-    assert ">=0.32,<0.34" in warnings[0] and "0.31.2" in warnings[0]
+    assert ">=0.32,<0.35" in warnings[0] and "0.31.2" in warnings[0]
+    with pytest.raises(plugin.PluginDeclined, match="0.31.2"):   # a feature asked for there says why
+        plugin.require_active()
