@@ -38,7 +38,8 @@ def test_doctor_lists_every_patch_installed_where_it_applies():
     rows = {row["name"]: row for row in found["patches"]}
     assert set(rows) == {patch.name for patch in REGISTRY.patches()}
     assert found["ok"] and found["supported"] and found["platform"]["is_cpu"]
-    assert found["touch_points"]["checked"] == len(REGISTRY.touch_points()) and not found["touch_points"]["failing"]
+    assert found["model_runner"] == "v1"   # vLLM 0.32: the port's reads are not this vLLM's to hold
+    assert found["touch_points"]["checked"] == len(REGISTRY.touch_points("v1")) and not found["touch_points"]["failing"]
     per_object = {"capture_tap", "capture_tap.sample_tokens", "capture_tap.compute_logprobs", "draft_recorder",
                   "deferred_draft_kv.propose", "weight_watch.load_weights", "native_api.collective_rpc",
                   "native_api.update_weight_version", "native_api.wake_up", "drafter_lifecycle.update_from_output"}

@@ -25,22 +25,25 @@ def diagnose() -> dict[str, Any]:
     from vllm_specrl import patches
     from vllm_specrl.compat import version as vllm_versions
     from vllm_specrl.compat.registry import REGISTRY
-    from vllm_specrl.compat.source_check import compare
+    from vllm_specrl.compat.source_check import compare, runner_of_source
 
     version = vllm_versions.vllm_version()
     supported = vllm_versions.is_supported(version)
+    root = Path(vllm.__file__).parents[1]
+    runner = runner_of_source(root)
     steps = {}
     if supported:
-        for step in (*patches.EVERY_PROCESS, *patches.WORKER):
+        kept, not_ported = patches.steps_for(runner, runs_model=True)
+        steps = {step.key: "not ported to Model Runner V2" for step in not_ported}
+        for step in kept:
             steps[step.key] = patches.install_step(step)
-    root = Path(vllm.__file__).parents[1]
-    rows, failures = compare(REGISTRY, root, root)
+    rows, failures = compare(REGISTRY, root, root, runner)
     report = REGISTRY.report()
     failed = [row["name"] for row in report if row["state"] == "failed"]
     return {
         "vllm_specrl": __version__, "vllm": version, "supported": supported,
         "validation": vllm_versions.validation(version),
-        "supported_range": vllm_versions.SUPPORTED_RANGE, "torch": torch.__version__,
+        "supported_range": vllm_versions.SUPPORTED_RANGE, "torch": torch.__version__, "model_runner": runner,
         "platform": {"device_type": str(current_platform.device_type), "is_cpu": current_platform.is_cpu(),
                      "cuda_available": torch.cuda.is_available(), "machine": host.machine(),
                      "processor": host.processor() or None},
@@ -57,7 +60,8 @@ def format_report(found: dict[str, Any]) -> str:
     lines = [f"vllm-specrl {found['vllm_specrl']} on vLLM {found['vllm']} "
              f"({'supported' if found['supported'] else 'NOT supported: ' + found['supported_range']}), "
              f"torch {found['torch']}, platform {plat['device_type']} ({plat['machine']})",
-             f"this vLLM release: {found['validation']}", ""]
+             f"this vLLM release: {found['validation']}; speculators on the {found['model_runner']} model runner",
+             ""]
     width = max((len(row["name"]) for row in found["patches"]), default=10)
     lines.append(f"{'patch':{width}}  {'state':11}  {'scope':10}  switch / detail")
     for row in found["patches"]:
