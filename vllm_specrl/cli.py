@@ -142,7 +142,7 @@ def _train_config(args: argparse.Namespace):
                        mixed_precision=args.mixed_precision, lr_schedule=args.lr_schedule,
                        warmup_steps=args.warmup_steps, total_steps=args.steps,
                        weight_decay=args.weight_decay, feature_noise=args.feature_noise,
-                       start_anchor=args.start_anchor)
+                       start_anchor=args.start_anchor, device=args.device)
 
 
 def _cmd_train_online(args: argparse.Namespace) -> int:
@@ -198,6 +198,19 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
         print("error: --start-anchor applies to EAGLE-3 drafts (the MTP trainer decays toward zero only: "
               "--weight-decay)", file=sys.stderr)
         return 2
+    if args.mtp and args.device not in ("auto", "cpu"):
+        print("error: --mtp trains on the CPU (one MTP layer; --device applies to EAGLE-3 drafts)", file=sys.stderr)
+        return 2
+    from vllm_specrl.trainer.placement import resolve_device
+
+    try:
+        resolve_device(args.device)
+    except ValueError as exc:
+        print(f"error: --device: {exc}", file=sys.stderr)
+        return 2
+    if args.engine_args is not None and (args.capture or not isinstance(args.engine_args, dict)):
+        print("error: --engine-args is a JSON object of vLLM engine arguments, for --offline", file=sys.stderr)
+        return 2
     if args.capture:
         return _cmd_train_online(args)
     if args.mtp and not args.capture:
@@ -220,7 +233,8 @@ def _cmd_train_draft(args: argparse.Namespace) -> int:
                         seed=args.seed, chat=not args.raw_prompts, dtype=resolve_serving_dtype(args.dtype),
                         eval_fraction=args.eval_fraction, eval_every=args.eval_every, task=args.task,
                         features=args.features, group_by_length=args.group_by_length,
-                        parallel_drafting=args.parallel_drafting, target_layer=args.target_layer)
+                        parallel_drafting=args.parallel_drafting, target_layer=args.target_layer,
+                        engine_args=args.engine_args or {})
     summary = warm_start(args.target, args.draft, prompts, cfg, _train_config(args), args.draft_vocab_size,
                          args.init_from, args.log, args.rollouts)
     print(json.dumps(summary, indent=2))
@@ -381,6 +395,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--mixed-precision", choices=["no", "bf16", "auto"], default="no",
                     help="draft training precision: fp32, bf16 autocast, or auto (bf16 where the CPU or GPU "
                          "multiplies bf16 natively: AVX512-BF16, AMX, CUDA)")
+    tr.add_argument("--device", default="auto",
+                    help="where the trainer runs: auto (the visible GPU with the most free memory, else the CPU), "
+                         "cpu, cuda or cuda:N; --mtp trains on the CPU (docs/capture-and-online-training.md)")
+    tr.add_argument("--engine-args", type=json.loads, default=None, metavar="JSON",
+                    help="offline: vLLM engine arguments for the engine that generates the rollouts, over the "
+                         'defaults (e.g. \'{"tensor_parallel_size": 8, "gpu_memory_utilization": 0.5}\')')
     tr.add_argument("--dtype", default="float32",
                     help="vLLM dtype for generating rollouts, whose hidden states the draft trains on; auto: "
                          "bfloat16 where this CPU multiplies bf16 natively (what `make demo` serves), else float32")

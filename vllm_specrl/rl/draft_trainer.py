@@ -40,6 +40,8 @@ class DraftTrainerSettings:
     keep_versions: int = 1        # policy versions of rollouts in the replay buffer
     rest_after_hold: bool = True  # a held candidate: back to the served draft, rest until the policy moves
     rest_backoff_max: int = 8     # each hold in a row doubles the rest, up to this many versions
+    device: str = "auto"          # where it trains: auto (the GPU with the most free memory, else the CPU),
+                                  # cpu, cuda:N (``trainer.placement``)
 
 
 def trainer_cpus(setting: str, engine_status: dict) -> set[int] | None:
@@ -91,6 +93,7 @@ class DraftTrainerProcess:
                "--publish-every", str(s.publish_every), "--checkpoint-every", str(s.checkpoint_every),
                "--batch-size", str(s.batch_size), "--lr", str(s.lr), "--tv-weight", str(s.tv_weight),
                "--idle-s", "0.5", "--holdout-every", str(s.holdout_every), "--mixed-precision", s.mixed_precision,
+               "--device", s.device,
                "--keep-versions", str(s.keep_versions), "--rest-backoff-max", str(s.rest_backoff_max),
                "--rest-after-hold" if s.rest_after_hold else "--no-rest-after-hold",
                *(["--replay-ratio", str(s.replay_ratio)] if s.replay_ratio is not None else []),

@@ -126,14 +126,16 @@ def describe_capture(counts: dict) -> str:
 
 def captured_rollouts(target_dir: Path, texts: list[str], samples: int, max_tokens: int,
                       temperature: float, seed: int, dtype: str, aux_layer_ids: tuple[int, ...] = (),
-                      max_model_len: int = 2048, drafter: str = "eagle3") -> CapturedRollouts:
+                      max_model_len: int = 2048, drafter: str = "eagle3",
+                      engine_args: dict | None = None) -> CapturedRollouts:
     """T=``temperature`` rollouts of ``texts`` (``samples`` each) with their features captured.
 
     Rollouts whose capture was incomplete are left out of the features and counted in
     ``counts`` (``describe_capture`` says it in a line). ``drafter="mtp"``: the target ships its
     own MTP layer, which is the vehicle (held at k = 0 the same way), and the features are the
     assembled captured sequences as ``trainer.mtp.MTPTrainer`` takes them (the MTP input state of
-    every row).
+    every row). ``engine_args``: vLLM engine arguments over the defaults (tensor parallelism, memory,
+    dtype); the speculative config, worker extension and capture settings stay the vehicle's.
     """
     from vllm import LLM
 
@@ -154,8 +156,12 @@ def captured_rollouts(target_dir: Path, texts: list[str], samples: int, max_toke
         else:
             init_draft(target_dir, vehicle, aux_layer_ids=aux_layer_ids, seed=seed)
             spec = {"method": "eagle3", "model": vehicle, **held}
-        llm = LLM(model=str(target_dir), dtype=dtype, enforce_eager=True, seed=seed,
-                  max_model_len=max_model_len, max_num_seqs=max_num_seqs, enable_prefix_caching=False,
+        own = {"speculative_config", "worker_extension_cls", "additional_config"} & set(engine_args or {})
+        if own:
+            raise ValueError(f"engine_args may not set {sorted(own)}: the capture vehicle sets them")
+        defaults = {"dtype": dtype, "enforce_eager": True, "seed": seed, "max_model_len": max_model_len,
+                    "max_num_seqs": max_num_seqs, "enable_prefix_caching": False}
+        llm = LLM(model=str(target_dir), **{**defaults, **(engine_args or {})},
                   speculative_config=spec, worker_extension_cls="vllm_specrl.sync.SpecRLWorkerExtension",
                   # Every row: a deep queue, and a sender that waits for this process's receiver
                   # rather than dropping (the engine step never waits either way).

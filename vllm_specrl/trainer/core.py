@@ -23,6 +23,7 @@ from vllm_specrl.proposer.checkpoint import load_draft, save_draft, target_embed
 from vllm_specrl.proposer.eagle3_torch import Eagle3Draft
 from vllm_specrl.trainer.acceptance import StepAcceptance
 from vllm_specrl.trainer.loss import LossConfig, TargetRows, eagle3_loss, valid_mask
+from vllm_specrl.trainer.placement import place
 
 TRAINER_STATE = "trainer_state.pt"
 TRAINER_META = "trainer_meta.json"
@@ -54,6 +55,7 @@ class TrainConfig:
     warmup_steps: int = 0
     total_steps: int = 0
     min_lr_ratio: float = 0.1
+    device: str = "auto"  # where the trainer runs (``placement.resolve_device``: auto, cpu, cuda, cuda:N)
 
 
 def resolve_mixed_precision(value: str, on_cpu: bool = False) -> str:
@@ -174,7 +176,11 @@ class DraftTrainer:
         self.mixed_precision = resolve_mixed_precision(self.config.mixed_precision)
         # Autocast is applied in ``step``, not through Accelerate, whose precision is fixed once per
         # process: a process may hold trainers at different precisions (tests, resumed runs).
-        self.accelerator = Accelerator(cpu=not torch.cuda.is_available())
+        device = place(self.config.device)
+        self.accelerator = Accelerator(cpu=device == "cpu")
+        if str(self.accelerator.device) != device:
+            raise ValueError(f"the trainer was placed on {device}, but this process's Accelerate state was set "
+                             f"up on {self.accelerator.device} already (one device per process)")
         params = [p for n, p in draft.named_parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=self.config.lr, weight_decay=self.config.weight_decay)
         self.draft, self.optimizer = self.accelerator.prepare(draft, opt)

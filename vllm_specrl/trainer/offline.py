@@ -16,7 +16,7 @@ import json
 import random
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -73,6 +73,9 @@ class OfflineConfig:
     # A new draft's decoder layer starts from this target layer (-1: the last; None: random weights;
     # ``checkpoint.start_from_target_layer``).
     target_layer: int | None = -1
+    # vLLM engine arguments for the engine that generates the rollouts, over the defaults below
+    # (tensor_parallel_size, gpu_memory_utilization, dtype, max_model_len, ...).
+    engine_args: dict = field(default_factory=dict)
 
 
 # The RL demo's task family (scripts/rl_demo.py): small-number arithmetic, answered in a few
@@ -127,8 +130,8 @@ def generate_rollouts(target_dir: Path, prompts: list[str], cfg: OfflineConfig
     from vllm import LLM
 
     texts = prompt_texts(target_dir, prompts, cfg.chat)
-    llm = LLM(model=str(target_dir), dtype=cfg.dtype, enforce_eager=True, seed=cfg.seed,
-              max_model_len=2048)
+    llm = LLM(**{"model": str(target_dir), "dtype": cfg.dtype, "enforce_eager": True, "seed": cfg.seed,
+                 "max_model_len": 2048, **cfg.engine_args})
     params = per_prompt_sampling_params(len(texts), cfg.samples_per_prompt, cfg.temperature, cfg.max_tokens,
                                         cfg.seed)
     outs = llm.generate(texts, params)
@@ -183,7 +186,7 @@ def warm_start(target_dir: Path | str, draft_dir: Path | str, prompts: list[str]
         if cfg.features == "capture":
             captured = captured_rollouts(
                 target_dir, prompt_texts(target_dir, prompts, cfg.chat), cfg.samples_per_prompt,
-                cfg.max_tokens, cfg.temperature, cfg.seed, cfg.dtype, aux_ids)
+                cfg.max_tokens, cfg.temperature, cfg.seed, cfg.dtype, aux_ids, engine_args=cfg.engine_args)
             sequences, prompt_lengths, prompt_index, features, capture_counts = captured[:5]
             print(f"[warm start] {describe_capture(capture_counts)}", flush=True)
             if not captured.everything[0]:
