@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from vllm_specrl.adaptive.calibrate import is_calibration_request
+from vllm_specrl.capture.host_staging import StagingPool, stages
 from vllm_specrl.capture.sender import CaptureSender
 
 
@@ -178,6 +179,90 @@ def collect_step(view: dict[str, Any], fraction: float = 1.0, dtype: torch.dtype
     return capture
 
 
+@dataclass
+class StagedStepCapture:
+    """One step's committed rows on their way from a GPU: what the step knew on the host (which rows,
+    their sampled tokens) and the staged device copies (``capture.host_staging``). ``frames()`` runs in
+    the sender's thread: it waits for the copies, builds the headers and frames as ``StepCapture`` does,
+    and hands the pinned buffers back."""
+
+    headers: list[dict[str, Any]]   # request ids now; tokens and positions once the copies land
+    plan: list[tuple[int, int, int, list[int]]]   # per request: rows n, first scored row, num_spec, sampled
+    staged: Any                     # host_staging.StagedCopies
+    topk: int
+
+    def __len__(self) -> int:
+        return len(self.headers)
+
+    def frames(self) -> list[tuple[dict[str, Any], dict[str, torch.Tensor]]]:
+        try:
+            got = {name: t.clone() for name, t in self.staged.wait().items()}   # buffers are reused
+        finally:
+            self.staged.release()
+        ids, positions, next_ids = got["ids"].tolist(), got["positions"].tolist(), got["next_ids"].tolist()
+        offset = 0
+        for header, (n, _, num_spec, sampled) in zip(self.headers, self.plan):
+            header["positions"] = positions[offset:offset + n]
+            header["token_ids"] = ids[offset:offset + n]
+            header["next_token_ids"] = (sampled[:n] if num_spec else
+                                        next_ids[offset:offset + n - 1] + [sampled[0] if sampled else -1])
+            offset += n
+        scored = (got["chosen"], got.get("top_values"), got.get("top_ids")) if "chosen" in got else None
+        capture = StepCapture(self.headers, [(n, first) for n, first, _, _ in self.plan], got["final"],
+                              got.get("aux"), self.topk, scored=scored)
+        return capture.frames()
+
+
+def collect_staged_step(view: dict[str, Any], staging: Any, fraction: float = 1.0,
+                        dtype: torch.dtype = torch.bfloat16, topk: int = 0) -> StagedStepCapture | None:
+    """``collect_step`` for rows on a GPU, without a device synchronisation: the rows are gathered and
+    scored on the device (a log-softmax and a top-k of the sampled rows) and staged to pinned host memory
+    (``staging``: a ``host_staging.StagingPool``); only host-side facts (the requests' row spans and
+    sampled tokens) are read now. None when no request has a committed row or no buffer is free."""
+    logits = view.get("logits")
+    headers, plan, rows, scored_rows, scored_tokens = [], [], [], [], []
+    for req in view["requests"]:
+        if not selected(req["request_id"], fraction):
+            continue
+        start, end, sampled = req["start"], req["end"], req["sampled"]
+        n = min(len(sampled), end - start) if req["num_spec"] else end - start
+        if n <= 0:
+            continue
+        first = (0 if req["num_spec"] else n - 1) if logits is not None and sampled else n
+        header = {"request_id": req["request_id"], "drafter": view.get("drafter", "eagle3")}
+        if "num_prompt_tokens" in req:
+            header["num_prompt_tokens"] = req["num_prompt_tokens"]
+        headers.append(header)
+        plan.append((n, first, req["num_spec"], list(sampled)))
+        rows.extend(range(start, start + n))
+        scored_rows.extend(req["logit_row"] + j for j in range(n - first))
+        if first < n:   # a verify step's sampled tokens, or a prefill chunk's first sample
+            scored_tokens.extend(sampled[first:n] if req["num_spec"] else [sampled[0]])
+    if not headers:
+        return None
+    final = view["final_hidden"]
+    device = final.device
+    rows_t = staging.ops.to_device(rows, device)
+    last = int(view["input_ids"].shape[0]) - 1
+    gathered = {"final": final.index_select(0, rows_t).to(dtype),
+                "ids": view["input_ids"].index_select(0, rows_t),
+                "positions": view["positions"].index_select(0, rows_t),
+                "next_ids": view["input_ids"].index_select(0, (rows_t + 1).clamp(max=last))}
+    if view["aux_hidden"]:
+        gathered["aux"] = torch.cat([h.index_select(0, rows_t) for h in view["aux_hidden"]], dim=-1).to(dtype)
+    if scored_rows:
+        raw = view.get("raw_logprobs")
+        source = logits if raw is None else raw
+        picked = source.index_select(0, staging.ops.to_device(scored_rows, device))
+        logp = picked.float().log_softmax(-1) if raw is None else picked
+        gathered["chosen"] = logp.gather(-1, staging.ops.to_device(scored_tokens, device)[:, None])[:, 0]
+        if topk:
+            values, indices = logp.topk(topk, dim=-1)
+            gathered["top_values"], gathered["top_ids"] = values, indices.to(torch.int32)
+    staged = staging.stage(gathered)
+    return StagedStepCapture(headers, plan, staged, topk) if staged is not None else None
+
+
 def step_frames(view: dict[str, Any], fraction: float = 1.0, dtype: torch.dtype = torch.bfloat16,
                 topk: int = 0, defer_scoring: bool = False) -> list[tuple[dict[str, Any], dict[str, torch.Tensor]]]:
     """One frame per selected request; every frame's tensors are row slices of the step's batched copies."""
@@ -190,8 +275,11 @@ class CaptureTap:
     builds the frames in its own thread when that thread runs off the worker's cores."""
 
     def __init__(self, sender: CaptureSender, fraction: float, policy_version: Any,
-                 dtype: torch.dtype = torch.bfloat16, topk: int = 0):
+                 dtype: torch.dtype = torch.bfloat16, topk: int = 0, staging: Any = None):
         self.sender = sender
+        # Rows on a GPU go through pinned buffers and an event (``host_staging``), made at the first such
+        # step; a sender process reads the step in this process, so it keeps the copy at once.
+        self.staging = staging
         self.fraction = fraction
         self.topk = topk
         self.policy_version = policy_version  # zero-arg callable
@@ -212,11 +300,17 @@ class CaptureTap:
     def __call__(self, view: dict[str, Any]) -> None:
         self.steps += 1
         self.steps_scored_by_sampler += view.get("raw_logprobs") is not None
-        defer = self.scores_in_sender(view)
-        capture = collect_step(view, self.fraction, self.dtype, self.topk, defer_scoring=defer)
+        if stages(view["final_hidden"]) and not getattr(self.sender, "own_process", False):
+            if self.staging is None:
+                self.staging = StagingPool()
+            capture: Any = collect_staged_step(view, self.staging, self.fraction, self.dtype, self.topk)
+        else:
+            capture = collect_step(view, self.fraction, self.dtype, self.topk,
+                                   defer_scoring=self.scores_in_sender(view))
+            if capture is not None:
+                self.steps_scored_by_sender += capture.to_score is not None
         if capture is None:
             return
-        self.steps_scored_by_sender += capture.to_score is not None
         version = self.policy_version()
         for header in capture.headers:
             header.update(policy_version=version, step=self.steps)
