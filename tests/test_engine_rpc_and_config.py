@@ -7,14 +7,14 @@ from vllm_specrl import engine_rpc
 
 @pytest.mark.parametrize("version,ok", [
     ("0.32.0", True), ("0.32.0+cpu", True), ("0.33.1", True), ("0.33.0rc1", True),
-    ("0.31.9", False), ("0.34.0", False), ("1.32.0", False), ("dev", False),
+    ("0.34.0", True), ("0.31.9", False), ("0.35.0", False), ("1.32.0", False), ("dev", False),
 ])
 def test_supported_range(version, ok):
     assert vllm_versions.is_supported(version) is ok
 
 
 def test_check_supported_names_the_range():
-    with pytest.raises(vllm_versions.UnsupportedVLLMVersion, match=r">=0.32,<0.34.*found 0.31.0"):
+    with pytest.raises(vllm_versions.UnsupportedVLLMVersion, match=r">=0.32,<0.35.*found 0.31.0"):
         vllm_versions.check_supported("0.31.0")
     assert vllm_versions.check_supported("0.32.0") == "0.32.0"
 
@@ -113,6 +113,6 @@ def test_worker_calls_are_answered_by_every_data_parallel_core():
 
 
 @pytest.mark.parametrize("version,says", [("0.32.0+cpu", "run"), ("0.33.1", "read, not run"),
-                                          ("0.34.0", "not validated")])
+                                          ("0.34.0", "port written, not run"), ("0.35.0", "not validated")])
 def test_the_gate_says_what_was_run_and_what_was_only_read(version, says):
     assert vllm_versions.validation(version).startswith(says)

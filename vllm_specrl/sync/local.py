@@ -1,6 +1,7 @@
 """Weight updates for an in-process ``vllm.LLM`` (a colocated trainer, a test): the worker
 extension's validated, atomic, versioned commit, without the HTTP routes ``EngineClient`` uses,
-all or none across tensor-parallel ranks as through ``vllm serve`` (``all_or_none``)."""
+all or none across tensor-parallel ranks as through ``vllm serve`` (``all_or_none``); and outputs
+stamped with the policy version they were sampled under. ``AsyncLLM``: ``vllm_specrl.inprocess``."""
 
 from __future__ import annotations
 
@@ -43,3 +44,18 @@ def commit_update(llm: Any, target: str, tensors: dict, version: int, keep_mtp: 
     undone = llm.collective_rpc("specrl_rollback_commit", args=(uid,)) if needs_rollback(results) else None
     llm.reset_prefix_cache()
     return failure_after_rollback(results, undone)
+
+
+def versions(llm: Any) -> dict[str, int]:
+    """The versions the workers serve (rank 0's)."""
+    return dict(llm.collective_rpc("specrl_sync_state")[0]["versions"])
+
+
+def generate(llm: Any, *args: Any, **kwargs: Any) -> list:
+    """``llm.generate``, each output stamped with ``policy_version`` (``LLM.generate`` runs to the end
+    before anything else touches the engine, so one version holds for the whole call)."""
+    version = versions(llm)["policy"]
+    outputs = llm.generate(*args, **kwargs)
+    for output in outputs:
+        output.policy_version_start = output.policy_version = version
+    return outputs

@@ -237,7 +237,24 @@ def _load_model(inner: Any) -> Any:
             watch_models(self)
             lifecycle.keep_loaded_draft(self)
             load_checks.check_loaded_draft(self)
+        _start_configured_capture(self)
     return load_model
+
+
+def _start_configured_capture(worker: Any) -> None:
+    """Capture set in the engine's configuration (``"capture": ADDRESS``) starts with the model, in every
+    kind of engine (``vllm serve``, ``LLM``, ``AsyncLLM``): no RPC to remember. Never fails the load."""
+    start = getattr(worker, "specrl_capture_start", None)
+    if start is None or not engine_config.specrl_additional_config(worker.vllm_config).get("capture"):
+        return
+    try:
+        result = start()
+    except Exception as exc:  # noqa: BLE001 - serving goes on without capture
+        result = {"ok": False, "error": repr(exc)}
+    if result.get("ok"):
+        logger.info("vllm-specrl: capture started with the model: %s", result)
+    else:
+        logger.warning("vllm-specrl: capture configured but not started: %s", result.get("error"))
 
 
 def loaded(worker: Any, target: str, path: str) -> None:

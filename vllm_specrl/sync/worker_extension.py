@@ -64,7 +64,6 @@ class SpecRLWorkerExtension(WeightWatchRPCs, DrafterRPCs):
     def _specrl_stager(self) -> UpdateStager:
         stager = getattr(self, "_specrl_stager_obj", None)
         if stager is None:
-            plugin.require_active()  # no update without the watch the plugin installs
             cfg = engine_config.specrl_additional_config(self.vllm_config)
             stager = self._specrl_stager_obj = UpdateStager(
                 keep_last_good={"policy": bool(cfg.get("policy_rollback", True))})
@@ -140,9 +139,10 @@ class SpecRLWorkerExtension(WeightWatchRPCs, DrafterRPCs):
         """``keep_mtp``: a policy update of the body alone on an engine that drafts with the policy's
         own MTP layers, which stay as they serve (an online trainer owns them, see ``update_draft``)."""
         try:
+            plugin.require_active()  # no update without the watch the plugin installs
             specs = self._specrl_specs(target, bool(keep_mtp)) if target in ("policy", "draft") else {}
             session = self._specrl_stager().begin(target, version, specs, update_id, keep_mtp=bool(keep_mtp))
-        except (WeightUpdateError, FileNotFoundError) as exc:
+        except (WeightUpdateError, FileNotFoundError, plugin.PluginDeclined) as exc:
             return _refusal(exc)
         return {"ok": True, **session.summary()}
 
@@ -327,7 +327,10 @@ class SpecRLWorkerExtension(WeightWatchRPCs, DrafterRPCs):
         from vllm_specrl.capture.sender_process import SenderProcess
         from vllm_specrl.capture.tap import CaptureTap
 
-        plugin.require_active()
+        try:
+            plugin.require_active()
+        except plugin.PluginDeclined as exc:
+            return {"ok": False, "error": str(exc)}
         cfg = engine_config.specrl_additional_config(self.vllm_config)
         address = address or cfg.get("capture")
         if not address:
@@ -335,6 +338,10 @@ class SpecRLWorkerExtension(WeightWatchRPCs, DrafterRPCs):
                     "--additional-config '{\"specrl\":{\"capture\":\"tcp://127.0.0.1:5557\"}}')"}
         if getattr(self, "rank", 0) not in (0, None):
             return {"ok": True, "rank": self.rank, "note": "capture sends from rank 0 only"}
+        running = getattr(self, "_specrl_capture", None)
+        if running is not None and getattr(self, "_specrl_capture_address", None) == address and fraction is None \
+                and queue_frames is None and allow_remote is None:
+            return {"ok": True, "tap": "running", "address": address, "fraction": running.fraction}
         self.specrl_capture_stop()
         try:
             send_timeout_s = float(cfg.get("capture_send_timeout_s", 0.0))
@@ -361,7 +368,7 @@ class SpecRLWorkerExtension(WeightWatchRPCs, DrafterRPCs):
         except runner_hooks.CaptureUnavailable as exc:
             sender.close()
             return {"ok": False, "error": str(exc)}
-        self._specrl_capture = tap
+        self._specrl_capture, self._specrl_capture_address = tap, address
         return {"ok": True, "tap": how, "address": address, "fraction": fraction}
 
     def specrl_capture_stop(self) -> dict:

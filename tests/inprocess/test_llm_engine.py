@@ -1,0 +1,64 @@
+"""A synchronous in-process ``LLM`` with the combined extension: capture starts from the engine's
+configuration (frames reach a receiver without any RPC), outputs carry the policy version, a commit through
+``sync.local.commit_update`` moves it, and the framework's own RPC answers beside the package's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import result_json, run_python
+
+pytestmark = pytest.mark.server
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.fixture(scope="module")
+def outcome(tiny_model, moved_policy, warm_draft) -> dict:
+    out = run_python(f"""
+        import json, sys, time
+        sys.path.insert(0, {str(EXAMPLES)!r})
+        from safetensors.torch import load_file
+        from vllm import LLM, SamplingParams
+        from vllm_specrl.capture.receiver import CaptureReceiver
+        from vllm_specrl.inprocess.extension import combined_extension
+        from vllm_specrl.server import free_port
+        from vllm_specrl.sync import local
+
+        address = f"tcp://127.0.0.1:{{free_port()}}"
+        receiver = CaptureReceiver(address)
+        llm = LLM(model={str(tiny_model)!r}, dtype="float32", max_model_len=256, enforce_eager=True, seed=0,
+                  speculative_config={{"method": "eagle3", "model": {str(warm_draft)!r}, "num_speculative_tokens": 2}},
+                  worker_extension_cls=combined_extension("framework_extension.FrameworkExtension"),
+                  additional_config={{"specrl": {{"capture": address, "capture_sender": "thread"}}}})
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        first = local.generate(llm, ["def f(x):", "class A:"], params, use_tqdm=False)
+        frames = []
+        deadline = time.time() + 60
+        while time.time() < deadline and not frames:
+            frames += receiver.receive(500)
+        moved = load_file({str(moved_policy / "model.safetensors")!r})
+        committed = local.commit_update(llm, "policy", moved, 1)
+        second = local.generate(llm, ["def f(x):"], params, use_tqdm=False)
+        sums = llm.collective_rpc("framework_param_sums", args=(["model.norm.weight"],))[0]
+        print("RESULT " + json.dumps({{
+            "versions": [o.policy_version for o in first] + [o.policy_version for o in second],
+            "frames": len(frames), "committed": committed["ok"],
+            "capture": llm.collective_rpc("specrl_capture_state")[0] is not None,
+            "sums": sums, "pushed": float(moved["model.norm.weight"].double().sum())}}))
+    """, env={"VLLM_PLUGINS": "specrl"}, timeout=600)
+    return result_json(out)
+
+
+def test_capture_started_with_the_engine_and_rows_arrived(outcome):
+    assert outcome["capture"] and outcome["frames"] > 0
+
+
+def test_outputs_carry_the_policy_version_and_a_commit_moves_it(outcome):
+    assert outcome["committed"] and outcome["versions"] == [0, 0, 1]
+
+
+def test_the_frameworks_rpc_reads_the_committed_weights(outcome):
+    assert abs(outcome["sums"]["model.norm.weight"] - outcome["pushed"]) < 1e-6 * max(1.0, abs(outcome["pushed"]))
