@@ -1,5 +1,7 @@
 """``combined_extension``: one qualified name any new interpreter resolves to a class with the framework's
-extension and the package's; a name both define is an error when the combination is asked for."""
+extension and the package's; a name both define is an error when the combination is asked for.
+
+Engines: none; one fresh interpreter resolves the combined name, as a spawned worker does."""
 
 from __future__ import annotations
 

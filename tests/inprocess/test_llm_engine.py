@@ -1,6 +1,9 @@
 """A synchronous in-process ``LLM`` with the combined extension: capture starts from the engine's
 configuration (frames reach a receiver without any RPC), outputs carry the policy version, a commit through
-``sync.local.commit_update`` moves it, and the framework's own RPC answers beside the package's."""
+``sync.local.commit_update`` moves it, and the framework's own RPC answers beside the package's.
+
+Engines: one in-process LLM in a child interpreter, shared by the module's tests (capture, versions and
+the combined extension are one engine's start-up)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,10 @@ started from the engine's configuration, an async policy commit with a rollout i
 update refused, and the online draft trainer in a thread publishing into the engine without HTTP.
 
 References: the served parameters read back through the framework's own RPC against the pushed tensors;
-greedy text before and after a refused update (the old weights keep serving); the workers' versions."""
+greedy text before and after a refused update (the old weights keep serving); the workers' versions.
+
+Engines: one example run in its own interpreter (an AsyncLLM with its engine core and an online trainer
+thread), shared by every test here: the example is what a framework user runs."""
 
 from __future__ import annotations
 
@@ -24,7 +27,9 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "inprocess_rollout.
 def report(tiny_model, warm_draft, tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("inprocess")
     out = work / "report.json"
-    env = dict(os.environ, VLLM_PLUGINS="specrl", VLLM_CPU_KVCACHE_SPACE="1")
+    # A user's start method (spawn): the suite's fork shortcut hung an AsyncLLM's worker at start-up.
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_SPECRL_CPU_START_METHOD"}
+    env.update(VLLM_PLUGINS="specrl", VLLM_CPU_KVCACHE_SPACE="1")
     proc = subprocess.run([sys.executable, str(EXAMPLE), "--policy", str(tiny_model), "--draft", str(warm_draft),
                            "--work", str(work), "--out", str(out)], env=env, capture_output=True, text=True,
                           timeout=900)

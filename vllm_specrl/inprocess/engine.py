@@ -21,6 +21,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from vllm_specrl.sync.local import safetensors_chunks
 from vllm_specrl.sync.routes import commit_paused, one_answer_from_every_rank
 
 PAUSE_MODES = ("wait", "keep", "abort", "none")
@@ -55,8 +56,10 @@ class SpecRLEngine:
             uid = uuid.uuid4().hex[:12]
             answer = await one_answer_from_every_rank(self.engine, "specrl_begin_update", target, version, uid,
                                                       keep_mtp)
-            if answer.get("ok"):
-                answer = await one_answer_from_every_rank(self.engine, "specrl_stage_tensors", uid, tensors)
+            for body in safetensors_chunks(tensors) if answer.get("ok") else ():
+                answer = await one_answer_from_every_rank(self.engine, "specrl_stage_bytes", uid, body)
+                if not answer.get("ok"):
+                    break
             if answer.get("ok"):
                 answer = await commit_paused(self.engine, self, uid, pause_mode)
             if not answer.get("ok"):

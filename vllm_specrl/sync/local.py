@@ -6,7 +6,10 @@ stamped with the policy version they were sampled under. ``AsyncLLM``: ``vllm_sp
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 from typing import Any
+
+from vllm_specrl.sync.client import DEFAULT_CHUNK_BYTES, chunked
 
 from vllm_specrl.sync.all_or_none import failure_after_rollback, first_refusal, needs_rollback
 
@@ -14,6 +17,15 @@ from vllm_specrl.sync.all_or_none import failure_after_rollback, first_refusal, 
 def _on_every_rank(llm: Any, method: str, *args: Any) -> dict:
     """The first refusal among the ranks' answers, else rank 0's."""
     return first_refusal(llm.collective_rpc(method, args=args))
+
+
+def safetensors_chunks(tensors: dict, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
+    """``tensors`` as safetensors bodies of about ``chunk_bytes``: bytes, not tensors, cross vLLM's RPC
+    hops (an engine core in its own process receives a tensor argument as nested lists)."""
+    from safetensors.torch import save
+
+    for chunk, _ in chunked(tensors.items(), chunk_bytes):
+        yield save({k: v.detach().cpu().contiguous() for k, v in chunk.items()})
 
 
 def commit_update(llm: Any, target: str, tensors: dict, version: int, keep_mtp: bool = False) -> dict:
@@ -30,7 +42,11 @@ def commit_update(llm: Any, target: str, tensors: dict, version: int, keep_mtp: 
     if not begun["ok"]:
         llm.collective_rpc("specrl_abort_update", args=(uid,))  # the ranks that began
         return begun
-    staged = _on_every_rank(llm, "specrl_stage_tensors", uid, tensors)
+    staged = {"ok": True}
+    for body in safetensors_chunks(tensors):
+        staged = _on_every_rank(llm, "specrl_stage_bytes", uid, body)
+        if not staged["ok"]:
+            break
     ready = _on_every_rank(llm, "specrl_prepare_commit", uid) if staged["ok"] else staged
     if not ready["ok"]:
         llm.collective_rpc("specrl_abort_update", args=(uid,))
