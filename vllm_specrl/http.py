@@ -35,7 +35,7 @@ from vllm_specrl.adaptive import state as adaptive_state
 from vllm_specrl.lifecycle import state as lifecycle_state
 from vllm_specrl.sync.guard import StaleDraftGuard
 from vllm_specrl.sync.native_api import watch_engine_client
-from vllm_specrl.sync.routes import build_sync_router, stamp_versions
+from vllm_specrl.sync.routes import after_policy_commit, build_sync_router, stamp_versions
 
 _gauge = metrics.shared_gauge
 
@@ -211,14 +211,7 @@ class SpecRLHttpState:
     async def committed(self, result: dict, pause_mode: str) -> None:
         """Bookkeeping after a worker applied an update (called inside the pause)."""
         if result["target"] == "policy":
-            # KV computed with the old weights must not serve anything after the commit. With
-            # requests still holding blocks ("keep" froze them, "none" never stopped them) vLLM
-            # resets only if they are preempted: they resume by recomputing on the new weights.
-            in_flight = pause_mode in ("keep", "none")
-            result["prefix_cache_reset"] = bool(await self.engine_client.reset_prefix_cache(
-                reset_running_requests=in_flight))
-            result["in_flight_recomputed"] = in_flight
-            await self.engine_client.update_weight_version(str(result["version"]))
+            await after_policy_commit(self.engine_client, result, pause_mode)
         # Written before generation resumes: a request any API server answers after this commit says so.
         self.adopt_versions({result["target"]: result["version"]})
         update_gauges(self)

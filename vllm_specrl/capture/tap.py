@@ -127,6 +127,24 @@ class StepCapture:
         return frames
 
 
+def committed_rows(req: dict[str, Any], scored: bool) -> tuple[int, int]:
+    """``(n, first)``: the request's committed rows this step (a verify step's ``x_last`` and accepted drafts;
+    a prefill chunk's every row) and the first of them whose next token was sampled (every committed verify
+    row; of a prefill chunk only the last, the rest being followed by prompt tokens), ``n`` when the step
+    is not ``scored`` or sampled nothing."""
+    span, sampled = req["end"] - req["start"], req["sampled"]
+    n = min(len(sampled), span) if req["num_spec"] else span
+    first = (0 if req["num_spec"] else n - 1) if scored and sampled else n
+    return n, first
+
+
+def _header(req: dict[str, Any], view: dict[str, Any]) -> dict[str, Any]:
+    header = {"request_id": req["request_id"], "drafter": view.get("drafter", "eagle3")}
+    if "num_prompt_tokens" in req:
+        header["num_prompt_tokens"] = req["num_prompt_tokens"]
+    return header
+
+
 def collect_step(view: dict[str, Any], fraction: float = 1.0, dtype: torch.dtype = torch.bfloat16,
                  topk: int = 0, defer_scoring: bool = False) -> StepCapture | None:
     """The step's part of capture: the committed rows of every selected request, copied. The hidden
@@ -141,21 +159,12 @@ def collect_step(view: dict[str, Any], fraction: float = 1.0, dtype: torch.dtype
         if not selected(req["request_id"], fraction):
             continue
         start, end, sampled = req["start"], req["end"], req["sampled"]
-        if req["num_spec"]:
-            n = min(len(sampled), end - start)
-            nxt = sampled[:n]
-        else:
-            n = end - start
-            nxt = ids[start + 1:end] + [sampled[0] if sampled else -1]
+        n, first = committed_rows(req, logits is not None)
         if n <= 0:
             continue
-        # Rows whose next token was sampled: every committed verify row; of a prefill chunk only the
-        # last (the rest are followed by prompt tokens: NaN).
-        first = (0 if req["num_spec"] else n - 1) if logits is not None and sampled else n
-        header = {"request_id": req["request_id"], "positions": positions[start:start + n],
-                  "token_ids": ids[start:start + n], "next_token_ids": nxt, "drafter": view.get("drafter", "eagle3")}
-        if "num_prompt_tokens" in req:
-            header["num_prompt_tokens"] = req["num_prompt_tokens"]
+        nxt = sampled[:n] if req["num_spec"] else ids[start + 1:end] + [sampled[0] if sampled else -1]
+        header = {**_header(req, view), "positions": positions[start:start + n], "token_ids": ids[start:start + n],
+                  "next_token_ids": nxt}
         headers.append(header)
         counts.append((n, first))
         rows.extend(range(start, start + n))
@@ -224,15 +233,11 @@ def collect_staged_step(view: dict[str, Any], staging: Any, fraction: float = 1.
     for req in view["requests"]:
         if not selected(req["request_id"], fraction):
             continue
-        start, end, sampled = req["start"], req["end"], req["sampled"]
-        n = min(len(sampled), end - start) if req["num_spec"] else end - start
+        start, sampled = req["start"], req["sampled"]
+        n, first = committed_rows(req, logits is not None)
         if n <= 0:
             continue
-        first = (0 if req["num_spec"] else n - 1) if logits is not None and sampled else n
-        header = {"request_id": req["request_id"], "drafter": view.get("drafter", "eagle3")}
-        if "num_prompt_tokens" in req:
-            header["num_prompt_tokens"] = req["num_prompt_tokens"]
-        headers.append(header)
+        headers.append(_header(req, view))
         plan.append((n, first, req["num_spec"], list(sampled)))
         rows.extend(range(start, start + n))
         scored_rows.extend(req["logit_row"] + j for j in range(n - first))

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from vllm_specrl.sync.local import safetensors_chunks
-from vllm_specrl.sync.routes import commit_paused, one_answer_from_every_rank
+from vllm_specrl.sync.routes import after_policy_commit, commit_paused, one_answer_from_every_rank
 
 PAUSE_MODES = ("wait", "keep", "abort", "none")
 
@@ -69,11 +69,7 @@ class SpecRLEngine:
     async def committed(self, result: dict, pause_mode: str) -> None:
         """Called inside the pause once every rank applied (``commit_paused``), as the server's state is."""
         if result["target"] == "policy":
-            in_flight = pause_mode in ("keep", "none")
-            result["prefix_cache_reset"] = bool(await self.engine.reset_prefix_cache(
-                reset_running_requests=in_flight))
-            result["in_flight_recomputed"] = in_flight
-            await self.engine.update_weight_version(str(result["version"]))
+            await after_policy_commit(self.engine, result, pause_mode)
         self.versions[result["target"]] = int(result["version"])
 
     async def commit_failed(self, result: dict) -> None:

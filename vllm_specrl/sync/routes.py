@@ -67,6 +67,16 @@ async def commit_on_every_rank(engine: Any, update_id: str) -> dict:
     return failure_after_rollback(results, undone)
 
 
+async def after_policy_commit(engine: Any, result: dict, pause_mode: str) -> None:
+    """KV computed with the old weights must not serve anything after a policy commit. With requests still
+    holding blocks ("keep" froze them, "none" never stopped them) vLLM resets only if they are preempted:
+    they resume by recomputing on the new weights. Then vLLM's weight version names the commit."""
+    in_flight = pause_mode in ("keep", "none")
+    result["prefix_cache_reset"] = bool(await engine.reset_prefix_cache(reset_running_requests=in_flight))
+    result["in_flight_recomputed"] = in_flight
+    await engine.update_weight_version(str(result["version"]))
+
+
 async def commit_paused(engine: Any, state: Any, update_id: str, mode: str) -> dict:
     """Prepare on every rank; if all hold the whole update, pause as asked, apply everywhere, resume."""
     prepared = await one_answer_from_every_rank(engine, "specrl_prepare_commit", update_id)
