@@ -177,6 +177,8 @@ def goals(arms: dict[str, dict], window: int, switch_at: int | None, lossless: d
         verdicts = {a: v["agrees_with_plain"] for a, v in lossless["arms"].items() if v.get("tested")}
         out["rl_lossless"] = {"arms": verdicts,
                               "met": all(v for a, v in verdicts.items() if a in SPECULATIVE) if verdicts else None}
+        if "lossy" in verdicts:  # the plant: a test that cannot reject it cannot vouch for the other arms
+            out["rl_lossless"]["planted_lossy_caught"] = not verdicts["lossy"]
     return out
 
 

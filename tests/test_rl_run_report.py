@@ -42,6 +42,7 @@ def test_arms_drawn_like_plain_agree_and_a_shifted_arm_fails():
     verdicts = {a: v["agrees_with_plain"] for a, v in report["lossless"]["arms"].items()}
     assert verdicts == {"frozen": True, "lossy": False}
     assert report["goals"]["rl_lossless"]["met"] is True  # the lossy arm is the plant, not a speculative arm
+    assert report["goals"]["rl_lossless"]["planted_lossy_caught"] is True
 
 
 def test_one_seed_is_not_tested():
