@@ -36,13 +36,10 @@ def state() -> dict[str, Any]:
     return current
 
 
-def _install_registrations() -> list[str]:
+def _install_registrations(runner: str) -> list[str]:
     """Everything the plugin installs (``vllm_specrl.patches``), each guarded: a failure is logged, never
     raised."""
     from vllm_specrl import patches
-    from vllm_specrl.mrv2.registration import has_speculator_registry
-
-    runner = "mrv2" if has_speculator_registry() else "v1"
     steps, not_ported = patches.steps_for(runner, _runs_model_here())
     done = [f"{step.key}: not ported to Model Runner V2 (a V1-runner or CPU-only patch)" for step in not_ported]
     for step in steps:
@@ -98,10 +95,11 @@ def register() -> None:
             return
         from vllm_specrl.mrv2.registration import has_speculator_registry
 
+        runner = "mrv2" if has_speculator_registry() else "v1"
         _state.update(status="active", role=role, pid=pid, vllm=version, platform=_platform(),
-                      forked=pid != _IMPORTED_IN_PID, model_runner="mrv2" if has_speculator_registry() else "v1",
+                      forked=pid != _IMPORTED_IN_PID, model_runner=runner,
                       validation=vllm_versions.validation(version),
-                      vllm_specrl=__version__, registrations=_install_registrations())
+                      vllm_specrl=__version__, registrations=_install_registrations(runner))
         log_early(logging.INFO, "vllm-specrl %s plugin active in %s process (pid %d, vLLM %s)",
                     __version__, role, pid, version)
 

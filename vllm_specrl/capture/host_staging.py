@@ -58,13 +58,10 @@ class StagedCopies:
     event: Event
     _buffers: list[torch.Tensor] = field(default_factory=list)
     _pool: StagingPool | None = None
-    _waited: bool = False
 
     def wait(self) -> dict[str, torch.Tensor]:
         """Block the *reader* until the step's copies have landed."""
-        if not self._waited:
-            self.event.synchronize()
-            self._waited = True
+        self.event.synchronize()
         return self.tensors
 
     def release(self) -> None:

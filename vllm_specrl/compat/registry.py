@@ -73,8 +73,7 @@ class Patch:
     def touch_point(self) -> TouchPoint:
         """What this patch relies on in vLLM's source: the patched function, with its parameters."""
         module, _, dotted = (self.defined_in or self.target).partition(":")
-        file = module_file(module)
-        return TouchPoint(file, dotted, "function", f"patch {self.name}")
+        return TouchPoint(module_file(module), dotted, "function", f"patch {self.name}")
 
 
 @dataclass(frozen=True)

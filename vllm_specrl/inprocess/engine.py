@@ -22,9 +22,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from vllm_specrl.sync.local import safetensors_chunks
-from vllm_specrl.sync.routes import after_policy_commit, commit_paused, one_answer_from_every_rank
-
-PAUSE_MODES = ("wait", "keep", "abort", "none")
+from vllm_specrl.sync.routes import PAUSE_MODES, after_policy_commit, commit_paused, one_answer_from_every_rank
 
 
 class SpecRLEngine:

@@ -57,8 +57,9 @@ class EngineTrainerClient:
 class OnlineTrainerThread:
     """An ``OnlineDraftTrainer`` in a thread of this process, publishing into ``engine``."""
 
-    def __init__(self, trainer: Any, thread: threading.Thread):
-        self.trainer, self.thread = trainer, thread
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+        self.thread: threading.Thread | None = None
         self.result: dict | None = None
         self.error: BaseException | None = None
 
@@ -80,7 +81,7 @@ def start_online_trainer(engine: SpecRLEngine, loop: asyncio.AbstractEventLoop, 
 
     trainer = OnlineDraftTrainer(draft_dir, target_dir, replace(cfg, engine=None), train_cfg, checkpoint_dir, log_path)
     trainer.client = EngineTrainerClient(engine, loop)
-    handle = OnlineTrainerThread(trainer, threading.Thread())
+    handle = OnlineTrainerThread(trainer)
 
     def run() -> None:
         try:
