@@ -15,7 +15,7 @@ from pathlib import Path
 PROPOSER = {"plain": "plain", "frozen": "eagle3", "online": "eagle3", "online-async": "eagle3", "lossy": "plain"}
 ARMS = tuple(PROPOSER)
 SPECULATIVE = tuple(arm for arm, proposer in PROPOSER.items() if proposer != "plain")
-ALPHA = 0.05  # family-wise, per arm (Holm over its step buckets and the final reward)
+ALPHA = 0.05  # family-wise, per arm (Holm over its outcomes, step buckets and final values)
 
 
 def mean(xs: list[float | None]) -> float | None:
@@ -63,15 +63,21 @@ def holm(pvalues: list[float], alpha: float = ALPHA) -> list[bool]:
     return rejected
 
 
+OUTCOMES = ("mean_reward", "kl_from_start")  # what a run's training did: its reward, and how far its policy moved
+
+
 def lossless_test(by_arm: dict[str, list[dict]], window: int, switch_at: int | None = None, last: int = 5) -> dict:
-    """Does speculation change the RL run? Per arm against plain: Welch's t-test on the per-seed mean reward
-    in every bucket of ``window`` steps and over the last ``last`` steps (the final reward), Holm-corrected
-    over those tests at family-wise ``ALPHA``. The seeds are the independent units (samples within a run
-    share its policy's trajectory). An arm fails where any test rejects equality."""
+    """Does speculation change the RL run? Per arm against plain, for each outcome (the reward, and the KL of
+    the policy from the start on held-out prompts: lossless sampling leaves both where plain's are): Welch's
+    t-test on the per-seed means in every bucket of ``window`` steps and over the last ``last`` steps (the
+    final value), Holm-corrected over all of an arm's tests at family-wise ``ALPHA``. The seeds are the
+    independent units (samples within a run share its policy's trajectory). An arm fails where any test
+    rejects equality."""
     if "plain" not in by_arm:
         return {"tested": False, "why": "no plain arm"}
-    out: dict = {"tested": True, "test": f"Welch's t on per-seed mean reward per {window}-step bucket and over "
-                                         f"the last {last} steps, Holm at {ALPHA}", "arms": {}}
+    out: dict = {"tested": True, "test": f"Welch's t on per-seed means of {' and '.join(OUTCOMES)} per {window}-step "
+                                         f"bucket and over the last {last} steps, Holm at {ALPHA} over them all",
+                 "arms": {}}
     plain = by_arm["plain"]
     for arm, runs in by_arm.items():
         if arm == "plain":
@@ -83,19 +89,24 @@ def lossless_test(by_arm: dict[str, list[dict]], window: int, switch_at: int | N
         steps = min(len(r["steps"]) for r in runs + plain)
         buckets = window_bounds(steps, window, switch_at) + [(max(0, steps - last), steps)]
 
-        def seed_means(rs: list[dict], lo: int, hi: int) -> list[float]:
-            return [mean([s["mean_reward"] for s in r["steps"][lo:hi]]) for r in rs]
+        def seed_means(rs: list[dict], key: str, lo: int, hi: int) -> list[float]:
+            return [mean([s[key] for s in r["steps"][lo:hi]]) for r in rs]
 
         rows = []
-        for lo, hi in buckets:
-            a, b = seed_means(runs, lo, hi), seed_means(plain, lo, hi)
-            rows.append({"steps": [lo, hi - 1], "arm": mean(a), "plain": mean(b),
-                         "seed_sd": statistics.stdev(b) if len(b) > 1 else None, "p": welch_p(a, b)})
-        rows[-1]["final"] = True
+        for key in OUTCOMES:
+            for lo, hi in buckets:
+                a, b = seed_means(runs, key, lo, hi), seed_means(plain, key, lo, hi)
+                if None in a + b:
+                    continue
+                rows.append({"outcome": key, "steps": [lo, hi - 1], "arm": mean(a), "plain": mean(b),
+                             "seed_sd": statistics.stdev(b) if len(b) > 1 else None, "p": welch_p(a, b),
+                             "final": (lo, hi) == buckets[-1]})
         rejected = holm([r["p"] if not math.isnan(r["p"]) else 1.0 for r in rows])
         for r, rej in zip(rows, rejected):
             r["rejected"] = rej
-        out["arms"][arm] = {"tested": True, "buckets": rows, "agrees_with_plain": not any(rejected)}
+        rejected_by = sorted({r["outcome"] for r in rows if r["rejected"]})
+        out["arms"][arm] = {"tested": True, "buckets": rows, "agrees_with_plain": not rejected_by,
+                            "rejected_on": rejected_by, "min_p": min((r["p"] for r in rows), default=None)}
     return out
 
 
@@ -262,6 +273,11 @@ def print_summary(report: dict) -> None:
             f = a["final_drafts_eval"]
             print(f"{arm}: on its final policy, the draft it ended with serves AL {f['ended_with']:.2f}, "
                   f"the starting draft {f['starting']:.2f}")
+    for arm, v in (report["lossless"].get("arms") or {}).items():
+        print(f"{arm}: RL-level test against plain: " + (
+            v["why"] if not v["tested"] else
+            f"{'agrees' if v['agrees_with_plain'] else 'differs on ' + ', '.join(v['rejected_on'])} "
+            f"(smallest p {v['min_p']:.2g} over {len(v['buckets'])} tests)"))
     print(json.dumps(report["goals"], indent=1))
 
 

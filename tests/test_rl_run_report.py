@@ -15,10 +15,10 @@ def _report():
     return load_script("scripts/rl_run_report.py")
 
 
-def _run(arm, seed, rewards, al=None, trainer_s=None):
+def _run(arm, seed, rewards, al=None, trainer_s=None, kl=None):
     steps = []
     for i, r in enumerate(rewards):
-        steps.append({"step": i, "mean_reward": r, "kl_from_start": 0.01 * i,
+        steps.append({"step": i, "mean_reward": r, "kl_from_start": 0.01 * i if kl is None else kl[i],
                       "acceptance_length": None if al is None else al[i],
                       "per_position_acceptance": [] if al is None else [(al[i] - 1) / 2],
                       "generation_ms_per_token": 10.0, "mean_completion_tokens": 40.0, "draft_version": 0,
@@ -43,6 +43,23 @@ def test_arms_drawn_like_plain_agree_and_a_shifted_arm_fails():
     assert verdicts == {"frozen": True, "lossy": False}
     assert report["goals"]["rl_lossless"]["met"] is True  # the lossy arm is the plant, not a speculative arm
     assert report["goals"]["rl_lossless"]["planted_lossy_caught"] is True
+
+
+def _kl(seed, scale=1.0, steps=20):
+    """KL from the start rising to 0.2 (times ``scale``) with per-seed noise."""
+    rng = random.Random(seed)
+    return [max(0.0, scale * 0.2 * i / (steps - 1) + rng.gauss(0, 0.01)) for i in range(steps)]
+
+
+def test_an_arm_whose_policy_moves_further_fails_on_kl_though_its_reward_agrees():
+    runs = [_run("plain", s, _curve(s), kl=_kl(s)) for s in range(3)]
+    runs += [_run("frozen", s, _curve(100 + s), kl=_kl(100 + s)) for s in range(3)]
+    runs += [_run("lossy", s, _curve(200 + s), kl=_kl(200 + s, scale=4.0)) for s in range(3)]
+    lossless = _report().build_report(runs, window=5)["lossless"]["arms"]
+    assert lossless["frozen"]["agrees_with_plain"] is True
+    assert lossless["lossy"]["agrees_with_plain"] is False
+    assert lossless["lossy"]["rejected_on"] == ["kl_from_start"]
+    assert {r["outcome"] for r in lossless["lossy"]["buckets"]} == {"mean_reward", "kl_from_start"}
 
 
 def test_one_seed_is_not_tested():
