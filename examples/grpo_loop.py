@@ -22,7 +22,7 @@ from vllm_specrl.rl.draft_trainer import DraftTrainerProcess, DraftTrainerSettin
 from vllm_specrl.rl.loop import GRPOLoop
 from vllm_specrl.rl.policy import Policy
 from vllm_specrl.rl.serving import serve_args
-from vllm_specrl.server import VLLMServer, free_port
+from vllm_specrl.launcher import VLLMServer, free_port
 
 WORDS = ["apple", "river", "stone", "cloud", "ember", "maple", "quartz", "harbor"]
 

@@ -61,7 +61,7 @@ async def run(args: argparse.Namespace) -> dict:
     from vllm_specrl.inprocess.engine import SpecRLEngine
     from vllm_specrl.inprocess.extension import combined_extension
     from vllm_specrl.inprocess.trainer_client import start_online_trainer
-    from vllm_specrl.server import free_port
+    from vllm_specrl.launcher import free_port
     from vllm_specrl.trainer.online import OnlineConfig
 
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))

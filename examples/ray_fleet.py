@@ -41,7 +41,7 @@ class Trainer:
         from transformers import AutoModelForCausalLM
 
         from vllm_specrl.capture.receiver import CaptureReceiver
-        from vllm_specrl.sync.engine_group import EngineGroup
+        from vllm_specrl.sync.clients.engine_group import EngineGroup
 
         torch.manual_seed(0)
         self.model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
@@ -52,7 +52,7 @@ class Trainer:
         self.frames: dict[str, int] = {}
 
     def _sender(self, source):
-        from vllm_specrl.sync.gloo_engine import GlooTrainerInitInfo, SpecRLGlooTrainerWeightTransferEngine
+        from vllm_specrl.sync.backends.gloo_backend import GlooTrainerInitInfo, SpecRLGlooTrainerWeightTransferEngine
 
         return SpecRLGlooTrainerWeightTransferEngine.trainer_init(
             GlooTrainerInitInfo("127.0.0.1", free_port(), self.group.world_size, rank=0, timeout_s=300),
@@ -82,7 +82,7 @@ class Trainer:
         """The draft's own tensors (a stand-in for an online trainer's), as a draft round."""
         from safetensors.torch import load_file
 
-        from vllm_specrl.sync.gloo_engine import TensorSource
+        from vllm_specrl.sync.backends.gloo_backend import TensorSource
 
         tensors = load_file(str(Path(self.draft) / "model.safetensors"))
         self._sender(TensorSource(tensors)).send_weights(weight_version=str(version), draft=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 from openai import OpenAI
 
 from vllm_specrl.fixtures import fixture_target
-from vllm_specrl.server import VLLMServer
+from vllm_specrl.launcher import VLLMServer
 
 API_KEY = "specrl-demo-key"
 

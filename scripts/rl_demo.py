@@ -30,8 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_specrl import cpu_malloc
-from vllm_specrl.adaptive.calibrate import WARM_UP_TOKENS
+from vllm_specrl.cpu import malloc as cpu_malloc
+from vllm_specrl.adaptive.k_sweep import WARM_UP_TOKENS
 from vllm_specrl.rl.draft_trainer import DraftTrainerProcess, pause_file, publish_gate_verdicts, trainer_cpus
 from vllm_specrl.rl.loop import GRPOLoop
 from vllm_specrl.rl.policy import Policy
@@ -54,8 +54,8 @@ def run(mode: str, args: argparse.Namespace, target: Path, work: Path, replay: d
     each step waits for the parent's ``{"step": i}``; after the last, ``{"finish": {"replay_of": [...]}}``
     names the runs (their reports in ``work``) whose lengths to replay."""
     from vllm_specrl.proposer.checkpoint import init_draft
-    from vllm_specrl.server import VLLMServer, free_port
-    from vllm_specrl.sync.client import EngineClient
+    from vllm_specrl.launcher import VLLMServer, free_port
+    from vllm_specrl.sync.clients.engine_client import EngineClient
 
     policy_dir, policy_head = policy_paths(work, mode)
     clear_stale_run(work, mode)
@@ -267,7 +267,7 @@ def main() -> None:
     if args.draft_trainer_trains_during == "policy" and not args.draft_trainer_yields:
         parser.error("--draft-trainer-trains-during policy pauses the trainer for the rollouts: "
                      "leave --draft-trainer-yields on")
-    cpu_malloc.keep_every_block_on_heap()  # the policy's log-prob pass and update (vllm_specrl.cpu_malloc)
+    cpu_malloc.keep_every_block_on_heap()  # the policy's log-prob pass and update (vllm_specrl.cpu.malloc)
     args.dtype = resolve_serving_dtype(args.dtype or "auto")
     if args.proposer:
         args.runs = {"history": "history,plain", "mtp": "mtp,plain"}.get(args.proposer, "spec,plain")

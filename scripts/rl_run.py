@@ -50,8 +50,8 @@ def run_arm(arm: str, seed: int, args: argparse.Namespace, out: Path) -> dict:
     from vllm_specrl.rl.policy import Policy
     from vllm_specrl.rl.serving import serve_args
     from vllm_specrl.rl.tasks import TaskSchedule, held_out_prompts
-    from vllm_specrl.server import VLLMServer, free_port
-    from vllm_specrl.sync.client import EngineClient
+    from vllm_specrl.launcher import VLLMServer, free_port
+    from vllm_specrl.sync.clients.engine_client import EngineClient
     from vllm_specrl.trainer.core import resolve_serving_dtype
 
     name = f"{arm}_s{seed}"

@@ -32,7 +32,7 @@ def servers_from_the_server_zygote():
     interpreter (tests/zygote.py, ``--servers``): ready in ~5 s instead of ~20 on 2 cores.
     ``SPECRL_TEST_ZYGOTE=0``: started as a user starts them."""
     from helpers import STOCK_START_PROCESS, start_from_the_server_zygote
-    from vllm_specrl.server import VLLMServer
+    from vllm_specrl.launcher import VLLMServer
 
     VLLMServer._start_process = start_from_the_server_zygote
     yield

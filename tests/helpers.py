@@ -11,7 +11,7 @@ import textwrap
 from pathlib import Path
 
 from conftest import REPO
-from vllm_specrl.server import VLLMServer
+from vllm_specrl.launcher import VLLMServer
 
 STOCK_START_PROCESS = VLLMServer._start_process
 
@@ -83,7 +83,7 @@ def start_from_the_server_zygote(server) -> object:
     """``VLLMServer._start_process`` for the suite (tests/conftest.py): a ``vllm serve`` forked from the
     session's server zygote, which imported vLLM and its OpenAI server once for all of them; any other
     command (or an environment the zygote was not imported with) is started as the class does."""
-    from vllm_specrl.server import vllm_executable
+    from vllm_specrl.launcher import vllm_executable
 
     zygote = _server_zygote()
     if zygote is None or server.cmd[:2] != [vllm_executable(), "serve"] or not zygote.serves(server.env):
@@ -110,7 +110,7 @@ libc.malloc.restype = ctypes.c_void_p
 def run_probe(script: str, *argv: str, timeout: float = 60, **env: str) -> dict:
     """``script`` in a fresh interpreter (malloc settings are process state), without the caller's malloc
     settings (plus ``env``); the JSON of its last line."""
-    from vllm_specrl import cpu_malloc
+    from vllm_specrl.cpu import malloc as cpu_malloc
 
     out = subprocess.run([sys.executable, "-c", script, *argv], env={**cpu_malloc.environ_without_malloc_settings(), **env},
                          capture_output=True, text=True, check=True, timeout=timeout)

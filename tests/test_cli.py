@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from vllm_specrl import cli
+from vllm_specrl.cli import train_draft
 
 
 def test_check_fixtures_names_the_problem(tmp_path, capsys):
@@ -61,26 +62,26 @@ def test_init_draft_keeps_random_weights_unless_asked_and_refuses_a_bad_layer(ca
                                             (["--ttt-steps", "2"], 2)])
 def test_train_draft_trains_three_chained_positions_for_eagle3_and_one_for_an_mtp_layer(argv, want):
     args = cli.build_parser().parse_args(["train-draft", "--target", "t", "--draft", "d", *argv])
-    assert cli._train_config(args).ttt_steps == want
+    assert train_draft.train_config(args).ttt_steps == want
 
 
 def test_train_draft_passes_weight_decay_and_feature_noise_and_refuses_noise_for_an_mtp_layer(monkeypatch, capsys):
     parse = cli.build_parser().parse_args
-    cfg = cli._train_config(parse(["train-draft", "--target", "t", "--draft", "d", "--weight-decay", "0.1",
+    cfg = train_draft.train_config(parse(["train-draft", "--target", "t", "--draft", "d", "--weight-decay", "0.1",
                                    "--feature-noise", "0.2"]))
     assert (cfg.weight_decay, cfg.feature_noise) == (0.1, 0.2)
-    assert (cli._train_config(parse(["train-draft", "--target", "t", "--draft", "d"])).feature_noise) == 0.0
-    assert cli._train_config(parse(["train-draft", "--target", "t", "--draft", "d", "--start-anchor", "4"])
+    assert (train_draft.train_config(parse(["train-draft", "--target", "t", "--draft", "d"])).feature_noise) == 0.0
+    assert train_draft.train_config(parse(["train-draft", "--target", "t", "--draft", "d", "--start-anchor", "4"])
                              ).start_anchor == 4.0
-    monkeypatch.setattr("vllm_specrl.cpu_malloc.keep_every_block_on_heap", lambda: None)
+    monkeypatch.setattr("vllm_specrl.cpu.malloc.keep_every_block_on_heap", lambda: None)
     args = parse(["train-draft", "--target", "t", "--draft", "d", "--mtp", "--capture", "tcp://127.0.0.1:1",
                   "--feature-noise", "0.2"])
-    assert cli._cmd_train_draft(args) == 2
+    assert train_draft.run(args) == 2
     assert "--feature-noise applies to EAGLE-3 drafts" in capsys.readouterr().err
-    assert cli._cmd_train_draft(parse(["train-draft", "--target", "t", "--draft", "d", "--mtp", "--offline",
+    assert train_draft.run(parse(["train-draft", "--target", "t", "--draft", "d", "--mtp", "--offline",
                                        "--start-anchor", "1"])) == 2
     assert "--start-anchor applies to EAGLE-3 drafts" in capsys.readouterr().err
-    assert cli._cmd_train_draft(parse(["train-draft", "--target", "t", "--draft", "d", "--offline",
+    assert train_draft.run(parse(["train-draft", "--target", "t", "--draft", "d", "--offline",
                                        "--feature-noise", "-0.1"])) == 2
     assert "must be >= 0" in capsys.readouterr().err
 
@@ -96,7 +97,7 @@ def test_train_draft_generates_at_the_dtype_auto_resolves_to(monkeypatch, tmp_pa
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    monkeypatch.setattr("vllm_specrl.cpu_malloc.keep_every_block_on_heap", lambda: None)
+    monkeypatch.setattr("vllm_specrl.cpu.malloc.keep_every_block_on_heap", lambda: None)
     seen = {}
     monkeypatch.setattr(offline, "warm_start", lambda target, draft, prompts, cfg, *a: seen.setdefault("cfg", cfg) and {})
     args = cli.build_parser().parse_args(["train-draft", "--offline", "--target", str(tmp_path), "--draft",

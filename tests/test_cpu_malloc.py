@@ -9,11 +9,11 @@ Engines: a fresh interpreter per case: malloc thresholds are process state.
 import pytest
 
 from helpers import GLIBC_MALLINFO, run_probe
-from vllm_specrl import cpu_malloc
+from vllm_specrl.cpu import malloc as cpu_malloc
 
 PROBE = GLIBC_MALLINFO + r"""
 import json, sys
-from vllm_specrl import cpu_malloc
+from vllm_specrl.cpu import malloc as cpu_malloc
 
 result = cpu_malloc.tune_glibc_malloc() if sys.argv[1] == "tune" else "untouched"
 size = 20 << 20
@@ -55,7 +55,7 @@ def test_left_alone_where_the_user_chose(env, says):
 
 REUSE_PROBE = r"""
 import ctypes, json, resource, sys
-from vllm_specrl import cpu_malloc
+from vllm_specrl.cpu import malloc as cpu_malloc
 
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p

@@ -18,7 +18,7 @@ import requests
 from openai import OpenAI
 
 from vllm_specrl.adaptive import SCHEDULER_CLS
-from vllm_specrl.server import VLLMServer
+from vllm_specrl.launcher import VLLMServer
 
 pytestmark = pytest.mark.server
 API_KEY = "test-key"
@@ -152,7 +152,7 @@ def test_plugin_ran_in_api_server_engine_core_and_worker(server):
 
 def test_a_trainer_report_without_an_update_reaches_status_and_metrics(server):
     """What the online trainer sends when its publish gate keeps the served draft."""
-    from vllm_specrl.sync.client import EngineClient
+    from vllm_specrl.sync.clients.engine_client import EngineClient
 
     url = server.url + "/specrl/draft_trainer"
     assert requests.post(url, json={"capture": {}}, timeout=30).status_code == 401  # the key is required

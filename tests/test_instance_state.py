@@ -9,7 +9,7 @@ import multiprocessing
 
 import pytest
 
-from vllm_specrl import http as specrl_http
+from vllm_specrl import endpoints
 from vllm_specrl import instance_state
 from vllm_specrl.instance_state import ProcessLock, SharedRecord
 
@@ -102,8 +102,8 @@ def two_api_servers(tmp_path, monkeypatch):
     """Two API servers' states on one directory, as vLLM's multiprocess mode gives them."""
     monkeypatch.setenv(instance_state.MULTIPROC_ENV, str(tmp_path))
     directory = instance_state.instance_dir()
-    return (specrl_http.SpecRLHttpState(FakeEngine(), [], directory=directory),
-            specrl_http.SpecRLHttpState(FakeEngine(), [], directory=directory))
+    return (endpoints.SpecRLHttpState(FakeEngine(), [], directory=directory),
+            endpoints.SpecRLHttpState(FakeEngine(), [], directory=directory))
 
 
 def test_a_commit_in_one_api_server_is_what_the_other_reports(two_api_servers):
@@ -127,15 +127,15 @@ def test_uploads_failures_and_reports_are_shared(two_api_servers):
     assert b.last_commit_failure["error"] == "boom"
     b.trainer_reported({"steps": 5})
     assert a.draft_trainer["steps"] == 5
-    for i in range(specrl_http.ABANDONED_KEPT + 2):
+    for i in range(endpoints.ABANDONED_KEPT + 2):
         a.upload_abandoned({"update_id": f"dead{i}"})
-    assert len(b.abandoned_updates) == specrl_http.ABANDONED_KEPT
-    assert b.shared.read()["abandoned_updates_total"] == specrl_http.ABANDONED_KEPT + 2
+    assert len(b.abandoned_updates) == endpoints.ABANDONED_KEPT
+    assert b.shared.read()["abandoned_updates_total"] == endpoints.ABANDONED_KEPT + 2
 
 
 def test_the_version_header_reads_the_shared_record(two_api_servers):
     """What every completion's ``x-specrl-policy-version`` says, answered by either process."""
-    from vllm_specrl.sync.routes import stamp_versions
+    from vllm_specrl.sync.http.routes import stamp_versions
 
     a, b = two_api_servers
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_specrl.switches import SWITCHES
+from vllm_specrl.switches import CPU, SWITCHES
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -36,10 +36,14 @@ def test_the_readme_stays_a_guide():
     assert len(README.splitlines()) <= 300
 
 
-def test_every_switch_is_in_the_readme_table():
+def test_every_switch_is_in_the_readme_table_or_the_cpu_shortcuts_page():
     table = README.split("## Switches", 1)[1].split("\n## ", 1)[0]
-    missing = [s.name for s in SWITCHES if f"`{s.name}`" not in table]
+    missing = [s.name for s in SWITCHES if not s.group and f"`{s.name}`" not in table]
     assert not missing, f"README's switches table lacks {missing}"
+    page = (REPO / "docs" / "cpu-shortcuts.md").read_text()
+    missing = [s.name for s in SWITCHES if s.group == CPU and f"`{s.name}`" not in page]
+    assert not missing, f"docs/cpu-shortcuts.md lacks {missing}"
+    assert not [s.name for s in SWITCHES if s.group == CPU and f"`{s.name}`" in table], "a GPU user reads past them"
 
 
 def test_every_linked_page_exists():
@@ -51,7 +55,7 @@ def test_every_linked_page_exists():
 @pytest.fixture
 def readme_server(tiny_model, tmp_path):
     from vllm_specrl.proposer.checkpoint import init_draft
-    from vllm_specrl.server import VLLMServer, free_port
+    from vllm_specrl.launcher import VLLMServer, free_port
 
     init_draft(tiny_model, tmp_path / "draft", seed=0)
     flags = [w.replace("/ckpt/draft", str(tmp_path / "draft")).replace("tcp://127.0.0.1:5557",

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from vllm_specrl.routes import SpecRLRoutesMissing
+from vllm_specrl.sync.clients.response_check import SpecRLRoutesMissing
 
 
 class _NoRoutes(BaseHTTPRequestHandler):
@@ -38,7 +38,7 @@ def url():
 
 
 def test_status_and_updates_name_the_missing_plugin(url):
-    from vllm_specrl.sync.client import EngineClient
+    from vllm_specrl.sync.clients.engine_client import EngineClient
 
     client = EngineClient(url)
     for call in (client.status, client.resume, lambda: client.report_trainer({"step": 1})):
@@ -48,7 +48,7 @@ def test_status_and_updates_name_the_missing_plugin(url):
 
 def test_the_status_command_and_the_server_handle_name_the_missing_plugin(url, capsys):
     from vllm_specrl import cli
-    from vllm_specrl.server import VLLMServer
+    from vllm_specrl.launcher import VLLMServer
 
     assert cli.main(["status", "--engine", url]) == 1
     assert "specrl_http endpoint plugin did not load" in capsys.readouterr().err
@@ -57,7 +57,7 @@ def test_the_status_command_and_the_server_handle_name_the_missing_plugin(url, c
 
 
 def test_calibration_names_the_missing_plugin(url):
-    from vllm_specrl.adaptive.calibrate import calibrate
+    from vllm_specrl.adaptive.k_sweep import calibrate
 
     with pytest.raises(SpecRLRoutesMissing, match="specrl_http endpoint plugin did not load"):
         calibrate(url, model="m", max_batch=1, steps=1)

@@ -1,11 +1,11 @@
-"""Inverse-CDF sampling (vllm_specrl.sampling.exact) draws exactly the distribution it is given."""
+"""Inverse-CDF sampling (vllm_specrl.cpu.exact_sampling) draws exactly the distribution it is given."""
 
 import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
 
-from vllm_specrl.sampling.exact import BLOCK, inverse_cdf_sample, residual_weights, row_uniforms
+from vllm_specrl.cpu.exact_sampling import BLOCK, inverse_cdf_sample, residual_weights, row_uniforms
 
 ALPHA = 1e-3
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from vllm_specrl.sampling import exact as sampling
+from vllm_specrl.cpu import exact_sampling as sampling
 from vllm_specrl.compat import cpu_expand_kernel
 from vllm_specrl.compat.registry import REGISTRY
-from vllm_specrl.sampling import cpu_patches
-from vllm_specrl.sampling import cpu_samplers
+from vllm_specrl.cpu import sampling_patches as cpu_patches
+from vllm_specrl.cpu import samplers as cpu_samplers
 
 V, N = 48, 30000
 ALPHA, POWER_ALPHA = 1e-3, 1e-6

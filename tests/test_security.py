@@ -7,7 +7,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from vllm_specrl import http as specrl_http
+from vllm_specrl import endpoints
 from vllm_specrl.capture.receiver import CaptureReceiver
 from vllm_specrl.capture.sender import CaptureSender
 from vllm_specrl.security import (AddressRefused, confined_file, is_local_zmq_address, is_loopback_host,
@@ -97,7 +97,7 @@ class FakeEngine:
 
 def call(state, method: str, path: str, client_host: str, headers: dict | None = None) -> httpx.Response:
     app = FastAPI()
-    specrl_http.SpecRLEndpointPlugin().attach_router(app)
+    endpoints.SpecRLEndpointPlugin().attach_router(app)
     app.state.specrl = state
 
     async def go():
@@ -110,7 +110,7 @@ def call(state, method: str, path: str, client_host: str, headers: dict | None =
 def test_without_a_key_only_loopback_clients_may_change_the_engine(monkeypatch):
     monkeypatch.delenv("VLLM_SPECRL_ALLOW_UNAUTHENTICATED_REMOTE", raising=False)
     engine = FakeEngine()
-    state = specrl_http.SpecRLHttpState(engine, [], unauthenticated_remote_allowed(False))
+    state = endpoints.SpecRLHttpState(engine, [], unauthenticated_remote_allowed(False))
     for path in ("/specrl/pause", "/specrl/resume", "/specrl/update/begin", "/specrl/capture",
                  "/specrl/update/u1/commit", "/specrl/update/u1/shm"):
         refused = call(state, "POST", path, "10.0.0.7")
@@ -123,14 +123,14 @@ def test_without_a_key_only_loopback_clients_may_change_the_engine(monkeypatch):
 
 def test_a_key_admits_remote_clients_and_the_opt_out_is_explicit(monkeypatch):
     engine = FakeEngine()
-    keyed = specrl_http.SpecRLHttpState(engine, ["s3cret"])
+    keyed = endpoints.SpecRLHttpState(engine, ["s3cret"])
     assert call(keyed, "POST", "/specrl/pause", "10.0.0.7").status_code == 401
     assert call(keyed, "POST", "/specrl/pause", "10.0.0.7",
                 {"Authorization": "Bearer s3cret"}).status_code == 200
     assert call(keyed, "POST", "/specrl/pause", "127.0.0.1").status_code == 401  # a key binds loopback too
     monkeypatch.setenv("VLLM_SPECRL_ALLOW_UNAUTHENTICATED_REMOTE", "1")
-    opened = specrl_http.SpecRLHttpState(engine, [], unauthenticated_remote_allowed(False))
+    opened = endpoints.SpecRLHttpState(engine, [], unauthenticated_remote_allowed(False))
     assert call(opened, "POST", "/specrl/pause", "10.0.0.7").status_code == 200
     monkeypatch.delenv("VLLM_SPECRL_ALLOW_UNAUTHENTICATED_REMOTE")
-    assert specrl_http.SpecRLHttpState(engine, [], unauthenticated_remote_allowed(True)) \
+    assert endpoints.SpecRLHttpState(engine, [], unauthenticated_remote_allowed(True)) \
         .allow_unauthenticated_remote

@@ -1,4 +1,4 @@
-"""``vllm_specrl.server``: ports that stay free until their user binds them; servers started side by side.
+"""``vllm_specrl.launcher``: ports that stay free until their user binds them; servers started side by side.
 
 Engines: fake servers (a short Python script standing in for `vllm serve`): the launcher's own
 handling is tested.
@@ -11,7 +11,7 @@ import time
 import pytest
 import requests
 
-from vllm_specrl.server import VLLMServer, ephemeral_port_range, free_port, started
+from vllm_specrl.launcher import VLLMServer, ephemeral_port_range, free_port, started
 
 # Stands in for ``vllm serve``: answers /health after a delay, or exits at once with an error.
 FAKE_SERVE = """

@@ -81,7 +81,7 @@ def test_the_server_reads_the_scheduler_and_proposer_off_vllms_config():
     from types import SimpleNamespace
 
     from vllm_specrl.adaptive.scheduler import AdaptiveKScheduler
-    from vllm_specrl.http import ineffective_switches
+    from vllm_specrl.endpoints import ineffective_switches
 
     def config(scheduler_cls):
         return SimpleNamespace(scheduler_config=SimpleNamespace(scheduler_cls=scheduler_cls),

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 PROBE = """
 import importlib.metadata as m, json, vllm, vllm_specrl
-from vllm_specrl.http import endpoint_plugin
+from vllm_specrl.endpoints import endpoint_plugin
 from vllm_specrl.plugin import register
 dist = m.distribution("vllm-specrl")
 eps = {ep.group: ep.value for ep in dist.entry_points}
@@ -48,7 +48,7 @@ def test_a_built_wheel_installs_beside_vllm(tmp_path):
     assert got["package"].startswith(str(env_dir)), got  # the wheel's copy, not the clone's
     assert got["dist"].startswith(str(env_dir)), got
     assert got["entry_points"] == {"vllm.general_plugins": "vllm_specrl.plugin:register",
-                                   "vllm.endpoint_plugins": "vllm_specrl.http:endpoint_plugin",
+                                   "vllm.endpoint_plugins": "vllm_specrl.endpoints:endpoint_plugin",
                                    "console_scripts": "vllm_specrl.cli:main"}, got
     help_text = subprocess.run([env_dir / "bin" / "vllm-specrl", "--help"], check=True, capture_output=True,
                                text=True, cwd=tmp_path).stdout

@@ -18,8 +18,8 @@ import pytest
 
 from helpers import result_json, run_python
 from prompts import code_prompts
-from vllm_specrl.adaptive.skip_draft_fetch import SKIP_EMPTY_DRAFT_FETCH_ENV
-from vllm_specrl.sampling.cpu_patches import ZERO_DRAFT_ENV
+from vllm_specrl.cpu.skip_draft_fetch import SKIP_EMPTY_DRAFT_FETCH_ENV
+from vllm_specrl.cpu.sampling_patches import ZERO_DRAFT_ENV
 
 PROMPTS = code_prompts(8)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from helpers import _server_zygote, _zygote, result_json, run_python
-from vllm_specrl.server import VLLMServer, cpu_env
+from vllm_specrl.launcher import VLLMServer, cpu_env
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_specrl.adaptive import SCHEDULER_CLS as ADAPTIVE_K_SCHEDULER
+from vllm_specrl.compat.registry import SHORTCUTS_SWITCH
 from vllm_specrl.lifecycle.config import DRAFT_MODEL_METHODS
 
 HISTORY_PROPOSER = "vllm_specrl.proposer.history.HistoryProposer"
@@ -25,9 +26,11 @@ class Switch:
     kind: str      # "env" or "config"
     default: str
     effect: str
+    group: str = ""  # "cpu": a CPU performance shortcut (docs/cpu-shortcuts.md), all off with CPU_SHORTCUTS
 
 
 ENV, CONFIG = "env", "config"
+CPU = "cpu"  # the group of the CPU performance shortcuts
 PATCH_SWITCH = "`0` keeps vLLM's own path; `1` installs it on a platform other than the CPU too"
 
 SWITCHES: tuple[Switch, ...] = (
@@ -72,20 +75,23 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("VLLM_SPECRL_CAPTURE_TAP", ENV, "unset", "`0` refuses to install the capture tap (capture off)"),
     Switch("VLLM_SPECRL_DRAFT_RECORDER", ENV, "unset", "`0` refuses to install the draft recorder"),
     # Engine patches (each listed by `vllm-specrl doctor` and docs/vllm_touch_points.md)
-    Switch("VLLM_SPECRL_FAST_SAMPLING", ENV, "on (CPU)", f"the CPU's inverse-CDF samplers; {PATCH_SWITCH}"),
+    Switch(SHORTCUTS_SWITCH, ENV, "on (CPU)", "`0` turns off every CPU performance shortcut whose own switch is "
+                                              "unset (vLLM's own paths; the fixes of vLLM faults stay): "
+                                              "docs/cpu-shortcuts.md lists each"),
+    Switch("VLLM_SPECRL_FAST_SAMPLING", ENV, "on (CPU)", f"the CPU's inverse-CDF samplers; {PATCH_SWITCH}", group=CPU),
     Switch("VLLM_SPECRL_LAZY_REJECTION", ENV, "on (CPU)",
-           f"recovered tokens and logprobs only where emitted; {PATCH_SWITCH}"),
-    Switch("VLLM_SPECRL_ONE_PASS_VERIFY", ENV, "on (CPU)", f"verify from one log-softmax; {PATCH_SWITCH}"),
+           f"recovered tokens and logprobs only where emitted; {PATCH_SWITCH}", group=CPU),
+    Switch("VLLM_SPECRL_ONE_PASS_VERIFY", ENV, "on (CPU)", f"verify from one log-softmax; {PATCH_SWITCH}", group=CPU),
     Switch("VLLM_SPECRL_DRAFT_VOCAB_SAMPLING", ENV, "on (CPU)",
-           f"EAGLE-3 drafts sampled in their own vocabulary; {PATCH_SWITCH}"),
+           f"EAGLE-3 drafts sampled in their own vocabulary; {PATCH_SWITCH}", group=CPU),
     Switch("VLLM_SPECRL_COMPACT_DRAFT_PROBS", ENV, "on", "`0` spreads draft probabilities over the target's "
                                                          "vocabulary in the drafter"),
     Switch("VLLM_SPECRL_ZERO_DRAFT_PLAIN_SAMPLER", ENV, "on (CPU)",
-           f"steps without drafts take the plain sampler and a short metadata path; {PATCH_SWITCH}"),
-    Switch("VLLM_SPECRL_DEFER_DRAFT_KV", ENV, "on (CPU)", f"the drafter's k = 0 passes deferred; {PATCH_SWITCH}"),
+           f"steps without drafts take the plain sampler and a short metadata path; {PATCH_SWITCH}", group=CPU),
+    Switch("VLLM_SPECRL_DEFER_DRAFT_KV", ENV, "on (CPU)", f"the drafter's k = 0 passes deferred; {PATCH_SWITCH}", group=CPU),
     Switch("VLLM_SPECRL_SKIP_EMPTY_DRAFT_FETCH", ENV, "on (CPU)",
-           f"no draft fetch after a k = 0 step; {PATCH_SWITCH}"),
-    Switch("VLLM_SPECRL_RUNNER_STEP_TIMER", ENV, "on (CPU)", f"the runner's step time for adaptive k; {PATCH_SWITCH}"),
+           f"no draft fetch after a k = 0 step; {PATCH_SWITCH}", group=CPU),
+    Switch("VLLM_SPECRL_RUNNER_STEP_TIMER", ENV, "on (CPU)", f"the runner's step time for adaptive k; {PATCH_SWITCH}", group=CPU),
     Switch("VLLM_SPECRL_CUSTOM_PROPOSER_BINDING", ENV, "on", "`0` leaves custom_class proposers without the "
                                                              "runner's batch (the history proposer needs it)"),
     Switch("VLLM_SPECRL_CPU_EXPAND_FIX", ENV, "on where the fault is", "`0` leaves vLLM CPU's expand-kernel fault "
@@ -93,8 +99,8 @@ SWITCHES: tuple[Switch, ...] = (
     Switch("VLLM_SPECRL_CPU_SEEDED_REWIND_FIX", ENV, "on where the fault is",
            "`0` leaves vLLM CPU's seeded-rewind fault (engine error on seeded chunked prefills)"),
     Switch("VLLM_SPECRL_CPU_START_METHOD", ENV, "unset (spawn)", "`fork`: vLLM's CPU engine core and worker forked, "
-                                                                 "not spawned (faster start-up)"),
-    Switch("VLLM_SPECRL_MALLOC_TUNING", ENV, "on (CPU)", "`0` keeps glibc malloc's default thresholds"),
+                                                                 "not spawned (faster start-up)", group=CPU),
+    Switch("VLLM_SPECRL_MALLOC_TUNING", ENV, "on (CPU)", "`0` keeps glibc malloc's default thresholds", group=CPU),
     # Testing and development
     Switch("VLLM_SPECRL_FAULTS", ENV, "unset", "fault injection for tests (never set it when serving)"),
     Switch("VLLM_SPECRL_FIXTURES", ENV, "~/.cache/vllm-specrl/fixtures", "where fixture models are built and found"),

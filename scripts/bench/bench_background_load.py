@@ -40,7 +40,7 @@ def run_wave(srv, concurrency: int, max_tokens: int, seed: int) -> tuple[int, fl
 
 def run_cell(model: Path, draft: Path | None, background: str, args) -> dict:
     from vllm_specrl.processes import start_niced
-    from vllm_specrl.server import VLLMServer
+    from vllm_specrl.launcher import VLLMServer
 
     server_args = ["--dtype", args.dtype, "--max-model-len", "1024", "--seed", "0"]
     if draft is not None:

@@ -2,7 +2,7 @@
 
 One in-process engine (its own subprocess) serves a draft at T=1 with probabilistic
 drafting and reports ``vllm:spec_decode_num_accepted_tokens_per_pos``; the trainer
-then estimates those counters from the same rollouts (``trainer.calibration``): the
+then estimates those counters from the same rollouts (``trainer.estimate_check``): the
 served estimate (completion positions, vLLM's draft starts), the per-step chained
 mean, and the estimate with prompt positions counted. JSON, one row per run.
 
@@ -37,7 +37,7 @@ def prompts_trained_on(draft: Path) -> set[str]:
 
 def main() -> None:
     from vllm_specrl.host import host_info
-    from vllm_specrl.trainer.calibration import estimate_from_rollouts, estimate_mtp_from_rollouts, serve_rollouts
+    from vllm_specrl.trainer.estimate_check import estimate_from_rollouts, estimate_mtp_from_rollouts, serve_rollouts
     from vllm_specrl.trainer.offline import default_prompts
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -38,7 +38,7 @@ def receiver_ceiling(hidden: int, aux_layers: int, rows: int, seconds: float) ->
 
     from vllm_specrl.capture.receiver import CaptureReceiver, SequenceAssembler
     from vllm_specrl.capture.sender import CaptureSender
-    from vllm_specrl.server import free_port
+    from vllm_specrl.launcher import free_port
 
     address = f"tcp://127.0.0.1:{free_port()}"
     rx = CaptureReceiver(address)
@@ -103,7 +103,7 @@ def tap_cost(hidden: int, vocab: int, batch: int, rows: int, topk: int, reps: in
     of ``reps`` steps."""
     import torch
 
-    from vllm_specrl import cpu_malloc
+    from vllm_specrl.cpu import malloc as cpu_malloc
     from vllm_specrl.capture.tap import collect_step
 
     cpu_malloc.tune_glibc_malloc()
@@ -159,7 +159,7 @@ def main() -> None:
     from vllm_specrl.capture.receiver import CaptureReceiver, SequenceAssembler
     from vllm_specrl.fixtures import fixture_target
     from vllm_specrl.proposer.checkpoint import init_draft
-    from vllm_specrl.server import VLLMServer, free_port
+    from vllm_specrl.launcher import VLLMServer, free_port
 
     model = Path(fixture_target(args.fixture, args.fixtures))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -97,7 +97,7 @@ def train_one(target: Path, features: list[dict], counts: torch.Tensor, train_id
 def main() -> None:
     from transformers import AutoModelForCausalLM
 
-    from vllm_specrl.cli import parse_target_layer
+    from vllm_specrl.cli.drafts import parse_target_layer
     from vllm_specrl.host import host_info
     from vllm_specrl.proposer.checkpoint import load_draft, target_lm_head
     from vllm_specrl.proposer.eagle3_config import default_aux_layer_ids, read_config

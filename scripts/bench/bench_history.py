@@ -163,7 +163,7 @@ def main() -> None:
 
     from vllm_specrl.fixtures import build_fixtures, fixture_target
     from vllm_specrl.rl.tasks import make_tasks
-    from vllm_specrl.server import cpu_env
+    from vllm_specrl.launcher import cpu_env
 
     if args.model is None:
         build_fixtures(Path(args.fixtures), ("real",))

@@ -83,8 +83,8 @@ def main() -> None:
 
     from vllm_specrl.fixtures import fixture_target
     from vllm_specrl.proposer.checkpoint import init_draft
-    from vllm_specrl.server import VLLMServer, free_port
-    from vllm_specrl.sync.client import EngineClient
+    from vllm_specrl.launcher import VLLMServer, free_port
+    from vllm_specrl.sync.clients.engine_client import EngineClient
 
     src = Path(fixture_target(args.fixture, args.fixtures))
     work = args.out.parent / "online_work"

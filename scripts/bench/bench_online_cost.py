@@ -59,8 +59,8 @@ def main() -> None:
     from vllm_specrl.fixtures import fixture_target
     from vllm_specrl.rl.draft_trainer import DraftTrainerProcess, pause_file, trainer_cpus
     from vllm_specrl.rl.tasks import make_tasks
-    from vllm_specrl.server import VLLMServer, free_port
-    from vllm_specrl.sync.client import EngineClient
+    from vllm_specrl.launcher import VLLMServer, free_port
+    from vllm_specrl.sync.clients.engine_client import EngineClient
     from vllm_specrl.trainer.core import resolve_serving_dtype
     from vllm_specrl.trainer.offline import prompt_texts
 

@@ -25,7 +25,7 @@ MODES = ("default", "tuned", "heap")
 CHILD = r"""
 import json, random, resource, sys, time
 from pathlib import Path
-from vllm_specrl import cpu_malloc
+from vllm_specrl.cpu import malloc as cpu_malloc
 
 mode, target, steps, samples, max_tokens = sys.argv[1], Path(sys.argv[2]), *map(int, sys.argv[3:6])
 result = {"default": lambda: "untouched", "tuned": cpu_malloc.tune_glibc_malloc,
@@ -59,7 +59,7 @@ print(json.dumps({"mode": mode, "allocator": result, "steps": out,
 
 
 def run_mode(mode: str, target: Path, args: argparse.Namespace) -> dict:
-    from vllm_specrl.cpu_malloc import environ_without_malloc_settings
+    from vllm_specrl.cpu.malloc import environ_without_malloc_settings
 
     env_clean = environ_without_malloc_settings()
     out = subprocess.run([sys.executable, "-c", CHILD, mode, str(target), str(args.steps), str(args.samples),

@@ -194,7 +194,7 @@ def _time_scheduler(llm) -> None:
 def _phase_totals(llm) -> dict:
     """Seconds so far in each phase of the model runner (``phase_timers.install_phase_timers``) and the
     scheduler, and the drafter's deferred draft-KV counters where it has them."""
-    from vllm_specrl.proposer.deferred_kv import deferred_draft_kv_counters
+    from vllm_specrl.cpu.deferred_draft_kv import deferred_draft_kv_counters
 
     def read(worker):
         totals = dict(worker.model_runner._specrl_phase_totals)
@@ -281,7 +281,7 @@ def _engine_server(cfg: dict) -> list[dict] | None:
     from openai import OpenAI
 
     from vllm_specrl import metrics
-    from vllm_specrl.server import VLLMServer
+    from vllm_specrl.launcher import VLLMServer
 
     spec = cfg["speculative_config"]
     extra = ["--dtype", cfg["dtype"], "--max-model-len", str(cfg["max_model_len"]),
@@ -321,7 +321,7 @@ def _engine_server(cfg: dict) -> list[dict] | None:
 
         one((0, 0), 0.0)  # warm-up
         if cfg.get("calibrate"):  # the start-up sweep a rollout server runs (`make demo` does); plain: a warm-up
-            from vllm_specrl.adaptive.calibrate import calibrate
+            from vllm_specrl.adaptive.k_sweep import calibrate
 
             calibrate(srv.url, model, max_batch=max(cfg["batch_sizes"]), seed=cfg["seed"])
 
@@ -356,7 +356,7 @@ def _cell(temperature: float, batch: int, requests: int, tokens: int, wall: floa
 
 
 def engine_env() -> dict[str, str]:
-    from vllm_specrl.server import with_intel_openmp
+    from vllm_specrl.launcher import with_intel_openmp
 
     env = with_intel_openmp(dict(os.environ))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")

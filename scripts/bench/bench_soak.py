@@ -34,9 +34,9 @@ from vllm_specrl.faults import FAULTS_ENV
 from vllm_specrl.fixtures import build_fixtures, fixture_target
 from bench_engine import host_info
 from vllm_specrl.proposer.checkpoint import init_draft
-from vllm_specrl.server import VLLMServer, cpu_env
+from vllm_specrl.launcher import VLLMServer, cpu_env
 from vllm_specrl.sync import shm
-from vllm_specrl.sync.client import EngineClient, WeightSyncError
+from vllm_specrl.sync.clients.engine_client import EngineClient, WeightSyncError
 
 PROMPTS = ["def f(x):\n", "import os\n", "class A:\n", "for i in range(3):\n"]
 

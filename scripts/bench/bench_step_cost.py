@@ -85,7 +85,7 @@ def _engine(cfg: dict) -> list[dict]:
 
 def run_engine(cfg: dict, env_extra: dict, timeout_s: float, iomp: bool = True) -> list[dict] | str:
     from bench_engine import run_engine_subprocess
-    from vllm_specrl.server import with_intel_openmp
+    from vllm_specrl.launcher import with_intel_openmp
 
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
                VLLM_PLUGINS=os.environ.get("VLLM_PLUGINS", "specrl"), **env_extra)

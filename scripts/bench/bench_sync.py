@@ -75,8 +75,8 @@ def main() -> None:
 
     from vllm_specrl.fixtures import fixture_target
     from vllm_specrl.proposer.checkpoint import init_draft
-    from vllm_specrl.server import VLLMServer
-    from vllm_specrl.sync.client import EngineClient
+    from vllm_specrl.launcher import VLLMServer
+    from vllm_specrl.sync.clients.engine_client import EngineClient
 
     model = Path(args.model or fixture_target(args.fixture, args.fixtures))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -36,8 +36,8 @@ def rank_memory(client) -> list[dict]:
 
 def measure(model: Path, tp: int, layout: str, log: Path) -> dict:
     """Two updates over shared memory, one over HTTP, on a fresh server of ``layout`` at ``tp``."""
-    from vllm_specrl.server import VLLMServer, cpu_env
-    from vllm_specrl.sync.client import EngineClient
+    from vllm_specrl.launcher import VLLMServer, cpu_env
+    from vllm_specrl.sync.clients.engine_client import EngineClient
 
     env = dict(cpu_env(), **({"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tp)))} if tp > 1 else {}))
     args = ["--dtype", "bfloat16", "--max-model-len", "512", "--tensor-parallel-size", str(tp),

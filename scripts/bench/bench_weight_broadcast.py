@@ -76,11 +76,11 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from vllm_specrl.fixtures import build_fixtures, fixture_target
-    from vllm_specrl.server import VLLMServer, cpu_env, free_port, started
-    from vllm_specrl.sync.client import EngineClient
-    from vllm_specrl.sync.engine_group import EngineGroup
-    from vllm_specrl.sync.fleet import FleetClient
-    from vllm_specrl.sync.gloo_engine import (GlooTrainerInitInfo, SpecRLGlooTrainerWeightTransferEngine,
+    from vllm_specrl.launcher import VLLMServer, cpu_env, free_port, started
+    from vllm_specrl.sync.clients.engine_client import EngineClient
+    from vllm_specrl.sync.clients.engine_group import EngineGroup
+    from vllm_specrl.sync.clients.fleet import FleetClient
+    from vllm_specrl.sync.backends.gloo_backend import (GlooTrainerInitInfo, SpecRLGlooTrainerWeightTransferEngine,
                                               TensorSource)
 
     if args.model is None:

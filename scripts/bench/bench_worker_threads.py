@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 
 from bench_engine import completion_wave, host_info
-from vllm_specrl.server import VLLMServer, cpu_env
+from vllm_specrl.launcher import VLLMServer, cpu_env
 
 RESERVED_CPU_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"  # vLLM's own knob (vllm/utils/ompmultiprocessing.py)
 

@@ -6,7 +6,7 @@ compares greedy tokens with a fresh engine on NEW_MODEL. On CPU the LM head
 is packed for oneDNN after loading; with ``tie_word_embeddings`` the
 checkpoint has no ``lm_head.weight``, so the reload never re-packs it and
 logits still come from the old embedding matrix. Exit code 1 on mismatch.
-Fix: ``vllm_specrl.sync.reload.refresh_tied_lm_head`` (applied by vllm-specrl's updates).
+Fix: ``vllm_specrl.sync.worker.reload.refresh_tied_lm_head`` (applied by vllm-specrl's updates).
 
     VLLM_PLUGINS= VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_ALLOW_INSECURE_SERIALIZATION=1 \\
     VLLM_CPU_KVCACHE_SPACE=1 python scripts/repro/repro_cpu_tied_head_reload.py MODEL NEW_MODEL [--fix]
@@ -30,7 +30,7 @@ def greedy(model: str, reload_from: str | None, fix: bool) -> list[list[int]]:
         def reload(worker):
             worker.model_runner.reload_weights(weights_iterator=iter(load_file(path).items()))
             if fix:
-                from vllm_specrl.sync.reload import refresh_tied_lm_head
+                from vllm_specrl.sync.worker.reload import refresh_tied_lm_head
 
                 refresh_tied_lm_head(worker.model_runner.get_model())
 

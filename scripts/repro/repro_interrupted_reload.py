@@ -7,7 +7,7 @@ their weights arrived, in ``finalize_layerwise_reload``. If the iterator (or a l
 finalize never runs, and the next ``reload_weights`` fails with
 ``AttributeError: 'Parameter' object has no attribute 'weight_loader'``. Calling vLLM's own
 ``finalize_layerwise_reload`` first makes the second reload work (what
-``vllm_specrl.sync.reload.end_interrupted_reload`` does before restoring the last good weights).
+``vllm_specrl.sync.worker.reload.end_interrupted_reload`` does before restoring the last good weights).
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python scripts/repro/repro_interrupted_reload.py .fixtures/tiny/target
 """

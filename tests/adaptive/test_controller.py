@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from vllm_specrl.adaptive.calibrate import bucket_label
+from vllm_specrl.adaptive.k_sweep import bucket_label
 from vllm_specrl.adaptive.controller import (_Bucket, AcceptanceTracker, AdaptiveKConfig, AdaptiveKController,
                                              RelativeCost, batch_bucket, bucket_bounds)
 

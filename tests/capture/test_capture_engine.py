@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from helpers import result_json, run_python
 from vllm_specrl.proposer.checkpoint import init_draft
-from vllm_specrl.server import free_port
+from vllm_specrl.launcher import free_port
 from vllm_specrl.trainer.features import sequence_features
 
 PROMPTS = ["def f(x):\n    return", "import os\nimport sys\n", "class A:\n    def __init__(self):",

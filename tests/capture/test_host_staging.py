@@ -6,7 +6,6 @@ not run on one: these stand-ins are what is tested here."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from vllm_specrl.capture import tap as tap_module

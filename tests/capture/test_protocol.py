@@ -55,7 +55,7 @@ def test_receiver_counts_and_drops_foreign_frames(background):
     import zmq
 
     from vllm_specrl.capture.receiver import CaptureReceiver
-    from vllm_specrl.server import free_port
+    from vllm_specrl.launcher import free_port
 
     addr = f"tcp://127.0.0.1:{free_port()}"
     rx = CaptureReceiver(addr, background=background)

@@ -13,7 +13,7 @@ from vllm_specrl.capture.receiver import CaptureReceiver
 from vllm_specrl.capture.sender import resolve_sender_idle, resolve_sender_kind
 from vllm_specrl.capture.sender_process import SenderProcess
 from vllm_specrl.capture.tap import collect_step
-from vllm_specrl.server import free_port
+from vllm_specrl.launcher import free_port
 
 
 def receive(receiver: CaptureReceiver, frames: int, timeout_s: float = 20.0) -> list:

@@ -13,8 +13,8 @@ import psutil
 import pytest
 import requests
 
-from vllm_specrl.compat import cpu_start_method
-from vllm_specrl.server import VLLMServer, cpu_env, started
+from vllm_specrl.cpu import start_method as cpu_start_method
+from vllm_specrl.launcher import VLLMServer, cpu_env, started
 
 pytestmark = pytest.mark.server
 SPEC = ('{"method":"custom_class","model":"vllm_specrl.proposer.history.HistoryProposer",'

@@ -11,10 +11,10 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from vllm_specrl.adaptive import skip_draft_fetch
+from vllm_specrl.cpu import skip_draft_fetch
 from vllm_specrl.compat.registry import CPU_ONLY_NOTE, REGISTRY
 from vllm_specrl.proposer import custom_binding, deferred_kv
-from vllm_specrl.sampling import cpu_patches
+from vllm_specrl.cpu import sampling_patches as cpu_patches
 
 CPU_SCOPED = [(cpu_patches.ZERO_DRAFT_ENV, cpu_patches.install_zero_draft_plain_sampler,
                cpu_patches.ZERO_DRAFT_PATCH),

@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from vllm_specrl.compat.registry import CPU_ONLY_NOTE, Patch, PatchError, Registry
+from vllm_specrl.compat.registry import CPU_ONLY_NOTE, SHORTCUTS_SWITCH, Patch, PatchError, Registry
 
 
 class Base:
@@ -35,9 +35,11 @@ MODULE.helper = lambda a: f"helper({a})"
 sys.modules[MODULE.__name__] = MODULE
 
 
-def patch(name="p", attribute="Runner.step", scope="everywhere", signature=("self", "x", "y"), order=0):
+def patch(name="p", attribute="Runner.step", scope="everywhere", signature=("self", "x", "y"), order=0,
+          shortcut=False):
     return Patch(name=name, target=f"{MODULE.__name__}:{attribute}", why="test", scope=scope,
-                 switch=f"SPECRL_TEST_{name.upper()}", checked_on=("0.32.0 cpu",), signature=signature, order=order)
+                 switch=f"SPECRL_TEST_{name.upper()}", checked_on=("0.32.0 cpu",), signature=signature, order=order,
+                 shortcut=shortcut)
 
 
 def tagging(tag):
@@ -130,6 +132,39 @@ def test_a_cpu_scoped_patch_applies_on_the_cpu_or_where_switched_on(is_cpu, swit
             assert ("SPECRL_TEST_P=1" in result and CPU_ONLY_NOTE in result) if switch is None else "=0" in result
     finally:
         Runner.step = original
+
+
+@pytest.mark.parametrize("shortcut, shortcuts_switch, own_switch, installed", [
+    (True, "0", None, False),   # the one switch turns a shortcut off
+    (True, "0", "1", True),     # its own switch wins
+    (True, "1", None, True),
+    (False, "0", None, True),   # a fix of a vLLM fault is not a shortcut: it stays
+])
+def test_one_switch_turns_the_cpu_shortcuts_off(shortcut, shortcuts_switch, own_switch, installed):
+    environ = {SHORTCUTS_SWITCH: shortcuts_switch, **({"SPECRL_TEST_P": own_switch} if own_switch else {})}
+    reg = Registry(is_cpu=lambda: True, environ=environ)
+    original = Runner.__dict__["step"]
+    try:
+        result = reg.install(patch(scope="cpu", shortcut=shortcut), tagging("a"))
+        assert (result == "installed") == installed, result
+        if not installed:
+            assert f"{SHORTCUTS_SWITCH}=0" in result
+    finally:
+        Runner.step = original
+
+
+def test_every_patch_in_the_cpu_package_is_a_shortcut_and_no_other_is():
+    from vllm_specrl import patches  # noqa: F401 - declares every patch
+    from vllm_specrl.compat.registry import REGISTRY
+
+    shortcuts = {p.name for p in REGISTRY.patches() if p.shortcut}
+    assert shortcuts and all(name.split(".")[0] in CPU_SHORTCUT_PATCHES for name in shortcuts)
+    assert {p.name.split(".")[0] for p in REGISTRY.patches() if not p.shortcut}.isdisjoint(CPU_SHORTCUT_PATCHES)
+
+
+# the patches of vllm_specrl/cpu/ (docs/cpu-shortcuts.md), by their names' first part
+CPU_SHORTCUT_PATCHES = {"cpu_fast_sampling", "zero_draft_plain_sampler", "deferred_draft_kv", "skip_empty_draft_fetch",
+                        "runner_step_timer", "cpu_start_method"}
 
 
 def test_an_everywhere_patch_runs_off_the_cpu_too():

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from vllm_specrl.inprocess.extension import combined_extension
-from vllm_specrl.sync.worker_extension import SpecRLWorkerExtension
+from vllm_specrl.sync.worker.extension import SpecRLWorkerExtension
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -42,4 +42,4 @@ def test_a_method_both_define_is_refused():
 
 
 def test_the_package_extension_alone_stays_the_plain_name():
-    assert SpecRLWorkerExtension.__module__ == "vllm_specrl.sync.worker_extension"
+    assert SpecRLWorkerExtension.__module__ == "vllm_specrl.sync.worker.extension"

@@ -1,13 +1,12 @@
 """A synchronous in-process ``LLM`` with the combined extension: capture starts from the engine's
 configuration (frames reach a receiver without any RPC), outputs carry the policy version, a commit through
-``sync.local.commit_update`` moves it, and the framework's own RPC answers beside the package's.
+``sync.clients.llm.commit_update`` moves it, and the framework's own RPC answers beside the package's.
 
 Engines: one in-process LLM in a child interpreter, shared by the module's tests (capture, versions and
 the combined extension are one engine's start-up)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -27,8 +26,8 @@ def outcome(tiny_model, moved_policy, warm_draft) -> dict:
         from vllm import LLM, SamplingParams
         from vllm_specrl.capture.receiver import CaptureReceiver
         from vllm_specrl.inprocess.extension import combined_extension
-        from vllm_specrl.server import free_port
-        from vllm_specrl.sync import local
+        from vllm_specrl.launcher import free_port
+        from vllm_specrl.sync.clients import llm as llm_client
 
         address = f"tcp://127.0.0.1:{{free_port()}}"
         receiver = CaptureReceiver(address)
@@ -37,14 +36,14 @@ def outcome(tiny_model, moved_policy, warm_draft) -> dict:
                   worker_extension_cls=combined_extension("framework_extension.FrameworkExtension"),
                   additional_config={{"specrl": {{"capture": address, "capture_sender": "thread"}}}})
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-        first = local.generate(llm, ["def f(x):", "class A:"], params, use_tqdm=False)
+        first = llm_client.generate(llm, ["def f(x):", "class A:"], params, use_tqdm=False)
         frames = []
         deadline = time.time() + 60
         while time.time() < deadline and not frames:
             frames += receiver.receive(500)
         moved = load_file({str(moved_policy / "model.safetensors")!r})
-        committed = local.commit_update(llm, "policy", moved, 1)
-        second = local.generate(llm, ["def f(x):"], params, use_tqdm=False)
+        committed = llm_client.commit_update(llm, "policy", moved, 1)
+        second = llm_client.generate(llm, ["def f(x):"], params, use_tqdm=False)
         sums = llm.collective_rpc("framework_param_sums", args=(["model.norm.weight"],))[0]
         print("RESULT " + json.dumps({{
             "versions": [o.policy_version for o in first] + [o.policy_version for o in second],

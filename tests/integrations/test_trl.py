@@ -21,7 +21,7 @@ import requests
 import torch
 
 from prompts import code_prompts
-from vllm_specrl.server import VLLMServer
+from vllm_specrl.launcher import VLLMServer
 
 pytestmark = pytest.mark.server
 trl = pytest.importorskip("trl")

@@ -100,7 +100,7 @@ def test_report_mode_raises_the_alarm_without_a_repair(tmp_path, monkeypatch):
 def test_a_half_loaded_drafter_inside_a_native_session_is_left_alone(monkeypatch):
     """A periodic check that lands between a native session's chunks must not 'repair' the update away."""
     from vllm_specrl.lifecycle import worker as lifecycle_worker
-    from vllm_specrl.sync.weight_watch import watch_of
+    from vllm_specrl.sync.watch.worker_loads import watch_of
 
     stand_in = NS(model_runner=NS(drafter=NS(model=object())))
     monkeypatch.setattr(lifecycle_worker, "served_models", lambda w: {"policy": [], "draft": [object()]})

@@ -21,13 +21,13 @@ import pytest
 
 from helpers import result_json, run_python
 from prompts import code_prompts
-from vllm_specrl.proposer.deferred_kv import DEFER_DRAFT_KV_ENV
+from vllm_specrl.cpu.deferred_draft_kv import DEFER_DRAFT_KV_ENV
 
 PROMPTS = code_prompts(4)
 MAX_TOKENS = [6, 12, 18, 72]   # the last request decodes alone, at k = 3, for its last ~54 tokens
 
 PLANT_HOLES = """
-from vllm_specrl.proposer import draft_kv_stash
+from vllm_specrl.cpu import draft_kv_stash
 _take = draft_kv_stash.DraftKVStash.take
 draft_kv_stash.DraftKVStash.take = lambda self, *a: _take(self, *a) and None
 """
@@ -48,7 +48,7 @@ def tail_run(model, draft, env: dict | None = None, plant: str = "", parallel: b
         import json
         from vllm import LLM, SamplingParams
         from vllm_specrl.capture import runner_hooks
-        from vllm_specrl.proposer import deferred_kv
+        from vllm_specrl.cpu import deferred_draft_kv as deferred_kv
         llm = LLM(model={str(model)!r}, dtype="float32", enforce_eager={not compiled}, seed=0, max_model_len=512,
                   max_num_seqs={max_num_seqs}, speculative_config={spec!r},
                   **{batched!r})
@@ -148,7 +148,7 @@ def test_requests_joining_at_k0_leave_the_held_rows_held(tiny_model, drafter, jo
 # waves: it first forgets the rows of the requests that left the batch, then replays if still full.
 SMALL_STASH = 32
 ONE_PASS_STASH = """
-from vllm_specrl.proposer import deferred_kv
+from vllm_specrl.cpu import deferred_draft_kv as deferred_kv
 deferred_kv.STASH_PASSES = 1
 """
 
@@ -229,7 +229,7 @@ def test_a_parallel_drafter_is_deferred_only_where_its_mask_slots_leave_room_for
     keeps vLLM's own pass (a stash of fewer than one row could not even be built)."""
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
-    from vllm_specrl.proposer.deferred_kv import DeferredDraftKV
+    from vllm_specrl.cpu.deferred_draft_kv import DeferredDraftKV
 
     drafter = object.__new__(SpecDecodeBaseProposer)
     vars(drafter).update(method="eagle3", parallel_drafting=True, needs_extra_input_slots=True,

@@ -7,7 +7,7 @@ position) and compared with the replay plan row for row.
 import pytest
 import torch
 
-from vllm_specrl.proposer.draft_kv_stash import DraftKVStash
+from vllm_specrl.cpu.draft_kv_stash import DraftKVStash
 
 HIDDEN = 6
 

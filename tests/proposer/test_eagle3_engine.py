@@ -124,7 +124,7 @@ def test_an_in_place_draft_update_reaches_the_mask_slots(tiny_model, parallel_dr
     out = run_python(f"""
         import json, torch
         from vllm import LLM, SamplingParams
-        from vllm_specrl.sync import reload
+        from vllm_specrl.sync.worker import reload
         llm = LLM(model={str(tiny_model)!r}, dtype="float32", enforce_eager=True, seed=0, max_model_len=256,
                   max_num_seqs=4, speculative_config={dict(eagle3(parallel_draft), parallel_drafting=True)!r})
         def state(worker):

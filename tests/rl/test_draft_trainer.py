@@ -13,7 +13,7 @@ import os
 import pytest
 
 from vllm_specrl.rl.draft_trainer import DraftTrainerProcess, DraftTrainerSettings, trainer_cpus
-from vllm_specrl.server import free_port
+from vllm_specrl.launcher import free_port
 
 
 def test_trainer_cpus_follow_the_capture_sender():

@@ -50,8 +50,8 @@ def test_policy_lag_one_overlaps_the_next_rollouts_with_training(tiny_model, tmp
     from vllm_specrl.rl.loop import GRPOLoop
     from vllm_specrl.rl.policy import Policy
     from vllm_specrl.rl.serving import serve_args
-    from vllm_specrl.server import VLLMServer
-    from vllm_specrl.sync.client import EngineClient
+    from vllm_specrl.launcher import VLLMServer
+    from vllm_specrl.sync.clients.engine_client import EngineClient
 
     requested: list[int] = []
 

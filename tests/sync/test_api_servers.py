@@ -28,8 +28,8 @@ from conftest import WARM_DRAFT_VOCAB
 from vllm_specrl.adaptive import SCHEDULER_CLS
 from vllm_specrl.proposer.checkpoint import init_draft
 from vllm_specrl.faults import FAULTS_ENV
-from vllm_specrl.server import VLLMServer, cpu_env
-from vllm_specrl.sync.client import EngineClient, WeightSyncError
+from vllm_specrl.launcher import VLLMServer, cpu_env
+from vllm_specrl.sync.clients.engine_client import EngineClient, WeightSyncError
 
 pytestmark = pytest.mark.server
 API_KEY = "two-servers"

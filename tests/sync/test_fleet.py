@@ -25,8 +25,8 @@ from helpers import perturbed_checkpoint
 from prompts import code_prompts
 from vllm_specrl.faults import FAULTS_ENV
 from vllm_specrl.proposer.checkpoint import init_draft
-from vllm_specrl.server import VLLMServer, cpu_env, free_port, started
-from vllm_specrl.sync.fleet import FleetClient, FleetUpdateError
+from vllm_specrl.launcher import VLLMServer, cpu_env, free_port, started
+from vllm_specrl.sync.clients.fleet import FleetClient, FleetUpdateError
 
 pytestmark = pytest.mark.server
 KEY = "fleet-key"

@@ -26,7 +26,7 @@ import torch
 from helpers import perturbed_checkpoint
 from sampling import greedy_generate
 from vllm_specrl.faults import FAULTS_ENV
-from vllm_specrl.server import VLLMServer, cpu_env, free_port, started
+from vllm_specrl.launcher import VLLMServer, cpu_env, free_port, started
 
 pytestmark = pytest.mark.server
 PROMPTS = ["def add(a, b):", "import sys\n", "class Point:"]
@@ -59,10 +59,10 @@ def served(server) -> tuple[list[list[int]], str]:
 def trainer(servers, workers):
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from vllm_specrl.sync.client import EngineClient
-    from vllm_specrl.sync.engine_group import EngineGroup
-    from vllm_specrl.sync.gloo_engine import GlooTrainerInitInfo
-    from vllm_specrl.sync.registration import register_gloo_weight_transfer_backend
+    from vllm_specrl.sync.clients.engine_client import EngineClient
+    from vllm_specrl.sync.clients.engine_group import EngineGroup
+    from vllm_specrl.sync.backends.gloo_backend import GlooTrainerInitInfo
+    from vllm_specrl.sync.backends.registration import register_gloo_weight_transfer_backend
 
     register_gloo_weight_transfer_backend()
     group = EngineGroup([EngineClient(s.url, progress=False) for s in servers], workers)
@@ -91,7 +91,7 @@ def test_one_broadcast_reaches_every_worker_of_every_engine(replicas, tiny_model
 
 
 def test_a_refusal_on_one_engine_aborts_the_round_on_all(replicas, tiny_model, tmp_path):
-    from vllm_specrl.sync.engine_group import EngineGroupError
+    from vllm_specrl.sync.clients.engine_group import EngineGroupError
 
     a, _, c = replicas
     before = {s.url: served(s) for s in (a, c)}

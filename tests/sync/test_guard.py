@@ -1,7 +1,7 @@
 """The stale-draft guard's two signals, on synthetic counters."""
 
 from vllm_specrl.metrics import SpecDecodeCounters
-from vllm_specrl.sync.guard import StaleDraftGuard
+from vllm_specrl.sync.http.stale_guard import StaleDraftGuard
 
 
 def counters(drafts: float, accepted: float) -> SpecDecodeCounters:

@@ -17,8 +17,8 @@ import pytest
 import requests
 from safetensors.torch import load_file, save_file
 
-from vllm_specrl.server import VLLMServer, cpu_env
-from vllm_specrl.sync.client import EngineClient
+from vllm_specrl.launcher import VLLMServer, cpu_env
+from vllm_specrl.sync.clients.engine_client import EngineClient
 
 pytestmark = pytest.mark.server
 REPO = "specrl-test/tiny-sharded"
@@ -66,7 +66,7 @@ def greedy(server) -> str:
 def test_an_update_to_a_model_served_by_hub_id_commits(server, cache, monkeypatch, tiny_model):
     import huggingface_hub.constants
 
-    from vllm_specrl.sync.validate import load_checkpoint
+    from vllm_specrl.sync.worker.validate import load_checkpoint
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     weights = load_checkpoint(REPO)  # every shard, from the cache, as selftest --model reads it

@@ -1,4 +1,4 @@
-"""In-process commits (``sync.local.commit_update`` through ``vllm.LLM``) at tensor parallelism 2: all
+"""In-process commits (``sync.clients.llm.commit_update`` through ``vllm.LLM``) at tensor parallelism 2: all
 or none across ranks. A failure planted on rank 1 while it applies leaves both ranks serving the
 previous weights (greedy text equal to a single engine's on those weights, both ranks' versions
 unchanged), and the next update commits on both. Planted once: the pre-fix commit (finalize whatever
@@ -28,7 +28,7 @@ def outcome(tiny_model, moved_policy, parallel_prompts):
         import json
         from safetensors.torch import load_file
         from vllm import LLM, SamplingParams
-        from vllm_specrl.sync.local import commit_update
+        from vllm_specrl.sync.clients.llm import commit_update
 
         llm = LLM(model={str(tiny_model)!r}, dtype="float32", max_model_len=256, tensor_parallel_size=2,
                   enforce_eager=True, seed=0, worker_extension_cls="vllm_specrl.sync.SpecRLWorkerExtension")

@@ -33,7 +33,7 @@ def engine_script(model, updates: list[tuple[str, str]] | None = None, prompts=N
         from safetensors.torch import load_file
         from vllm import LLM, SamplingParams
         from vllm_specrl import metrics
-        from vllm_specrl.sync.local import commit_update
+        from vllm_specrl.sync.clients.llm import commit_update
         llm = LLM(model={str(model)!r}, dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
                   max_num_seqs=16, disable_log_stats=False,
                   speculative_config={{"method": "mtp", "num_speculative_tokens": {K}}},
@@ -151,8 +151,8 @@ def test_served_mtp_engine_refits_through_the_engine_client(mimo_model, new_poli
     import requests
     from safetensors.torch import load_file
 
-    from vllm_specrl.server import VLLMServer, cpu_env
-    from vllm_specrl.sync.client import EngineClient, WeightSyncError
+    from vllm_specrl.launcher import VLLMServer, cpu_env
+    from vllm_specrl.sync.clients.engine_client import EngineClient, WeightSyncError
 
     spec = {"method": "mtp", "num_speculative_tokens": K}
     args = ["--dtype", "float32", "--max-model-len", "512", "--speculative-config", json.dumps(spec)]

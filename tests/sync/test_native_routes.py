@@ -1,4 +1,4 @@
-"""vLLM's own RL routes on ``vllm serve`` keep the plugin's guarantees (``sync.native_api``).
+"""vLLM's own RL routes on ``vllm serve`` keep the plugin's guarantees (``sync.watch.api_server``).
 
 The case a user reported: the tiny model served with an EAGLE-3 draft, ``VLLM_SERVER_DEV_MODE=1`` and
 ``--weight-transfer-config '{"backend":"specrl_shm"}'``. A policy update through ``/start_weight_update``,
@@ -24,7 +24,7 @@ import requests
 from safetensors.torch import load_file
 
 from helpers import perturbed_checkpoint
-from vllm_specrl.server import VLLMServer, cpu_env, free_port
+from vllm_specrl.launcher import VLLMServer, cpu_env, free_port
 from vllm_specrl.sync.shm import write_chunk
 
 pytestmark = pytest.mark.server
@@ -154,8 +154,8 @@ def test_native_routes_keep_versions_guard_and_capture_and_refuse_a_bad_draft(se
 def test_an_engine_group_sends_through_specrl_shm_whole_or_not_at_all(server, tiny_model, tmp_path):
     """``FleetClient.native().send_shm``: every chunk staged and validated before anything applies, so a
     bad later chunk leaves the earlier ones unapplied too; a good update lands with its label."""
-    from vllm_specrl.sync.engine_group import EngineGroupError
-    from vllm_specrl.sync.fleet import FleetClient
+    from vllm_specrl.sync.clients.engine_group import EngineGroupError
+    from vllm_specrl.sync.clients.fleet import FleetClient
 
     group = FleetClient([server.url]).native()
     before, _ = complete(server)

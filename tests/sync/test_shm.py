@@ -44,8 +44,8 @@ def test_a_full_shared_memory_sends_the_chunk_another_way(tmp_path, monkeypatch)
     the chunk over HTTP, rather than failing the update."""
     import errno
 
-    from vllm_specrl.sync import routes
-    from vllm_specrl.sync.client import EngineClient
+    from vllm_specrl.sync.http import routes
+    from vllm_specrl.sync.clients.engine_client import EngineClient
 
     monkeypatch.setattr(shm, "SHM_DIR", tmp_path / "absent")
     assert routes.write_body(b"x" * 10) is None

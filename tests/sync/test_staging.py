@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from vllm_specrl.sync.staging import UpdateStager
-from vllm_specrl.sync.validate import ParamSpec, WeightUpdateError, checkpoint_specs
+from vllm_specrl.sync.worker.staging import UpdateStager
+from vllm_specrl.sync.worker.validate import ParamSpec, WeightUpdateError, checkpoint_specs
 
 SPECS = {"a.weight": ParamSpec((4, 3), torch.bfloat16), "b.bias": ParamSpec((4,), torch.float32),
          "d2t": ParamSpec((5,), torch.int64)}
@@ -149,7 +149,7 @@ def test_optional_tensors_are_checked_when_sent_and_never_required():
 
 
 def test_host_bytes_count_private_copies_and_shared_views():
-    from vllm_specrl.sync.staging import UpdateStager
+    from vllm_specrl.sync.worker.staging import UpdateStager
 
     stager = UpdateStager()
     w = torch.ones(4, 8)
@@ -171,7 +171,7 @@ def test_host_bytes_count_private_copies_and_shared_views():
 
 
 def test_without_a_policy_rollback_point_nothing_is_held_after_a_commit():
-    from vllm_specrl.sync.staging import DROPPED, UpdateStager
+    from vllm_specrl.sync.worker.staging import DROPPED, UpdateStager
 
     stager = UpdateStager(keep_last_good={"policy": False})
     w = torch.ones(4, 8)

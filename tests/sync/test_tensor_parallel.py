@@ -23,8 +23,8 @@ from vllm_specrl.capture.receiver import receive_while
 from vllm_specrl.adaptive import SCHEDULER_CLS
 from vllm_specrl.faults import FAULTS_ENV
 from vllm_specrl.proposer.checkpoint import init_draft
-from vllm_specrl.server import VLLMServer, cpu_env, free_port
-from vllm_specrl.sync.client import EngineClient, WeightSyncError
+from vllm_specrl.launcher import VLLMServer, cpu_env, free_port
+from vllm_specrl.sync.clients.engine_client import EngineClient, WeightSyncError
 
 pytestmark = pytest.mark.server
 MAX_TOKENS = PARALLEL_MAX_TOKENS  # the single-engine reference's length (conftest.single_engine_greedy)

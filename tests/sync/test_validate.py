@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vllm_specrl.sync.validate import all_finite
+from vllm_specrl.sync.worker.validate import all_finite
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
@@ -23,14 +23,14 @@ def test_finite_values_whose_sum_overflows_are_finite():
 
 
 def draft_specs(draft_vocab: int = 6, target_vocab: int = 10) -> dict:
-    from vllm_specrl.sync.validate import ParamSpec
+    from vllm_specrl.sync.worker.validate import ParamSpec
 
     return {"d2t": ParamSpec((draft_vocab,), torch.int64), "t2d": ParamSpec((target_vocab,), torch.bool),
             "lm_head.weight": ParamSpec((draft_vocab, 4), torch.float32)}
 
 
 def test_index_maps_in_range_pass():
-    from vllm_specrl.sync.validate import tensor_problems
+    from vllm_specrl.sync.worker.validate import tensor_problems
 
     target_ids = torch.tensor([0, 2, 3, 5, 8, 9])
     d2t = target_ids - torch.arange(6)
@@ -46,7 +46,7 @@ def test_index_maps_in_range_pass():
     ([0, 2, 2, 5, 8, 9], "already maps to"),
 ])
 def test_out_of_range_or_colliding_d2t_is_refused(target_ids, match):
-    from vllm_specrl.sync.validate import tensor_problems
+    from vllm_specrl.sync.worker.validate import tensor_problems
 
     d2t = torch.tensor(target_ids) - torch.arange(6)
     problems = tensor_problems("d2t", d2t, draft_specs())
@@ -54,7 +54,7 @@ def test_out_of_range_or_colliding_d2t_is_refused(target_ids, match):
 
 
 def test_t2d_marking_the_wrong_number_of_tokens_is_refused():
-    from vllm_specrl.sync.validate import tensor_problems
+    from vllm_specrl.sync.worker.validate import tensor_problems
 
     t2d = torch.zeros(10, dtype=torch.bool)
     t2d[:5] = True
@@ -81,7 +81,7 @@ def hub_cache(root, repo: str, files: dict[str, dict[str, torch.Tensor]]):
 def test_a_hub_id_resolves_to_the_cached_snapshot_with_every_shard(tmp_path, monkeypatch):
     """A policy served by hub id, sharded as large checkpoints are: its specs and tensors are read from
     the cache vLLM downloaded into (planted: the directory taken as given -> FileNotFoundError)."""
-    from vllm_specrl.sync.validate import checkpoint_specs, load_checkpoint, local_checkpoint_dir
+    from vllm_specrl.sync.worker.validate import checkpoint_specs, load_checkpoint, local_checkpoint_dir
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     shards = {"model-00001-of-00002.safetensors": {"a.weight": torch.ones(2, 3)},
@@ -98,7 +98,7 @@ def test_a_hub_id_resolves_to_the_cached_snapshot_with_every_shard(tmp_path, mon
 
 
 def test_a_model_neither_local_nor_cached_is_named(tmp_path, monkeypatch):
-    from vllm_specrl.sync.validate import local_checkpoint_dir
+    from vllm_specrl.sync.worker.validate import local_checkpoint_dir
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(FileNotFoundError, match="neither a directory nor a model in the Hugging Face cache"):

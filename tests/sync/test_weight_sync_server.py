@@ -28,8 +28,8 @@ from prompts import code_prompts
 from sampling import greedy_generate
 from vllm_specrl.proposer.checkpoint import init_draft
 from vllm_specrl.faults import FAULTS_ENV
-from vllm_specrl.server import VLLMServer, cpu_env
-from vllm_specrl.sync.client import EngineClient, WeightSyncError
+from vllm_specrl.launcher import VLLMServer, cpu_env
+from vllm_specrl.sync.clients.engine_client import EngineClient, WeightSyncError
 
 pytestmark = pytest.mark.server
 KEY = "sync-key"
@@ -275,7 +275,7 @@ def test_update_draft_raises_acceptance_and_stays_lossless(server, client, warm_
 KILLED_PUBLISHER = """
 import sys, time
 from safetensors.torch import load_file
-from vllm_specrl.sync.client import EngineClient
+from vllm_specrl.sync.clients.engine_client import EngineClient
 
 url, key, draft, version = sys.argv[1:5]
 client = EngineClient(url, api_key=key, transport="http", chunk_bytes=1 << 16, progress=False)
@@ -406,7 +406,7 @@ def test_auto_transport_follows_what_the_engine_reads(server, monkeypatch):
 
 
 def test_the_key_comes_from_the_environment_and_a_refused_key_says_so(server, monkeypatch):
-    from vllm_specrl.routes import API_KEY_ENV, EngineKeyRefused
+    from vllm_specrl.sync.clients.response_check import API_KEY_ENV, EngineKeyRefused
 
     monkeypatch.setenv(API_KEY_ENV, KEY)
     assert EngineClient(server.url, progress=False).status()["versions"]
@@ -420,8 +420,8 @@ def test_the_draft_trainer_takes_the_key_and_stops_at_once_without_it(server, ti
     """A keyed engine: the online trainer started without the key stops at start-up saying why (it used to
     answer every publish's 401 by trying again, silently); with it, it starts."""
     from vllm_specrl.rl.draft_trainer import DraftTrainerProcess, DraftTrainerSettings
-    from vllm_specrl.routes import API_KEY_ENV
-    from vllm_specrl.server import free_port
+    from vllm_specrl.sync.clients.response_check import API_KEY_ENV
+    from vllm_specrl.launcher import free_port
 
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     settings = DraftTrainerSettings(mixed_precision="no", sched_idle=False)

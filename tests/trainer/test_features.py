@@ -10,13 +10,13 @@ transformers.
 """
 
 from helpers import GLIBC_MALLINFO, run_probe
-from vllm_specrl import cpu_malloc
+from vllm_specrl.cpu import malloc as cpu_malloc
 
 PROBE = GLIBC_MALLINFO + r"""
 import json, sys
 import torch
 from transformers import AutoModelForCausalLM
-from vllm_specrl import cpu_malloc
+from vllm_specrl.cpu import malloc as cpu_malloc
 from vllm_specrl.trainer.features import sequence_features
 
 heap = cpu_malloc.keep_every_block_on_heap()

@@ -27,7 +27,7 @@ from conftest import WARM_DRAFT_VOCAB
 from prompts import code_prompts
 from vllm_specrl.capture.sender import SEND_HWM, frames_settled
 from vllm_specrl.proposer.checkpoint import init_draft
-from vllm_specrl.server import VLLMServer, free_port, started
+from vllm_specrl.launcher import VLLMServer, free_port, started
 
 pytestmark = pytest.mark.server
 ROUNDS = 10
@@ -133,7 +133,7 @@ def test_policy_update_needs_no_files_for_the_trainer(setup, tmp_path):
     directory it was started from is gone)."""
     import shutil
 
-    from vllm_specrl.sync.client import EngineClient
+    from vllm_specrl.sync.clients.engine_client import EngineClient
 
     srv = setup["server"]
     target_copy = tmp_path / "policy"

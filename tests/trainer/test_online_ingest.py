@@ -7,7 +7,7 @@ import torch
 
 from conftest import WARM_DRAFT_VOCAB
 from vllm_specrl.proposer.checkpoint import init_draft
-from vllm_specrl.server import free_port
+from vllm_specrl.launcher import free_port
 from vllm_specrl.trainer.online import OnlineConfig, OnlineDraftTrainer
 
 

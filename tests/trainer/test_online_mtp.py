@@ -55,8 +55,8 @@ def aligned(mimo_model, tmp_path_factory):
         from vllm import LLM, SamplingParams
         from vllm_specrl import metrics
         from vllm_specrl.capture.sender import frames_settled
-        from vllm_specrl.server import free_port
-        from vllm_specrl.sync.local import commit_update
+        from vllm_specrl.launcher import free_port
+        from vllm_specrl.sync.clients.llm import commit_update
         from vllm_specrl.trainer.core import TrainConfig
         from vllm_specrl.trainer.online import OnlineConfig, OnlineDraftTrainer
 

@@ -6,9 +6,9 @@ engine arguments through."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from vllm_specrl import cli
+from vllm_specrl.cli import train_draft
 from vllm_specrl.rl import draft_trainer
 from vllm_specrl.trainer import placement
 from vllm_specrl.trainer.core import DraftTrainer, TrainConfig
@@ -47,12 +47,12 @@ def test_the_trainer_trains_where_it_was_placed(tiny_model, monkeypatch, tmp_pat
 
 def test_the_cli_and_the_rl_loop_pass_the_device(monkeypatch, capsys, tmp_path):
     parse = cli.build_parser().parse_args
-    assert cli._train_config(parse(["train-draft", "--target", "t", "--draft", "d", "--device", "cpu"])).device == "cpu"
-    monkeypatch.setattr("vllm_specrl.cpu_malloc.keep_every_block_on_heap", lambda: None)
-    assert cli._cmd_train_draft(parse(["train-draft", "--target", "t", "--draft", "d", "--offline",
+    assert train_draft.train_config(parse(["train-draft", "--target", "t", "--draft", "d", "--device", "cpu"])).device == "cpu"
+    monkeypatch.setattr("vllm_specrl.cpu.malloc.keep_every_block_on_heap", lambda: None)
+    assert train_draft.run(parse(["train-draft", "--target", "t", "--draft", "d", "--offline",
                                        "--device", "cuda:3"])) == 2
     assert "--device" in capsys.readouterr().err
-    assert cli._cmd_train_draft(parse(["train-draft", "--target", "t", "--draft", "d", "--mtp", "--capture",
+    assert train_draft.run(parse(["train-draft", "--target", "t", "--draft", "d", "--mtp", "--capture",
                                        "tcp://127.0.0.1:1", "--device", "cuda:0"])) == 2
     assert "--mtp trains on the CPU" in capsys.readouterr().err
     seen = {}
@@ -70,7 +70,7 @@ def test_the_cli_and_the_rl_loop_pass_the_device(monkeypatch, capsys, tmp_path):
 def test_offline_warm_starts_pass_vllms_engine_arguments(monkeypatch, tmp_path, tiny_model):
     from vllm_specrl.trainer import offline
 
-    monkeypatch.setattr("vllm_specrl.cpu_malloc.keep_every_block_on_heap", lambda: None)
+    monkeypatch.setattr("vllm_specrl.cpu.malloc.keep_every_block_on_heap", lambda: None)
     seen = {}
     monkeypatch.setattr(offline, "warm_start", lambda target, draft, prompts, cfg, *a: seen.setdefault("cfg", cfg) and {})
     args = cli.build_parser().parse_args(["train-draft", "--offline", "--target", str(tmp_path), "--draft",

@@ -1,7 +1,7 @@
 """The publish gate: a draft reaches the engine only if held-out rollouts say it serves better.
 
 Estimates are the trainer's exact expectation of vLLM's counters (checked against
-the engine in test_calibration.py), computed here on the warm draft's held-out
+the engine in test_estimate_check.py), computed here on the warm draft's held-out
 rollouts of the tiny target (HF features, float32), and compared with the same
 estimate made by an independent trainer holding the expected weights. The
 online trainer's side (which rollouts are held out, ageing by policy version, an

@@ -1,88 +1,23 @@
-"""Choose k (drafts per step) that maximises expected tokens per second, from what the engine sees.
+"""Choose k (drafts per step, 0 included) that maximises expected tokens per second, per batch-size
+bucket, from the estimates of ``estimators`` kept current from the engine's own steps.
 
-Two estimates, both kept current from the engine's own steps:
-
-* **acceptance**: per draft position j, how often position j is accepted given that
-  positions < j were (exponentially decayed counts per position, so a policy update
-  that moves the draft's quality is followed within a few hundred drafts). Expected
-  tokens per request and step with k drafts: ``1 + sum_{j<k} prod_{i<=j} c_i``.
-* **cost**: the wall time of a decode step, per batch-size bucket (half octaves: 1, 2, 3,
-  4-5, 6-7, 8-11, 12-15, ...) and k, *relative to the k being served*, from steady steps (every
-  request verifying k drafts and drafting k more) measured in pairs (``RelativeCost``).
-  Where the worker times its model runner (CPU), a step is that time plus the median
-  time outside it, not the raw interval between outputs.
-  Measured, not modelled: on a CPU a verify pass is memory-bound at one token per
-  sequence and compute-bound at a few, so step time is far from linear in batch x
-  tokens (a line fitted across batch sizes and extrapolated picked the wrong k on
-  SmolLM2), and relative, because absolute times drift as contexts grow.
-
-Per bucket, the k with the largest ``E[tokens | k] / ratio(k)`` is served (k = 0: no
-speculation, where it cannot pay; every bucket starts there). Three safeguards keep noise from
-choosing: cost ratios are read through a monotone envelope (a step never costs less for
-verifying and drafting more tokens, so a larger k measured cheaper than a smaller one is
-noise); a k > 0 is valued as if its step cost ``speculate_margin`` more than measured, so it
-replaces k = 0 only where it promises that much more and gives way as soon as it promises less
-(speculation pays costs step timing does not see, and a start-up sweep's ratios at large batches
-drift between runs further than their standard errors say); a switch must promise more than the standard error of the
-candidate's measured ratio, plus ``switch_margin`` where the candidate is the larger of two k > 0
-(down, the safer way, needs no margin); and a position's acceptance prior is the previous position's estimate, not a fixed
-0.5 (with flat costs and a never-accepted draft, as on a tiny model, step jitter of 15-25%
-picked k = 1-3 in 24 of 40 simulated runs without them). Every k is measured in
-bursts of a few steps, each right after a few steps of the served k (the first step of
-a burst verifies the previous k: not steady, not counted), before the bucket is
-trusted, except a k that one burst already shows cannot pay (successive elimination,
-``elimination_z``); afterwards bursts at a neighbour of the served k, at gaps that double from
-``explore_first`` to ``explore_every`` steps of that bucket (on to ``explore_max`` while no neighbour
-could pay even at ``elimination_z`` standard errors in its favour), keep both estimates current. Nothing here
-changes what is sampled: only how many drafts are verified.
-
-**Calibration at start-up** (``calibrating=True`` steps: the engine's batch holds only the
-synthetic requests of ``vllm_specrl.adaptive.calibrate``): the cost of every k is measured in
-every bucket the sweep reaches, to ``sweep_samples``, with no elimination and no inheritance
-(the synthetic drafts' acceptance says nothing about the workload's, and the scheduler keeps it
-out of the acceptance estimate). Costs are a property of the hardware and the models, so a
-bucket calibrated this way serves its best k from the first real step, choosing from the real
-acceptance as it arrives, instead of spending its first rollouts' steps measuring k's that
-cannot pay (an RL step's bulk runs at 8-16 sequences only until the first answers end: too
-few steps to calibrate in, so without the sweep every bucket measured again on the live
-rollouts, each such step costing more than a plain one).
+Contract: ``k_for(batch)`` is the k to draft at that batch size; ``observe_step`` feeds every step back;
+nothing here changes what is sampled, only how many drafts are verified. How the choice is made (bursts,
+margins, the monotone cost envelope, calibration at start-up) and why: docs/adaptive-k.md, "How the
+controller chooses k".
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from vllm_specrl.adaptive.estimators import AcceptanceTracker, RelativeCost, batch_bucket, bucket_bounds
 
 # Steady steps of the served k without verified drafts between two choices of a bucket (see observe_step).
 RECHOOSE_EVERY = 8
-
-
-def batch_bucket(batch: int) -> int:
-    """0 for 1 sequence, 1 for 2, 2 for 3, 3 for 4-5, 4 for 6-7, 5 for 8-11, 6 for 12-15, ...
-
-    Half octaves: on a CPU a verify pass turns from memory-bound to compute-bound between a few rows
-    and a few tens, so what k costs changes within an octave. Octave buckets calibrated at their
-    lower end served k = 3 to 3 sequences at the cost measured at 2 (12 rows verified, not 8: the
-    long tail of a `make demo` step), and k = 1 to a refilled 16-sequence batch whenever it dipped
-    to 15 for a step, at the cost measured at 8."""
-    b = max(batch, 1)
-    octave = b.bit_length() - 1
-    if octave == 0:
-        return 0
-    return 2 * octave - 1 + (b >= 3 << (octave - 1))
-
-
-def bucket_bounds(bucket: int) -> tuple[int, int]:
-    """The smallest and largest batch size of ``bucket`` (``batch_bucket``'s inverse)."""
-    if bucket == 0:
-        return 1, 1
-    octave, upper_half = (bucket + 1) // 2, bucket % 2 == 0
-    if upper_half:
-        return 3 << (octave - 1), (1 << (octave + 1)) - 1
-    return 1 << octave, (3 << (octave - 1)) - 1
 
 
 @dataclass
@@ -124,142 +59,6 @@ class AdaptiveKConfig:
             raise ValueError(f"unknown adaptive_k keys {sorted(unknown)}; "
                              f"known: {sorted(cls.__dataclass_fields__)}")
         return cls(**raw)
-
-
-@dataclass
-class AcceptanceTracker:
-    """Decayed per-position counts: drafts that reached position j, and were accepted there.
-
-    Plain Python floats, not numpy: the engine core updates these for every verifying request and
-    reads them at every step, on ``max_k`` (a handful of) positions, where numpy's per-call cost is
-    most of the work."""
-
-    max_k: int
-    decay: float = 0.998
-    prior_accept: float = 0.5
-    prior_weight: float = 2.0
-    reached: list[float] = field(init=False)
-    accepted: list[float] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.reached = [0.0] * self.max_k
-        self.accepted = [0.0] * self.max_k
-        self.version = 0  # bumped by every observation: the cached estimates below are for it
-        self._cache: dict[float, tuple[int, list[float]]] = {}
-
-    def observe(self, num_drafts: int, num_accepted: int) -> None:
-        """One request's verify: ``num_drafts`` proposed, the first ``num_accepted`` accepted."""
-        if num_drafts <= 0:
-            return
-        reached = min(num_drafts, num_accepted + 1, self.max_k)
-        # Decay only the positions this verify reached: each position's estimate covers its own
-        # last ~1/(1 - decay) samples, however rarely drafts are that long.
-        decay, accepted = self.decay, min(num_accepted, self.max_k)
-        for j in range(reached):
-            self.reached[j] = self.reached[j] * decay + 1.0
-            self.accepted[j] = self.accepted[j] * decay + (j < accepted)
-        self.version += 1
-
-    def conditional(self) -> list[float]:
-        """Acceptance of position j given positions < j were accepted. The prior of position 0 is
-        ``prior_accept``; that of position j > 0 is position j - 1's estimate (later positions
-        rarely accept more often than earlier ones), so a position that is never reached because
-        the one before it is never accepted does not promise ``prior_accept``."""
-        c, prior, weight = [], self.prior_accept, self.prior_weight
-        for reached, accepted in zip(self.reached, self.accepted):
-            prior = (accepted + prior * weight) / (reached + weight)
-            c.append(prior)
-        return c
-
-    def expected_tokens(self, optimism: float = 0.0) -> list[float]:
-        """``E[tokens per request and step | k]`` for k = 0..max_k; with ``optimism`` z, each
-        position's acceptance is raised by z standard errors (few samples: a larger bonus), so
-        a position that was unlucky in its first few drafts gets drafted again and measured
-        (a negative z: lowered, a pessimistic bound). Cached until the next observation."""
-        cached = self._cache.get(optimism)
-        if cached is not None and cached[0] == self.version:
-            return cached[1]
-        tokens, chain = [1.0], 1.0
-        for c, reached in zip(self.conditional(), self.reached):
-            if optimism:
-                c = min(max(c + optimism * math.sqrt(c * (1 - c) / (reached + self.prior_weight)), 0.0), 1.0)
-            chain *= c
-            tokens.append(tokens[-1] + chain)
-        self._cache[optimism] = (self.version, tokens)
-        return tokens
-
-
-class RelativeCost:
-    """Step time of each k relative to the k being served, per batch bucket, measured in pairs.
-
-    Absolute step times drift within a rollout (attention over a growing context makes a
-    step slower token by token), so a k measured early
-    cannot be compared with one measured late. Each steady step at a measured k is
-    divided by the median of the served k's last few steady steps, taken just before:
-    the drift cancels in the ratio. The served k has ratio 1; switching to k' rebases
-    every ratio on k'.
-    """
-
-    def __init__(self, max_k: int, served: int, window: int = 32, reference: int = 6):
-        self.max_k, self.served = max_k, served
-        self.ratios = [deque(maxlen=window) for _ in range(max_k + 1)]
-        self.reference = deque(maxlen=reference)
-        self.served_seconds = float("nan")
-        self._medians: dict[int, float] = {}  # ratio(k) until k's next sample: read at every step
-
-    def observe(self, k: int, seconds: float) -> None:
-        if k == self.served:
-            self.reference.append(seconds)
-            self.served_seconds = statistics.median(self.reference)
-        elif len(self.reference) >= 3:
-            self.ratios[k].append(seconds / self.served_seconds)
-            self._medians.pop(k, None)
-
-    def ratio(self, k: int) -> float:
-        # statistics.median, not np.median: the same value (the middle element, or the mean of the
-        # two middle ones) at a tenth of the cost on these short deques, and the controller runs
-        # in the engine core on every step.
-        if k == self.served:
-            return 1.0
-        median = self._medians.get(k)
-        if median is None:
-            median = self._medians[k] = statistics.median(self.ratios[k]) if self.ratios[k] else math.nan
-        return median
-
-    def samples(self, k: int) -> int:
-        return len(self.reference) if k == self.served else len(self.ratios[k])
-
-    def ratio_stderr(self, k: int) -> float:
-        """Standard error of ``ratio(k)``, a median (1.25 x that of a mean); 0 for the served k."""
-        if k == self.served or len(self.ratios[k]) < 2:
-            return 0.0
-        samples = self.ratios[k]
-        n = len(samples)
-        mean = sum(samples) / n
-        variance = sum((r - mean) ** 2 for r in samples) / (n - 1)  # statistics.stdev: exact, much slower
-        return 1.2533 * math.sqrt(variance / n)
-
-    def envelope(self, k: int) -> float:
-        """``ratio(k)`` made monotone in k: no larger k cheaper than a smaller one, none below the
-        served k's 1.0 above it, none above it below."""
-        lo, hi = sorted((k, self.served))
-        ratios = [self.ratio(j) for j in range(lo, hi + 1)]
-        ratios = [r for r in ratios if not math.isnan(r)]
-        return max(ratios) if k > self.served else min(ratios)
-
-    def serve(self, k: int) -> None:
-        """Make ``k`` the reference: every other ratio is re-expressed against it."""
-        if k == self.served:
-            return
-        base = self.ratio(k)
-        for j in range(self.max_k + 1):
-            if j != k:
-                old = [1.0] * self.reference.maxlen if j == self.served else list(self.ratios[j])
-                self.ratios[j] = deque((r / base for r in old), maxlen=self.ratios[j].maxlen)
-        self.ratios[k].clear()
-        self.reference.clear()
-        self._medians.clear()
-        self.served, self.served_seconds = k, float("nan")
 
 
 @dataclass

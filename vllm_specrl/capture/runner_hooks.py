@@ -2,7 +2,7 @@
 
 ``GPUModelRunner.propose_draft_token_ids`` is called once per step, eagerly,
 with the target's final hidden states and EAGLE-3 aux hidden states of every
-scheduled row, right after sampling (map section 2.7, option A). Wrapping it
+scheduled row, right after sampling. Wrapping it
 on the runner *instance* gives the tap everything it needs without touching
 compiled graphs; the runner's per-step buffers are read (and copied) before
 the original runs.
@@ -14,7 +14,7 @@ import inspect
 from typing import Any
 
 from vllm_specrl.compat.registry import REGISTRY, Patch, PatchError
-from vllm_specrl.sampling.cpu_samplers import _COMPACT_DRAFT_VOCAB, full_draft_probs
+from vllm_specrl.cpu.samplers import _COMPACT_DRAFT_VOCAB, full_draft_probs
 
 PLACEHOLDER_TOKEN_ID = -1
 

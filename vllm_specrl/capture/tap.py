@@ -1,6 +1,6 @@
 """Turn one engine step's rows into capture frames: committed rows only, copied now.
 
-Row semantics (vLLM V1, map section 2.7): request i owns rows
+Row semantics (vLLM V1's runner): request i owns rows
 ``[start, end)``; for a request verifying k drafts the rows are
 ``[x_last, d_1..d_k]`` and only the first ``len(sampled)`` (the accepted drafts
 plus ``x_last``) are committed context; prefill rows are all committed. The
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from vllm_specrl.adaptive.calibrate import is_calibration_request
+from vllm_specrl.adaptive.k_sweep import is_calibration_request
 from vllm_specrl.capture.host_staging import StagingPool, stages
 from vllm_specrl.capture.sender import CaptureSender
 
@@ -46,7 +46,7 @@ def exact_topk(x: torch.Tensor, k: int, block: int = TOPK_BLOCK) -> tuple[torch.
     The top-k of a row lies in the k blocks of ``block`` columns with the largest maxima (a block
     outside them has k maxima at least its own above it, so it holds nothing above the k-th value),
     so one cheap ``amax`` pass leaves ``k * block`` candidates for the real top-k instead of the whole
-    vocabulary (49152 -> 4096 for SmolLM2). Rows narrower than
+    vocabulary (49152 -> 4096 at a 49k vocabulary). Rows narrower than
     that, or not a whole number of blocks, take ``torch.topk``."""
     rows, width = x.shape
     blocks = width // block

@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 # or "everywhere" (needed for correctness on any platform; its declaration says why).
 SCOPES = ("cpu", "everywhere")
 CPU_ONLY_NOTE = "measured on the CPU platform only"
+# One switch for every CPU performance shortcut (``Patch.shortcut``; the fixes of vLLM faults keep their own):
+# ``0`` turns them off where their own switch is unset.
+SHORTCUTS_SWITCH = "VLLM_SPECRL_CPU_SHORTCUTS"
 
 
 class PatchError(RuntimeError):
@@ -41,7 +44,8 @@ class Patch:
     parameter names as checked (a drift skips the patch with the reason logged). ``order``: patches on
     the same attribute wrap in ascending order, the lowest closest to vLLM's original. ``defined_in``:
     where vLLM's source defines a target its class inherits (what the touch-point check reads).
-    ``also_checked``: further signatures the replacement was written for (read from a later vLLM)."""
+    ``also_checked``: further signatures the replacement was written for (read from a later vLLM).
+    ``shortcut``: a CPU performance shortcut (not a fix), also off under ``SHORTCUTS_SWITCH=0``."""
 
     name: str
     target: str
@@ -54,6 +58,7 @@ class Patch:
     order: int = 0
     defined_in: str | None = None  # "module:Class.attr" where vLLM defines an inherited target
     also_checked: tuple[tuple[str, ...], ...] = ()  # other signatures the patch handles (a later vLLM's)
+    shortcut: bool = False
 
     def __post_init__(self) -> None:
         if self.scope not in SCOPES:
@@ -181,10 +186,12 @@ class Registry:
 
     def gate(self, patch: Patch) -> str | None:
         """Why ``patch`` is not to be installed here, or None. Switch ``0``: off; ``1``: on (also off the
-        CPU); unset: by scope."""
+        CPU); unset: off for a shortcut under ``SHORTCUTS_SWITCH=0``, else by scope."""
         value = self._environ.get(patch.switch)
         if value == "0":
             return f"off ({patch.switch}=0)"
+        if patch.shortcut and not value and self._environ.get(SHORTCUTS_SWITCH) == "0":
+            return f"off ({SHORTCUTS_SWITCH}=0: every CPU shortcut whose own switch is unset)"
         if value == "1" or patch.scope == "everywhere":
             return None
         if self._is_cpu():

@@ -7,7 +7,7 @@
   none inside a generation pause (vLLM's modes, ``keep`` by default: in-flight requests resume by
   recomputing their KV on the new weights), prefix cache reset after a policy commit, vLLM's weight
   version set; a refusal leaves the old weights serving. The same code as the HTTP commit
-  (``sync.routes.commit_paused``). Updates are serialised: the policy trainer and the online draft
+  (``sync.http.routes.commit_paused``). Updates are serialised: the policy trainer and the online draft
   trainer may both call it.
 - ``generate(...)``: vLLM's outputs, each stamped with ``policy_version_start`` (at the request's
   arrival) and ``policy_version`` (now), as the HTTP headers ``x-specrl-policy-version*`` are.
@@ -21,8 +21,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from vllm_specrl.sync.local import safetensors_chunks
-from vllm_specrl.sync.routes import PAUSE_MODES, after_policy_commit, commit_paused, one_answer_from_every_rank
+from vllm_specrl.sync.clients.llm import safetensors_chunks
+from vllm_specrl.sync.http.routes import PAUSE_MODES, after_policy_commit, commit_paused, one_answer_from_every_rank
 
 
 class SpecRLEngine:

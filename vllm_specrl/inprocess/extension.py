@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-SPECRL_EXTENSION = "vllm_specrl.sync.worker_extension.SpecRLWorkerExtension"
+SPECRL_EXTENSION = "vllm_specrl.sync.worker.extension.SpecRLWorkerExtension"
 PREFIX = "Combined__"
 _DOT, _COLON = "__d__", "__c__"
 _cache: dict[str, type] = {}

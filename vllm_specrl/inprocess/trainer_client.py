@@ -1,6 +1,6 @@
 """The online draft trainer publishing into an in-process engine, without HTTP.
 
-``OnlineDraftTrainer`` talks to its engines through the calls of ``sync.fleet.FleetClient`` (``statuses``,
+``OnlineDraftTrainer`` talks to its engines through the calls of ``sync.clients.fleet.FleetClient`` (``statuses``,
 ``update_draft``, ``report_trainer``, ``active``, ``quarantined``). ``EngineTrainerClient`` answers them from
 a ``SpecRLEngine`` in the same process: the trainer runs in a thread (``start_online_trainer``), and each
 call runs on the engine's event loop, so a draft commit is the validated, all-or-none commit of

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from vllm_specrl.routes import API_KEY_ENV
-from vllm_specrl.sync.client import EngineClient
+from vllm_specrl.sync.clients.response_check import API_KEY_ENV
+from vllm_specrl.sync.clients.engine_client import EngineClient
 
 try:
     from trl.generation import vllm_client as _trl_vllm_client

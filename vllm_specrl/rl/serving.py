@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_specrl.server import WORKER_EXTENSION
+from vllm_specrl.launcher import WORKER_EXTENSION
 from vllm_specrl.switches import ADAPTIVE_K_SCHEDULER, HISTORY_PROPOSER
 
 PROPOSERS = ("eagle3", "mtp", "history", "plain")

@@ -112,8 +112,8 @@ def _updates(llm: Any, job: dict, prompts: list[str], max_tokens: int) -> dict:
     """Policy: a perturbed set applied (outputs move), the original set applied back (outputs return
     exactly), a malformed set refused (outputs and version stay). Draft: a fresh draft applied, a
     malformed one refused; the greedy outputs after each, for ``run`` to hold against plain vLLM's."""
-    from vllm_specrl.sync.local import commit_update
-    from vllm_specrl.sync.validate import load_checkpoint
+    from vllm_specrl.sync.clients.llm import commit_update
+    from vllm_specrl.sync.worker.validate import load_checkpoint
 
     def commit(target: str, tensors: dict, version: int) -> dict:
         answer = commit_update(llm, target, tensors, version)

@@ -237,7 +237,7 @@ def _status_check(found: dict) -> Check:
 def selftest(settings: Settings, progress: Callable[[str], None] = print) -> list[Check]:
     """Run the checks of ``settings.groups``; one ``Check`` per promise."""
     from vllm_specrl.rl.serving import serve_args
-    from vllm_specrl.server import free_port
+    from vllm_specrl.launcher import free_port
 
     model, groups, checks = str(settings.model), settings.groups, []
     greedy = {"prompts": GREEDY_PROMPTS, "max_tokens": settings.greedy_tokens}

@@ -139,7 +139,7 @@ def captured_rollouts(target_dir: Path, texts: list[str], samples: int, max_toke
     """
     from vllm import LLM
 
-    from vllm_specrl.server import free_port
+    from vllm_specrl.launcher import free_port
 
     target_dir = Path(target_dir)
     head = target_lm_head(target_dir).float()

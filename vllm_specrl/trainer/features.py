@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from vllm_specrl.cpu_malloc import large_blocks_mapped
+from vllm_specrl.cpu.malloc import large_blocks_mapped
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from tqdm import tqdm
@@ -153,19 +153,30 @@ def split_by_prompt(prompt_index: list[int], eval_fraction: float, seed: int) ->
     return set(prompts[n_eval:]), set(prompts[:n_eval])
 
 
+@dataclass
+class _Rollouts:
+    """A warm start's data: the rollouts, their split by prompt, and their features when vLLM captured them."""
+
+    prompts: list[str]
+    sequences: list[list[int]]
+    prompt_lengths: list[int]
+    prompt_index: list[int]
+    train_prompts: set[int]
+    eval_prompts: set[int]
+    features: list[dict] | None = None
+    capture_counts: dict | None = None
+
+
 def warm_start(target_dir: Path | str, draft_dir: Path | str, prompts: list[str] | None = None,
                cfg: OfflineConfig | None = None, train_cfg: TrainConfig | None = None,
                draft_vocab_size: int | None = None, init_from: Path | str | None = None,
                log_path: Path | str | None = None, rollouts_path: Path | str | None = None) -> dict:
-    """Run the whole warm start; returns a summary (also written next to the draft).
+    """Run the whole warm start: rollouts, the starting draft, features, training; returns a summary (also
+    written next to the draft).
 
     ``rollouts_path``: reuse the rollouts (and held-out split) an earlier warm start saved
     (``warm_start_rollouts.json``) instead of generating new ones.
     """
-    from transformers import AutoModelForCausalLM
-
-    from vllm_specrl.trainer.captured import captured_rollouts, describe_capture
-
     cfg = cfg or OfflineConfig()
     if cfg.features not in ("capture", "hf"):
         raise ValueError(f"features must be 'capture' or 'hf', not {cfg.features!r}")
@@ -174,68 +185,120 @@ def warm_start(target_dir: Path | str, draft_dir: Path | str, prompts: list[str]
     aux_ids = (load_draft(init_from, target_dir).shape.aux_layer_ids if init_from else
                tuple(default_aux_layer_ids(read_config(target_dir)["num_hidden_layers"])))
     t0 = time.time()
-    features, capture_counts = None, None
-    if rollouts_path is not None:
-        saved = json.loads(Path(rollouts_path).read_text())
-        prompts, sequences = saved["prompts"], saved["sequences"]
-        prompt_lengths, prompt_index = saved["prompt_lengths"], saved["prompt_index"]
-        eval_prompts = set(saved["eval_prompts"])
-        train_prompts = set(prompt_index) - eval_prompts
-    else:
-        prompts = prompts or default_prompts(cfg.num_prompts, cfg.seed, cfg.task)
-        if cfg.features == "capture":
-            captured = captured_rollouts(
-                target_dir, prompt_texts(target_dir, prompts, cfg.chat), cfg.samples_per_prompt,
-                cfg.max_tokens, cfg.temperature, cfg.seed, cfg.dtype, aux_ids, engine_args=cfg.engine_args)
-            sequences, prompt_lengths, prompt_index, features, capture_counts = captured[:5]
-            print(f"[warm start] {describe_capture(capture_counts)}", flush=True)
-            if not captured.everything[0]:
-                raise ValueError("the engine generated no rollouts: no prompts were given (check --prompts)")
-            if len(sequences) < MIN_CAPTURED_FRACTION * capture_counts["rollouts"]:
-                # Too few captured whole to train on the same data as asked: the rollouts themselves
-                # are all there, so their features come from an HF forward instead (the --features hf path).
-                print(f"[warm start] fewer than {MIN_CAPTURED_FRACTION:.0%} of the rollouts were captured whole: "
-                      f"computing the features of all {len(captured.everything[0])} rollouts with an HF "
-                      "forward of the target instead (--features hf does this from the start)", flush=True)
-                sequences, prompt_lengths, prompt_index = captured.everything
-                features, capture_counts["fallback"] = None, "hf"
-        else:
-            sequences, prompt_lengths, prompt_index = generate_rollouts(target_dir, prompts, cfg)
-        train_prompts, eval_prompts = split_by_prompt(prompt_index, cfg.eval_fraction, cfg.seed)
+    data = (_saved_rollouts(rollouts_path) if rollouts_path is not None
+            else _new_rollouts(target_dir, prompts, cfg, aux_ids))
     t_gen = time.time() - t0
+    draft, started_from = _starting_draft(target_dir, data, cfg, draft_vocab_size, aux_ids, init_from)
+    features = data.features if data.features is not None else _hf_features(target_dir, data, aux_ids)
+    t_feat = time.time() - t0 - t_gen
+    trainer, eval_items, curve = _train(target_dir, draft, features, data, cfg, train_cfg, init_from, log_path)
+    completion_tokens = sum(len(s) - n for s, n in zip(data.sequences, data.prompt_lengths))
+    summary = {
+        "rollouts": len(data.sequences), "tokens": sum(len(s) for s in data.sequences),
+        "completion_tokens": completion_tokens,
+        "train_prompts": len(data.train_prompts), "eval_prompts": len(data.eval_prompts),
+        # So benchmarks can hold out every prompt the draft was trained on.
+        "train_prompt_texts": [data.prompts[i] for i in sorted(data.train_prompts)],
+        "eval_rollouts": len(eval_items),
+        "steps": cfg.steps, "draft_vocab_size": draft.shape.draft_vocab_size,
+        "started_from": started_from,
+        "features": "hf" if data.capture_counts is None else "capture", "capture": data.capture_counts,
+        "rollouts_dtype": cfg.dtype,
+        "train_config": {k: v for k, v in vars(train_cfg).items()},
+        "eval_before": curve[0]["eval"], "eval_after": curve[-1]["eval"],
+        "curve": [{k: v for k, v in point.items() if k != "eval"} for point in curve],
+        "seconds": {"generate": round(t_gen, 1), "features": round(t_feat, 1),
+                    "train": round(time.time() - t0 - t_gen - t_feat, 1)},
+    }
+    trainer.save(draft_dir, extra={"warm_start": summary})
+    # The rollouts themselves (token ids), so budgets and objectives can be compared on the same data.
+    (draft_dir / ROLLOUTS).write_text(json.dumps({
+        "prompts": data.prompts, "sequences": data.sequences, "prompt_lengths": data.prompt_lengths,
+        "prompt_index": data.prompt_index, "eval_prompts": sorted(data.eval_prompts)}))
+    return summary
 
+
+def _saved_rollouts(rollouts_path: Path | str) -> _Rollouts:
+    saved = json.loads(Path(rollouts_path).read_text())
+    eval_prompts = set(saved["eval_prompts"])
+    return _Rollouts(saved["prompts"], saved["sequences"], saved["prompt_lengths"], saved["prompt_index"],
+                     set(saved["prompt_index"]) - eval_prompts, eval_prompts)
+
+
+def _new_rollouts(target_dir: Path, prompts: list[str] | None, cfg: OfflineConfig,
+                  aux_ids: tuple[int, ...]) -> _Rollouts:
+    """The target's rollouts on ``prompts``; with ``features="capture"`` their features from vLLM itself."""
+    from vllm_specrl.trainer.captured import captured_rollouts, describe_capture
+
+    prompts = prompts or default_prompts(cfg.num_prompts, cfg.seed, cfg.task)
+    features, capture_counts = None, None
+    if cfg.features == "capture":
+        captured = captured_rollouts(
+            target_dir, prompt_texts(target_dir, prompts, cfg.chat), cfg.samples_per_prompt,
+            cfg.max_tokens, cfg.temperature, cfg.seed, cfg.dtype, aux_ids, engine_args=cfg.engine_args)
+        sequences, prompt_lengths, prompt_index, features, capture_counts = captured[:5]
+        print(f"[warm start] {describe_capture(capture_counts)}", flush=True)
+        if not captured.everything[0]:
+            raise ValueError("the engine generated no rollouts: no prompts were given (check --prompts)")
+        if len(sequences) < MIN_CAPTURED_FRACTION * capture_counts["rollouts"]:
+            # Too few captured whole to train on the same data as asked: the rollouts themselves
+            # are all there, so their features come from an HF forward instead (the --features hf path).
+            print(f"[warm start] fewer than {MIN_CAPTURED_FRACTION:.0%} of the rollouts were captured whole: "
+                  f"computing the features of all {len(captured.everything[0])} rollouts with an HF "
+                  "forward of the target instead (--features hf does this from the start)", flush=True)
+            sequences, prompt_lengths, prompt_index = captured.everything
+            features, capture_counts["fallback"] = None, "hf"
+    else:
+        sequences, prompt_lengths, prompt_index = generate_rollouts(target_dir, prompts, cfg)
+    train_prompts, eval_prompts = split_by_prompt(prompt_index, cfg.eval_fraction, cfg.seed)
+    return _Rollouts(prompts, sequences, prompt_lengths, prompt_index, train_prompts, eval_prompts,
+                     features, capture_counts)
+
+
+def _starting_draft(target_dir: Path, data: _Rollouts, cfg: OfflineConfig, draft_vocab_size: int | None,
+                    aux_ids: tuple[int, ...], init_from: Path | str | None) -> tuple[Any, str]:
+    """The draft training starts from, and what it started from (for the summary)."""
+    if init_from:
+        return load_draft(init_from, target_dir), f"draft {init_from}"
     # The draft vocabulary: the most frequent tokens the target *generates* on the training prompts.
-    counts = Counter(t for s, n, i in zip(sequences, prompt_lengths, prompt_index)
-                     if i in train_prompts for t in s[n:])
+    counts = Counter(t for s, n, i in zip(data.sequences, data.prompt_lengths, data.prompt_index)
+                     if i in data.train_prompts for t in s[n:])
     token_counts = torch.zeros(json.loads((target_dir / "config.json").read_text())["vocab_size"])
     for tok_id, c in counts.items():
         token_counts[tok_id] = c
-    if init_from:
-        draft, started_from = load_draft(init_from, target_dir), f"draft {init_from}"
-    else:
-        draft = init_draft(target_dir, None, draft_vocab_size, aux_layer_ids=aux_ids, token_counts=token_counts,
-                           seed=cfg.seed)
-        started_from = "random weights"
-        if cfg.target_layer is not None:
-            try:
-                start_from_target_layer(draft, target_dir, cfg.target_layer)
-                started_from = f"target layer {cfg.target_layer}"
-            except TargetLayerMissing as exc:
-                # A head start, not a requirement: a checkpoint laid out otherwise trains from random weights.
-                print(f"[warm start] {exc}: the draft's decoder layer starts from random weights", flush=True)
-    if features is None:
-        target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
-        target.eval()
-        features = sequence_features(target, sequences, aux_ids, prompt_lengths=prompt_lengths)
-        del target
-    t_feat = time.time() - t0 - t_gen
+    draft = init_draft(target_dir, None, draft_vocab_size, aux_layer_ids=aux_ids, token_counts=token_counts,
+                       seed=cfg.seed)
+    if cfg.target_layer is None:
+        return draft, "random weights"
+    try:
+        start_from_target_layer(draft, target_dir, cfg.target_layer)
+        return draft, f"target layer {cfg.target_layer}"
+    except TargetLayerMissing as exc:
+        # A head start, not a requirement: a checkpoint laid out otherwise trains from random weights.
+        print(f"[warm start] {exc}: the draft's decoder layer starts from random weights", flush=True)
+        return draft, "random weights"
 
+
+def _hf_features(target_dir: Path, data: _Rollouts, aux_ids: tuple[int, ...]) -> list[dict]:
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    target.eval()
+    return sequence_features(target, data.sequences, aux_ids, prompt_lengths=data.prompt_lengths)
+
+
+def _train(target_dir: Path, draft: Any, features: list[dict], data: _Rollouts, cfg: OfflineConfig,
+           train_cfg: TrainConfig, init_from: Path | str | None,
+           log_path: Path | str | None) -> tuple[DraftTrainer, list[dict], list[dict]]:
+    """Train on the training prompts' rollouts; returns the trainer, the held-out items and the learning
+    curve (each point with its full evaluation under ``eval``)."""
     rng = random.Random(cfg.seed)
-    train_items = [f for f, i in zip(features, prompt_index) if i in train_prompts]
+    train_items = [f for f, i in zip(features, data.prompt_index) if i in data.train_prompts]
     if not train_items:
-        raise ValueError(f"no rollout to train on ({len(sequences)} rollouts over {len(set(prompt_index))} prompts, "
-                         f"{len(eval_prompts)} of them held out): give more prompts (--num-prompts or --prompts)")
-    eval_items = [f for f, i in zip(features, prompt_index) if i in eval_prompts] or train_items[:1]
+        raise ValueError(f"no rollout to train on ({len(data.sequences)} rollouts over "
+                         f"{len(set(data.prompt_index))} prompts, {len(data.eval_prompts)} of them held out): "
+                         "give more prompts (--num-prompts or --prompts)")
+    eval_items = [f for f, i in zip(features, data.prompt_index) if i in data.eval_prompts] or train_items[:1]
     converted = cfg.parallel_drafting and not draft.parallel
     if converted:
         draft.make_parallel(default_mask_token_id(read_config(target_dir)))
@@ -244,9 +307,12 @@ def warm_start(target_dir: Path | str, draft_dir: Path | str, prompts: list[str]
         trainer = DraftTrainer.from_checkpoint(init_from, target_dir, train_cfg)
     else:
         trainer = DraftTrainer(draft, target_lm_head(target_dir), train_cfg)
-    before = trainer.evaluate_many(eval_items)
-    curve = [{"step": 0, "completion_tokens": 0, **_curve_point(before)}]
-    seen_tokens = 0
+
+    def point(step: int, seen: int) -> dict:
+        evaluation = trainer.evaluate_many(eval_items)
+        return {"step": step, "completion_tokens": seen, **_curve_point(evaluation), "eval": evaluation}
+
+    curve, seen_tokens = [point(0, 0)], 0
     log = open(log_path, "w") if log_path else None  # noqa: SIM115
     batches = training_batches(train_items, cfg.batch_size, rng, cfg.group_by_length)
     for step in tqdm(range(1, cfg.steps + 1), desc="warm start", mininterval=5):
@@ -254,37 +320,13 @@ def warm_start(target_dir: Path | str, draft_dir: Path | str, prompts: list[str]
         seen_tokens += sum(len(f["token_ids"]) - int(f["first_draft"]) - 1 for f in picked)
         metrics = trainer.step(collate(picked))
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-            curve.append({"step": step, "completion_tokens": seen_tokens,
-                          **_curve_point(trainer.evaluate_many(eval_items))})
+            curve.append(point(step, seen_tokens))
         if log:
             log.write(json.dumps(metrics) + "\n")
     if log:
         log.close()
-    after = trainer.evaluate_many(eval_items)
-    curve.append({"step": cfg.steps, "completion_tokens": seen_tokens, **_curve_point(after)})
-    completion_tokens = sum(len(s) - n for s, n in zip(sequences, prompt_lengths))
-    summary = {
-        "rollouts": len(sequences), "tokens": sum(len(s) for s in sequences),
-        "completion_tokens": completion_tokens,
-        "train_prompts": len(train_prompts), "eval_prompts": len(eval_prompts),
-        # So benchmarks can hold out every prompt the draft was trained on.
-        "train_prompt_texts": [prompts[i] for i in sorted(train_prompts)],
-        "eval_rollouts": len(eval_items),
-        "steps": cfg.steps, "draft_vocab_size": draft.shape.draft_vocab_size,
-        "started_from": started_from,
-        "features": "hf" if capture_counts is None else "capture", "capture": capture_counts,
-        "rollouts_dtype": cfg.dtype,
-        "train_config": {k: v for k, v in vars(train_cfg).items()},
-        "eval_before": before, "eval_after": after, "curve": curve,
-        "seconds": {"generate": round(t_gen, 1), "features": round(t_feat, 1),
-                    "train": round(time.time() - t0 - t_gen - t_feat, 1)},
-    }
-    trainer.save(draft_dir, extra={"warm_start": summary})
-    # The rollouts themselves (token ids), so budgets and objectives can be compared on the same data.
-    (draft_dir / ROLLOUTS).write_text(json.dumps({
-        "prompts": prompts, "sequences": sequences, "prompt_lengths": prompt_lengths,
-        "prompt_index": prompt_index, "eval_prompts": sorted(eval_prompts)}))
-    return summary
+    curve.append(point(cfg.steps, seen_tokens))
+    return trainer, eval_items, curve
 
 
 def training_batches(items: list[dict[str, torch.Tensor]], batch_size: int, rng: random.Random,

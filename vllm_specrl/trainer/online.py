@@ -42,8 +42,8 @@ from tqdm import tqdm
 
 from vllm_specrl.capture.receiver import CaptureReceiver, SequenceAssembler
 from vllm_specrl.proposer.checkpoint import load_draft, target_lm_head
-from vllm_specrl.routes import EngineKeyRefused
-from vllm_specrl.sync.client import WeightSyncError
+from vllm_specrl.sync.clients.response_check import EngineKeyRefused
+from vllm_specrl.sync.clients.engine_client import WeightSyncError
 from vllm_specrl.trainer.core import TRAINER_STATE, DraftTrainer, TrainConfig
 from vllm_specrl.trainer.mtp import MTPTrainer
 from vllm_specrl.trainer.publish_gate import GateConfig, PublishGate
@@ -165,7 +165,7 @@ class OnlineDraftTrainer:
         self.next_lost_draft_check = 0.0  # time.monotonic() of the next check while resting
         self.client = None
         if cfg.engine:  # one URL, or several (comma-separated): every replica gets each draft
-            from vllm_specrl.sync.fleet import FleetClient
+            from vllm_specrl.sync.clients.fleet import FleetClient
 
             self.client = FleetClient(cfg.engine.split(","), api_key=cfg.api_key, timeout=120)
             self.client.statuses()  # a refused API key stops the trainer here (EngineKeyRefused), not silently later
