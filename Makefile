@@ -42,7 +42,7 @@ build_draft = if [ ! -f $(1)/trainer_meta.json ] || [ "$$(cat $(1)/make_args 2>/
 	echo "[draft] building $(1) (missing, or built with other arguments or recipe)"; \
 	rm -rf $(1) && $(TRAIN_DRAFT) --draft $(1) $(2) && echo "$(strip $(2)) recipe=$(DRAFT_RECIPE)" > $(1)/make_args; fi
 
-.PHONY: setup fixtures draft demo demo-plan demo-full demo-rollouts rl-run test test-all test-slow bench doctor selftest check-vllm \
+.PHONY: setup fixtures draft demo demo-plan demo-full demo-rollouts rl-run test lint test-all test-slow bench doctor selftest check-vllm \
 	clean-fixtures
 
 setup:
@@ -92,8 +92,12 @@ demo-rollouts: setup
 
 # `make test`: every capability end to end, within CI's budget (tests marked `slow` left out).
 # `make test-all`: everything, the slower tier included; `make test-slow`: only the slower tier.
-test: fixtures
+test: fixtures lint
 	@$(PY) -m pytest tests -v -m "not slow" --durations=30
+
+# The linter's rules and line length are in pyproject.toml ([tool.ruff]).
+lint: setup
+	@$(VENV)/bin/ruff check vllm_specrl scripts tests examples
 
 test-all: fixtures
 	@$(PY) -m pytest tests -v --durations=30

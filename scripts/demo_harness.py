@@ -82,7 +82,8 @@ def mean_k(before: dict | None, after: dict | None) -> float | None:
 
 
 def draft_trainer_settings(args: argparse.Namespace) -> DraftTrainerSettings:
-    return DraftTrainerSettings(publish_every=args.draft_publish_every, lr=args.draft_lr, tv_weight=args.draft_tv_weight,
+    return DraftTrainerSettings(publish_every=args.draft_publish_every, lr=args.draft_lr,
+                                tv_weight=args.draft_tv_weight,
                                 replay_ratio=args.draft_replay_ratio, holdout_every=args.draft_holdout_every,
                                 mixed_precision=args.draft_mixed_precision, niceness=args.draft_nice,
                                 sched_idle=args.draft_sched_idle, yields=args.draft_trainer_yields)

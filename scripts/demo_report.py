@@ -126,14 +126,16 @@ def verdict(report: dict, mode: str = "spec") -> str | None:
         return f"{lo} sequence{'s' if hi != '1' else ''}" if lo == hi else f"{lo}-{hi} sequences"
 
     def pays(bucket: str) -> str:
-        return f"a k = {k} step costs {costs[bucket][k]:.2f} plain steps, so AL {al:.2f} gives ~{al / costs[bucket][k]:.2f}x"
+        cost = costs[bucket][k]
+        return f"a k = {k} step costs {cost:.2f} plain steps, so AL {al:.2f} gives ~{al / cost:.2f}x"
 
     per_token = comparison["rollout_time_per_token"]
     outcome = "paid" if per_token < 0.97 else "did not pay" if per_token > 1.03 else "broke even"
     return (f"Speculation {outcome} here (time per token {per_token:.2f} of plain's, acceptance length {al:.2f} served "
             f"at mean k {summary[mode].get('mean_k') or 0:.2f}). This machine's calibration: at {sequences(large)} "
-            f"(this demo's bulk) {pays(large)}; at {sequences(small)} {pays(small)}. On a GPU a verify step costs little more "
-            "than a plain one while decode is memory-bound, so the same acceptance pays at larger batches there.")
+            f"(this demo's bulk) {pays(large)}; at {sequences(small)} {pays(small)}. On a GPU a verify step costs "
+            "little more than a plain one while decode is memory-bound, so the same acceptance pays at larger "
+            "batches there.")
 
 
 def plot(report: dict, path: Path) -> None:
@@ -191,7 +193,8 @@ def print_table(report: dict) -> None:
                  f"tail {c['rollout_tail_time']:.2f}"
                  + (f"; against plain at the same lengths {c['rollout_time_same_lengths']:.2f}"
                     + (f" (step time {c['step_time_same_lengths']:.2f})" if "step_time_same_lengths" in c else "")
-                    + (f", bulk {c['rollout_bulk_time_same_lengths']:.2f}, tail {c['rollout_tail_time_same_lengths']:.2f}"
+                    + (f", bulk {c['rollout_bulk_time_same_lengths']:.2f}, "
+                       f"tail {c['rollout_tail_time_same_lengths']:.2f}"
                        if "rollout_tail_time_same_lengths" in c else "")
                     + f", plain's replay of its own {c['base_replay_over_its_loop']:.2f} of its loop's time"
                     + f", adjusted for that {c['rollout_time_same_lengths_loop_adjusted']:.2f}"

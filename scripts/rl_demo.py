@@ -133,7 +133,8 @@ def print_step(mode: str, rec: dict) -> None:
     print(f"[rl:{mode}] {'warm-up ' if rec['step'] < 0 else ''}step {rec['step']}: reward {rec['mean_reward']:.2f}, "
           f"gen {rec['generation_s']:.1f}s (bulk {rec['generation_bulk_s']:.1f}s, tail {rec['generation_tail_s']:.1f}s"
           + (f", mean k {rec['mean_k']:.2f}" if rec["mean_k"] is not None else "") + ") "
-          f"(exposed {rec['exposed_generation_s']:.1f}s), logp {rec['logprob_s']:.1f}s, train {rec['training_s']:.1f}s, "
+          f"(exposed {rec['exposed_generation_s']:.1f}s), logp {rec['logprob_s']:.1f}s, "
+          f"train {rec['training_s']:.1f}s, "
           f"sync {rec['sync_s']:.1f}s, step {rec['step_s']:.1f}s, accept {rec['acceptance_length'] or nan:.2f} "
           f"(first draft {rec['accept_pos0'] if rec['accept_pos0'] is not None else nan:.3f}), "
           f"versions {rec['rollout_policy_versions']}, |dlogp| max {rec['logprob_abs_diff_max']:.3f}", flush=True)
@@ -278,7 +279,8 @@ def main() -> None:
     target = args.target or Path(fixture_target("real-mimo" if wants_mtp else "real", args.fixtures))
     work = args.work_dir or args.out.parent / (args.out.stem + "_work")
     work.mkdir(parents=True, exist_ok=True)
-    report = {"demo": "grpo_speculative_rollouts", "host": host_info(), "settings": {k: str(v) for k, v in vars(args).items()},
+    report = {"demo": "grpo_speculative_rollouts", "host": host_info(),
+              "settings": {k: str(v) for k, v in vars(args).items()},
               "pid": os.getpid(), "runs": {}}
     modes = args.runs.split(",")
 

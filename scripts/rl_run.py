@@ -217,7 +217,8 @@ def run_settings(args: argparse.Namespace) -> dict:
 # The online trainer's options, each with the value a run recorded before the option existed ran with (None:
 # as this invocation's).
 TRAINER_OPTIONS = {"draft_lr": 2e-4, "draft_publish_every": None, "draft_holdout_every": None,
-                   "draft_replay_ratio": 4.0, "draft_tv_weight": 0.0, "block_publishes": False, "draft_keep_versions": 1,
+                   "draft_replay_ratio": 4.0, "draft_tv_weight": 0.0, "block_publishes": False,
+                   "draft_keep_versions": 1,
                    "draft_rest_after_hold": True, "draft_rest_backoff_max": 8,
                    "draft_trainer_yields": True}
 
@@ -314,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # What a run takes unless told otherwise, and what --quick takes instead (options left unset on the command line)
 DEFAULTS = {"arms": "frozen,online", "seeds": "0", "steps": 30, "prompts": 4, "group": 8, "max_tokens": 128,
-            "switch_task": "concise-minus", "switch_at": 18, "draft_holdout_every": 4, "draft_publish_every": 4, "window": 5,
+            "switch_task": "concise-minus", "switch_at": 18, "draft_holdout_every": 4, "draft_publish_every": 4,
+            "window": 5,
             "draft_trainer_yields": True}
 # --quick: every mechanism of a run (policy moves, a switch, publishes, counters, the RL-level test) in minutes
 QUICK = {"arms": "plain,frozen,online", "seeds": "0,1", "steps": 6, "prompts": 2, "group": 4, "max_tokens": 64,

@@ -112,7 +112,8 @@ def run_probe(script: str, *argv: str, timeout: float = 60, **env: str) -> dict:
     settings (plus ``env``); the JSON of its last line."""
     from vllm_specrl.cpu import malloc as cpu_malloc
 
-    out = subprocess.run([sys.executable, "-c", script, *argv], env={**cpu_malloc.environ_without_malloc_settings(), **env},
+    env = {**cpu_malloc.environ_without_malloc_settings(), **env}
+    out = subprocess.run([sys.executable, "-c", script, *argv], env=env,
                          capture_output=True, text=True, check=True, timeout=timeout)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

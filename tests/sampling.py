@@ -66,7 +66,8 @@ def greedy_generate(model, prompts: list[str], max_tokens: int,
         from vllm_specrl import metrics
         llm = LLM(model={str(model)!r}, dtype={dtype!r}, enforce_eager={not compiled}, seed=0,
                   max_model_len=512, max_num_seqs={max_num_seqs}, disable_log_stats=False,
-                  scheduler_cls={scheduler_cls!r}, additional_config=json.loads({json.dumps(json.dumps(additional_config or {}))}),
+                  scheduler_cls={scheduler_cls!r},
+                  additional_config=json.loads({json.dumps(json.dumps(additional_config or {}))}),
                   speculative_config=json.loads({json.dumps(json.dumps(speculative_config))}),
                   worker_extension_cls="vllm_specrl.sync.SpecRLWorkerExtension" if {with_status} else "")
         params = SamplingParams(temperature=0, max_tokens={max_tokens}, ignore_eos=True, logprobs=0)

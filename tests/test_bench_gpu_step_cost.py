@@ -54,7 +54,8 @@ def test_the_folded_gqa_layer_equals_torchs_gqa_attention():
 
 def test_a_toy_run_reports_costs_that_follow_from_its_times(tmp_path):
     out = tmp_path / "cost.json"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "bench_gpu_step_cost.py"), "--device", "cpu", "--no-graphs",
+    subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "bench_gpu_step_cost.py"), "--device", "cpu",
+                    "--no-graphs",
                     "--layers", "2", "--hidden", "128", "--intermediate", "256", "--heads", "4", "--kv-heads", "2",
                     "--vocab", "2048", "--draft-vocab", "512", "--batch-sizes", "1,2", "--context", "32",
                     "--reps", "2", "--out", str(out)], check=True, capture_output=True, timeout=300)

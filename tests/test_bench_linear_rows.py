@@ -39,7 +39,8 @@ def test_the_timed_call_computes_the_projection(dtype):
     want = (x.float() @ weight.float().T)
     got = layer.cpu_linear(x, layer.weight, None).float()
     assert got.shape == want.shape
-    assert torch.allclose(got, want, atol=0.05 if dtype == torch.bfloat16 else 1e-4, rtol=0.02), (got - want).abs().max()
+    assert torch.allclose(got, want, atol=0.05 if dtype == torch.bfloat16 else 1e-4,
+                          rtol=0.02), (got - want).abs().max()
     seconds = bench.time_rows(layer, 64, [8, 16], dtype, rounds=2, calls=2)
     assert set(seconds) == {8, 16} and all(s > 0 for s in seconds.values())
 

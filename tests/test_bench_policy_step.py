@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_each_mode_runs_with_its_allocator_and_the_summary_follows_from_the_steps(tiny_model, tmp_path):
     out = tmp_path / "policy_step.json"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "bench_policy_step.py"), "--target", str(tiny_model),
+    subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "bench_policy_step.py"), "--target",
+                    str(tiny_model),
                     "--modes", "default,heap", "--rounds", "1", "--steps", "3", "--skip", "1", "--samples", "4",
                     "--max-tokens", "24", "--out", str(out)], check=True, cwd=REPO, timeout=300)
     report = json.loads(out.read_text())

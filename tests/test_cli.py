@@ -43,7 +43,8 @@ def test_train_draft_offers_every_built_in_prompt_family():
     assert tuple(task.choices) == TASKS
 
 
-@pytest.mark.parametrize(("argv", "want"), [([], -1), (["--target-layer", "last"], -1), (["--target-layer", "none"], None),
+@pytest.mark.parametrize(("argv", "want"), [([], -1), (["--target-layer", "last"], -1), (["--target-layer", "none"],
+                                                                                         None),
                                             (["--target-layer", "12"], 12), (["--target-layer", "-2"], -2)])
 def test_train_draft_starts_a_new_draft_from_the_target_layer_asked(argv, want):
     args = cli.build_parser().parse_args(["train-draft", "--offline", "--target", "t", "--draft", "d", *argv])
@@ -99,7 +100,8 @@ def test_train_draft_generates_at_the_dtype_auto_resolves_to(monkeypatch, tmp_pa
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     monkeypatch.setattr("vllm_specrl.cpu.malloc.keep_every_block_on_heap", lambda: None)
     seen = {}
-    monkeypatch.setattr(offline, "warm_start", lambda target, draft, prompts, cfg, *a: seen.setdefault("cfg", cfg) and {})
+    monkeypatch.setattr(offline, "warm_start", lambda target, draft, prompts, cfg,
+                        *a: seen.setdefault("cfg", cfg) and {})
     args = cli.build_parser().parse_args(["train-draft", "--offline", "--target", str(tmp_path), "--draft",
                                           str(tmp_path / "d"), "--dtype", "auto"])
     assert args.func(args) in (0, None)

@@ -126,7 +126,8 @@ def test_summary_table_and_plot(report):
 
 def test_runs_start_calibrated_or_warmed_up_alike(report):
     """Before step 0 the speculative run's adaptive k measured every k at each batch size the steps
-    run at (8, 7, 5, 3, 2, 1 here: each bucket's largest), the plain run got the same requests as a warm-up, and each run ran in
+    run at (8, 7, 5, 3, 2,
+            1 here: each bucket's largest), the plain run got the same requests as a warm-up, and each run ran in
     a process of its own with its own trainer warm-up, so no run pays a start-up cost in its timed
     steps and none reuses a heap that a run before it grew."""
     data, _ = report

@@ -76,7 +76,8 @@ def test_the_reward_curves_are_compared_and_the_logprobs_checked(report):
     data, out = report
     for arm in ("frozen", "online"):
         verdict = data["lossless"]["arms"][arm]
-        assert verdict["tested"] and len(verdict["buckets"]) == 5  # windows 0-1, 2, 3-4, 5 (restarting at the switch), the final steps
+        # per outcome (reward, KL): windows 0-1, 2, 3-4, 5 (restarting at the switch), the final steps
+        assert verdict["tested"] and len(verdict["buckets"]) == 2 * 5
         assert all(0.0 <= b["p"] <= 1.0 for b in verdict["buckets"])
     for arm, a in data["arms"].items():
         assert a["logprob_check"]["steps_checked"] == 12  # every step of both seeds had on-policy samples

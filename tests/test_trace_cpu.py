@@ -49,7 +49,8 @@ def test_recording_counts_a_process_cpu_time(tmp_path) -> None:
     between its last sample and its exit."""
     log, out = tmp_path / "demo.log", tmp_path / "trace.jsonl"
     log.write_text("[rl:spec] warm-up step -1: gen 1.0s\n")
-    rec = subprocess.Popen([sys.executable, str(REPO / "scripts" / "bench" / "trace_cpu.py"), "record", "--log", str(log),
+    rec = subprocess.Popen([sys.executable, str(REPO / "scripts" / "bench" / "trace_cpu.py"), "record", "--log",
+                            str(log),
                             "--out", str(out), "--interval", "0.25"])
     busy = None
     try:

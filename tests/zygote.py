@@ -68,9 +68,10 @@ def _run_child(request: dict, reply_fd: int, sigint=signal.SIG_DFL) -> None:
             os.dup2(null.fileno(), 0)
             os.dup2(out.fileno(), 1)
             os.dup2(out.fileno(), 2)
-        sys.stdin = open(0, closefd=False)
-        sys.stdout = open(1, "w", closefd=False, buffering=1)
-        sys.stderr = open(2, "w", closefd=False, buffering=1)
+        # The child's standard streams for the rest of its life: no context manager can hold them.
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115
+        sys.stdout = open(1, "w", closefd=False, buffering=1)  # noqa: SIM115
+        sys.stderr = open(2, "w", closefd=False, buffering=1)  # noqa: SIM115
         sys.argv = ["-c"]
         main = {"__name__": "__main__", "__builtins__": __builtins__}
         try:

@@ -29,7 +29,8 @@ from vllm_specrl.cpu.deferred_draft_kv import DEFERRED_KV_PATCH, install_deferre
 from vllm_specrl.proposer.eagle3_config import register_eagle3_architecture
 from vllm_specrl.cpu.sampling_patches import (FAST_SAMPLING_PATCHES, ZERO_DRAFT_METADATA_PATCH, ZERO_DRAFT_PATCH,
                                               install_cpu_fast_sampling, install_zero_draft_plain_sampler)
-from vllm_specrl.sync.backends.registration import register_gloo_weight_transfer_backend, register_shm_weight_transfer_backend
+from vllm_specrl.sync.backends.registration import (register_gloo_weight_transfer_backend,
+                                                    register_shm_weight_transfer_backend)
 from vllm_specrl.sync.watch.engine_core_events import LABEL_PATCH, RPC_PATCH, WAKE_PATCH, install_weight_events
 from vllm_specrl.sync.watch.worker_loads import (FINISH_PATCH, LOAD_MODEL_PATCH, RELOAD_PATCH, START_DRAFT_PATCH,
                                            START_PATCH, UPDATE_PATCH, install_weight_watch)

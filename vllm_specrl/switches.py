@@ -56,7 +56,8 @@ SWITCHES: tuple[Switch, ...] = (
            "`reload_weights` and worker extensions unwatched (no versions, draft validation or repair there)"),
     Switch("VLLM_SPECRL_MAX_DRAFT_LAG", ENV, "2", "policy versions a draft may lag before the stale-draft guard warns"),
     Switch("VLLM_SPECRL_STALE_MIN_DRAFTS", ENV, "64", "drafts the guard waits for before it judges acceptance"),
-    Switch("drafter", CONFIG, "repair, 30 s", "the drafter's lifecycle (`DrafterConfig`): `on_damage` (`repair`, `report` "
+    Switch("drafter", CONFIG, "repair, 30 s",
+           "the drafter's lifecycle (`DrafterConfig`): `on_damage` (`repair`, `report` "
            "or `refuse`), `check_every_s`, the collapse alarm's `collapse_window`/`collapse_below`/`collapse_drop`"),
     # Capture
     Switch("capture", CONFIG, "unset", "stream committed rows to this ZMQ address from start-up (needs the worker "
@@ -88,10 +89,12 @@ SWITCHES: tuple[Switch, ...] = (
                                                          "vocabulary in the drafter"),
     Switch("VLLM_SPECRL_ZERO_DRAFT_PLAIN_SAMPLER", ENV, "on (CPU)",
            f"steps without drafts take the plain sampler and a short metadata path; {PATCH_SWITCH}", group=CPU),
-    Switch("VLLM_SPECRL_DEFER_DRAFT_KV", ENV, "on (CPU)", f"the drafter's k = 0 passes deferred; {PATCH_SWITCH}", group=CPU),
+    Switch("VLLM_SPECRL_DEFER_DRAFT_KV", ENV, "on (CPU)", f"the drafter's k = 0 passes deferred; {PATCH_SWITCH}",
+           group=CPU),
     Switch("VLLM_SPECRL_SKIP_EMPTY_DRAFT_FETCH", ENV, "on (CPU)",
            f"no draft fetch after a k = 0 step; {PATCH_SWITCH}", group=CPU),
-    Switch("VLLM_SPECRL_RUNNER_STEP_TIMER", ENV, "on (CPU)", f"the runner's step time for adaptive k; {PATCH_SWITCH}", group=CPU),
+    Switch("VLLM_SPECRL_RUNNER_STEP_TIMER", ENV, "on (CPU)", f"the runner's step time for adaptive k; {PATCH_SWITCH}",
+           group=CPU),
     Switch("VLLM_SPECRL_CUSTOM_PROPOSER_BINDING", ENV, "on", "`0` leaves custom_class proposers without the "
                                                              "runner's batch (the history proposer needs it)"),
     Switch("VLLM_SPECRL_CPU_EXPAND_FIX", ENV, "on where the fault is", "`0` leaves vLLM CPU's expand-kernel fault "

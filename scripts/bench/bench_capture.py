@@ -144,7 +144,8 @@ def main() -> None:
                     help="capture_sender_cpus: the capture sender thread on the CPUs the worker's compute threads "
                          "are not bound to (auto), or beside them (inherit)")
     ap.add_argument("--topk", type=int, default=64,
-                    help="capture_topk: the target's top-k logprobs per committed row, scored in the step (make demo: 64)")
+                    help="capture_topk: the target's top-k logprobs per committed row, scored in the step "
+                         "(make demo: 64)")
     ap.add_argument("--adaptive-k", action="store_true",
                     help="serve with adaptive k (vllm_specrl.adaptive), as make demo does: at 16 sequences it "
                          "learns k = 0, so the phases measure what capture costs the steps an RL loop's bulk takes")

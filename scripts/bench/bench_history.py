@@ -174,7 +174,8 @@ def main() -> None:
     env = cpu_env(kv_cache_gib=2)  # VLLM_PLUGINS=specrl,...: an installed arctic-inference plugin stays off
     if args.arctic_site:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [args.arctic_site, env.get("PYTHONPATH")]))
-    report = {"benchmark": "history_proposer", "host": host_info(), "settings": {**vars(args), "model": model, "_engine": None},
+    report = {"benchmark": "history_proposer", "host": host_info(),
+              "settings": {**vars(args), "model": model, "_engine": None},
               "prompts": prompts, "runs": {}}
     cfgs = {}
     for method in args.methods.split(","):

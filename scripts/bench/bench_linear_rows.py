@@ -37,7 +37,8 @@ def projection_shapes(config: dict) -> dict[str, tuple[int, int]]:
     head_dim = config.get("head_dim") or hidden // heads
     kv = config.get("num_key_value_heads", heads)
     return {"qkv_proj": (hidden, (heads + 2 * kv) * head_dim), "o_proj": (heads * head_dim, hidden),
-            "gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden), "lm_head": (hidden, config["vocab_size"])}
+            "gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden),
+            "lm_head": (hidden, config["vocab_size"])}
 
 
 def vllm_linear(weight: torch.Tensor) -> tuple[str, torch.nn.Module]:

@@ -163,7 +163,8 @@ def main() -> None:
     report = {"benchmark": "online_adaptation", "host": host_info(), "fixture": args.fixture, "settings": vars(args) | {
                   "out": str(args.out), "fixtures": str(args.fixtures)},
               "curve": curve, "pre_update_acceptance_length": pre_level,
-              "post_update_first_round": curve[args.update_at]["acceptance_length"] if update_step is not None else None,
+              "post_update_first_round": (curve[args.update_at]["acceptance_length"] if update_step is not None
+                                          else None),
               "recovered_at_round": recovered["round"] if recovered else None,
               "rounds_to_recover_90pct": recovered["round"] - args.update_at if recovered else None,
               "trainer_steps_to_recover_90pct": (recovered["trainer_step"] - update_step)

@@ -44,7 +44,8 @@ def main() -> None:
     ap.add_argument("--capture-sender-sched", default="auto", choices=["auto", "idle", "normal"])
     ap.add_argument("--draft-trainer-cpus", default="auto", choices=["auto", "any"], help="as in rl_demo.py")
     ap.add_argument("--draft-publish-every", type=int, default=None,
-                    help="the trainer's --publish-every (default: the demo's); a huge value: the trainer never publishes")
+                    help="the trainer's --publish-every (default: the demo's); a huge value: the trainer never "
+                         "publishes")
     ap.add_argument("--phases", default=",".join(PHASES),
                     help="which phases each cycle runs, comma-separated (off is always one: the reference)")
     ap.add_argument("--out", type=Path, default=Path("results/bench_online_cost.json"))
@@ -110,7 +111,8 @@ def main() -> None:
                     after = client.status()
                     pause.touch()
                     time.sleep(2.0)  # the trainer finishes ingesting before the next phase
-                    res = {"cycle": cycle, "phase": phase, "started_at": started_at, "tokens": sum(tokens), "wall_s": wall,
+                    res = {"cycle": cycle, "phase": phase, "started_at": started_at, "tokens": sum(tokens),
+                           "wall_s": wall,
                            "tokens_per_s": sum(tokens) / wall, "mean_k": mean_k(
                                before.get("adaptive_k"), after.get("adaptive_k")),
                            "capture": {k: v for k, v in (after.get("capture") or {}).items()

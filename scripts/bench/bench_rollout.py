@@ -142,7 +142,8 @@ def _engine_offline(cfg: dict) -> list[dict] | None:
     llm = LLM(model=cfg["model"], dtype=cfg["dtype"], enforce_eager=not cfg.get("compile"), seed=cfg["seed"],
               max_model_len=cfg["max_model_len"], max_num_seqs=max(cfg["batch_sizes"]),
               speculative_config=spec, disable_log_stats=False,
-              additional_config={"specrl": {"adaptive_k": cfg["adaptive_config"]}} if cfg.get("adaptive_config") else {},
+              additional_config=({"specrl": {"adaptive_k": cfg["adaptive_config"]}} if cfg.get("adaptive_config")
+                                 else {}),
               **({"scheduler_cls": cfg["scheduler_cls"]} if cfg.get("scheduler_cls") else {}))
     if cfg.get("phases"):
         from phase_timers import install_phase_timers

@@ -169,11 +169,13 @@ def main() -> None:
         served_texts = greedy()
     shm_after = sorted(p.name for p in shm.SHM_DIR.glob("*specrl-*"))
     expected = reference["original" if last_weights is original else "perturbed"]
-    report = {"benchmark": "soak", "host": host_info(), "updates_attempted": args.updates, "updates_committed": committed,
+    report = {"benchmark": "soak", "host": host_info(), "updates_attempted": args.updates,
+              "updates_committed": committed,
               "final_policy_version": version, "faults_injected": faults, "faults_recovered": recovered,
               "malformed_updates_refused": refused, "requests_served": counts["served"],
               "requests_failed": counts["failed"], "shm_files_leaked": len(set(shm_after) - set(shm_before)),
-              "rss_mb_start": round(rss_start, 1), "rss_mb_end": round(rss_end, 1), "rss_mb_every_50_updates": rss_trace,
+              "rss_mb_start": round(rss_start, 1), "rss_mb_end": round(rss_end, 1),
+              "rss_mb_every_50_updates": rss_trace,
               "seconds": round(elapsed, 1),
               "final_outputs_equal_last_committed_weights": served_texts == expected}
     args.out.parent.mkdir(parents=True, exist_ok=True)

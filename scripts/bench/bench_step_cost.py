@@ -13,7 +13,8 @@ plain steps at the same batch size (this run's plain engine).
 
     python scripts/bench/bench_step_cost.py                       # real fixture, k=1..3, b=1,4,16
     python scripts/bench/bench_step_cost.py --ks 3 --batch-sizes 1 --tokens 32
-    python scripts/bench/bench_step_cost.py --ks 3 --batch-sizes 1 --sampling fast --parallel-draft DIR  # P-EAGLE beside
+    # with a P-EAGLE draft beside:
+    python scripts/bench/bench_step_cost.py --ks 3 --batch-sizes 1 --sampling fast --parallel-draft DIR
 """
 
 from __future__ import annotations

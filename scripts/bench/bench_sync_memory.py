@@ -90,7 +90,8 @@ def main() -> None:
     ap.add_argument("--fixtures", type=Path, default=None)
     ap.add_argument("--fixture", default="real", choices=["real", "real-8-heads", "tiny"],
                     help="real: SmolLM2-135M (9 heads: TP 1 only); real-8-heads: a model of its size (30 layers, "
-                         "127M parameters, bf16) with 8 heads, random weights, which TP 2 serves; tiny: the test fixture")
+                         "127M parameters, bf16) with 8 heads, random weights, which TP 2 serves; tiny: the test "
+                         "fixture")
     ap.add_argument("--tp", default="1")
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--out", type=Path, default=Path("results/bench_sync_memory.json"))

@@ -6,7 +6,8 @@ and awaits it; when the engine core process dies, the client marks ``engine_dead
 ``await`` never returns. (Seen first in a server whose worker was killed in a weight commit: the
 commit RPC failed properly, the engine core then died on its queued "Executor failed" item, and
 the route's ``resume_generation``, sent just before, was left hanging; here the engine core is
-killed directly while a slow RPC is pending, which shows the same deterministically.) In an API server that means a route awaiting a worker RPC (an in-place
+killed directly while a slow RPC is pending, which shows the same deterministically.) In an API server that
+means a route awaiting a worker RPC (an in-place
 weight update, say) hangs for ever, and uvicorn, shutting down after the death, waits on that
 open connection. vllm-specrl races every such call against ``errored``
 (``vllm_specrl.engine_rpc.unless_engine_dies``). Suggested upstream fix: when the output socket

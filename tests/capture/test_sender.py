@@ -5,6 +5,7 @@ cores the worker's compute threads are bound to."""
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -159,7 +160,8 @@ def test_trainer_connected_follows_the_connection_not_the_traffic():
 
 def _allowed_cpus(native_id: int) -> set[int]:
     """A thread's CPUs as the kernel reports them."""
-    line = next(x for x in open(f"/proc/self/task/{native_id}/status") if x.startswith("Cpus_allowed_list"))
+    status = Path(f"/proc/self/task/{native_id}/status").read_text().splitlines()
+    line = next(x for x in status if x.startswith("Cpus_allowed_list"))
     cpus = set()
     for part in line.split()[1].split(","):
         lo, _, hi = part.partition("-")

@@ -92,7 +92,8 @@ def test_the_sender_kind_and_priority_settings():
     assert resolve_sender_idle("auto", {1}, 0.0) and not resolve_sender_idle("auto", set(), 0.0)
     assert not resolve_sender_idle("auto", {1}, 5.0)  # the warm start waits for every row: its full share
     assert resolve_sender_idle("idle", set(), 5.0) and not resolve_sender_idle("normal", {1}, 0.0)
-    for resolve, bad in ((lambda v: resolve_sender_kind(v, {1}), "fork"), (lambda v: resolve_sender_idle(v, {1}, 0), "low")):
+    for resolve, bad in ((lambda v: resolve_sender_kind(v, {1}), "fork"),
+                         (lambda v: resolve_sender_idle(v, {1}, 0), "low")):
         with pytest.raises(ValueError):
             resolve(bad)
 

@@ -65,7 +65,8 @@ def greedy(server: VLLMServer) -> list[tuple[list[int], list[float]]]:
             "logprobs": 1, "return_token_ids": True}
     r = requests.post(server.url + "/v1/completions", json=body, timeout=120)
     r.raise_for_status()
-    return [(c["token_ids"], c["logprobs"]["token_logprobs"]) for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    return [(c["token_ids"], c["logprobs"]["token_logprobs"]) for c in choices]
 
 
 def test_a_forked_engine_answers_as_a_spawned_one(servers):

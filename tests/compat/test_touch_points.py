@@ -92,7 +92,8 @@ def _tree(tmp_path: Path, propose_params: str, registry: bool = True) -> Path:
     sd.mkdir(parents=True)
     (sd / "speculator_config.py").write_text(
         "def register_speculative_method(name, config_cls):\n    pass\n" if registry else "X = 1\n")
-    (sd / "speculator.py").write_text(f"class BaseSpeculator:\n    def propose(self, {propose_params}):\n        pass\n")
+    (sd / "speculator.py").write_text(
+        f"class BaseSpeculator:\n    def propose(self, {propose_params}):\n        pass\n")
     return tmp_path
 
 

@@ -48,7 +48,8 @@ def run(config: dict) -> dict:
     llm = LLM(model=config["target"], dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
               disable_log_stats=False, max_num_seqs=8,
               speculative_config={"method": "eagle3", "model": config["draft"], "num_speculative_tokens": 3},
-              worker_extension_cls="vllm_specrl.sync.SpecRLWorkerExtension", weight_transfer_config={"backend": "specrl_shm"},
+              worker_extension_cls="vllm_specrl.sync.SpecRLWorkerExtension",
+              weight_transfer_config={"backend": "specrl_shm"},
               additional_config={"specrl": {"drafter": config["drafter"]}})
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     worker = _worker(llm)

@@ -86,7 +86,8 @@ def test_a_drafter_damaged_with_no_event_is_repaired_by_the_periodic_check(repai
 def test_a_policy_update_aimed_at_every_runner_never_reaches_the_drafter(repair_run):
     update = steps_of(repair_run, "policy_to_every_runner")[0]
     assert update["outcome"]["target"] == "loaded"
-    assert update["outcome"]["draft"].startswith("refused") and "unknown parameter name" in update["outcome"]["draft"], update
+    draft_outcome = update["outcome"]["draft"]
+    assert draft_outcome.startswith("refused") and "unknown parameter name" in draft_outcome, update
     assert update["versions"]["policy"] == 1 and update["versions"]["draft"] == 0
     first, after = steps_of(repair_run, "generate")[0], steps_of(repair_run, "generate")[3]
     assert after["served"] == first["served"] and after["tokens"] == first["tokens"]

@@ -107,7 +107,8 @@ def test_served_counters_equal_a_replay_of_the_same_outputs(history_run):
     expected = replay(epochs, 3, HistoryConfig(max_age=0))["epochs"]
     for e, (served, replayed) in enumerate(zip([e["counters"] for e in history_run["epochs"]], expected)):
         assert served["num_drafts"] > 50, served
-        assert abs(served["num_drafts"] - replayed["num_drafts"]) <= 0.02 * replayed["num_drafts"], (e, served, replayed)
+        assert abs(served["num_drafts"] - replayed["num_drafts"]) <= 0.02 * replayed["num_drafts"], (
+            e, served, replayed)
         for s, r in zip(served["per_position_acceptance"], replayed["per_position_acceptance"]):
             assert abs(s - r) < 0.015, (e, served, replayed)
 

@@ -78,8 +78,8 @@ def test_bulk_ends_when_half_of_the_groups_are_done():
 
 def test_a_replay_splits_its_answers_where_their_groups_are_done(monkeypatch):
     """The replay at the same lengths sends one request per answer; a prompt's group is done when its
-    last answer is (planted: taking the group's last-listed answer instead puts the bulk's end at 7 here). Each answer 'finishes'
-    at a clock time equal to its length, on a fake clock; the main thread reads 0 and then 300."""
+    last answer is (planted: taking the group's last-listed answer instead puts the bulk's end at 7 here). Each
+    answer 'finishes' at a clock time equal to its length, on a fake clock; the main thread reads 0 and then 300."""
     import threading
 
     from vllm_specrl.rl import rollouts

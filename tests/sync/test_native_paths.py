@@ -1,4 +1,5 @@
-"""Whatever path loads the weights, the guarantees hold (``sync.watch.worker_loads``, ``sync.watch.engine_core_events``).
+"""Whatever path loads the weights, the guarantees hold (``sync.watch.worker_loads``,
+``sync.watch.engine_core_events``).
 
 An in-process ``LLM`` (tiny model, float32, a random EAGLE-3 draft with a reduced vocabulary) with the
 worker extension takes policy updates by every path an RL framework uses and, after each, the version

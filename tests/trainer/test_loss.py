@@ -71,7 +71,8 @@ def test_topk_rows_give_the_same_loss_as_hidden_rows_when_k_covers_the_vocabular
     top_v, top_i = logp.topk(V, dim=-1)
     nxt = torch.zeros(B, T, dtype=torch.long)
     nxt[:, :-1] = tokens[:, 1:]
-    rows = TargetRows(tokens, topk_logprobs=top_v, topk_ids=top_i, token_logprobs=logp.gather(-1, nxt[..., None])[..., 0])
+    rows = TargetRows(tokens, topk_logprobs=top_v, topk_ids=top_i, token_logprobs=logp.gather(-1,
+                                                                                              nxt[..., None])[..., 0])
     got = eagle3_loss([logits, logits.roll(1, -1)], rows, None, draft_ids, lengths, first, cfg, served=True)
     assert got.loss.item() == pytest.approx(ref.loss.item(), rel=1e-5)
     for key in ("expected_accept_step0", "expected_accept_step1", "served_accept_pos0", "served_accept_pos1"):

@@ -95,7 +95,8 @@ def aligned(mimo_model, tmp_path_factory):
             est = trainer.trainer.estimate_served(list(trainer.buffer), k={K})
             return {{"served": stats["per_position_acceptance"][0], "drafts": stats["num_drafts"],
                     "estimate": est["per_position"][0], "estimate_drafts": est["drafts"],
-                    "served_per_position": stats["per_position_acceptance"], "estimate_per_position": est["per_position"],
+                    "served_per_position": stats["per_position_acceptance"],
+                    "estimate_per_position": est["per_position"],
                     "sequences": len(trainer.buffer), "dropped": sum(trainer.drops.values()) - dropped,
                     "drops": dict(trainer.drops)}}
 
@@ -125,7 +126,8 @@ def aligned(mimo_model, tmp_path_factory):
 
 def test_online_training_realigns_a_stale_mtp_layer(aligned):
     stale, after = aligned["stale"], aligned["aligned"]
-    print("ONLINE-MTP", json.dumps({k: aligned[k] for k in ("stale", "aligned", "trained_sequences")}), aligned["losses"][::10])
+    print("ONLINE-MTP", json.dumps({k: aligned[k] for k in ("stale", "aligned", "trained_sequences")}),
+          aligned["losses"][::10])
     assert aligned["published"]["ok"], aligned["published"]
     assert aligned["trained_sequences"] >= 80 and aligned["losses"][-1] < aligned["losses"][0]
     # vLLM's own counters on held-out prompts: the realigned layer is accepted far more often.

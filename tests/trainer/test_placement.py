@@ -47,7 +47,8 @@ def test_the_trainer_trains_where_it_was_placed(tiny_model, monkeypatch, tmp_pat
 
 def test_the_cli_and_the_rl_loop_pass_the_device(monkeypatch, capsys, tmp_path):
     parse = cli.build_parser().parse_args
-    assert train_draft.train_config(parse(["train-draft", "--target", "t", "--draft", "d", "--device", "cpu"])).device == "cpu"
+    assert train_draft.train_config(parse(["train-draft", "--target", "t", "--draft", "d", "--device",
+                                           "cpu"])).device == "cpu"
     monkeypatch.setattr("vllm_specrl.cpu.malloc.keep_every_block_on_heap", lambda: None)
     assert train_draft.run(parse(["train-draft", "--target", "t", "--draft", "d", "--offline",
                                        "--device", "cuda:3"])) == 2
@@ -72,7 +73,8 @@ def test_offline_warm_starts_pass_vllms_engine_arguments(monkeypatch, tmp_path, 
 
     monkeypatch.setattr("vllm_specrl.cpu.malloc.keep_every_block_on_heap", lambda: None)
     seen = {}
-    monkeypatch.setattr(offline, "warm_start", lambda target, draft, prompts, cfg, *a: seen.setdefault("cfg", cfg) and {})
+    monkeypatch.setattr(offline, "warm_start", lambda target, draft, prompts, cfg,
+                        *a: seen.setdefault("cfg", cfg) and {})
     args = cli.build_parser().parse_args(["train-draft", "--offline", "--target", str(tmp_path), "--draft",
                                           str(tmp_path / "d"), "--engine-args",
                                           '{"tensor_parallel_size": 8, "gpu_memory_utilization": 0.5}'])

@@ -38,7 +38,8 @@ def _stub_capture(tiny_model, kept: int):
         assert len(texts) == len(PROMPTS) and samples == SAMPLES
         n = len(everything[0])
         counts = {"rollouts": n, "captured_requests": kept, "incomplete": 0, "kept": kept,
-                  "sender": {"frames_offered": 3 * n, "frames_sent": 3 * kept, "frames_dropped_no_peer": 3 * (n - kept)}}
+                  "sender": {"frames_offered": 3 * n, "frames_sent": 3 * kept,
+                             "frames_dropped_no_peer": 3 * (n - kept)}}
         return captured_module.CapturedRollouts(everything[0][:kept], everything[1][:kept], everything[2][:kept],
                                                 features, counts, everything)
     return stub

@@ -10,9 +10,9 @@ builds the per-request frames and sends them to the trainer with the thread send
 (``CaptureSender``), on the CPUs the worker leaves to its engine core.
 
 Nothing waits on it: a step the socket cannot take (``transit_steps`` in flight; a sender that waits
-for its peer, as many as frames queued) is dropped and counted, as a full queue is; a process that died leaves capture dropping and counting, and
-``state()`` says so (``sender_process``). Run as ``python -m vllm_specrl.capture.sender_process``
-by ``SenderProcess`` only.
+for its peer, as many as frames queued) is dropped and counted, as a full queue is; a process that died leaves
+capture dropping and counting, and ``state()`` says so (``sender_process``). Run as
+``python -m vllm_specrl.capture.sender_process`` by ``SenderProcess`` only.
 """
 
 from __future__ import annotations

@@ -142,7 +142,8 @@ class DeferredDraftKV:
                                 spec_decode_metadata: Any, attention: Any, slot_mappings: Any) -> Any:
         """A k = 0 step of one-token decodes that the stash can hold, held before vLLM gathers the
         drafter's inputs (its Python loop over the batch for backup tokens, the next-token kernel,
-        the hidden-state concatenation: work for a pass that is not run). The rows are what ``propose`` would hold: every request decoded one token at k = 0,
+        the hidden-state concatenation: work for a pass that is not run). The rows are what ``propose``
+        would hold: every request decoded one token at k = 0,
         none is discarded (a partial prompt), none verified drafts (vLLM's spec-decode metadata, when
         there is one, has none), so each one's next token is its one sampled token. None (nothing
         done) for any other step. Arguments: ``propose_draft_token_ids``'s."""

@@ -201,7 +201,8 @@ def one_pass_verify_applies(sampler, sampling_metadata) -> bool:
     tokens, active logits processors), at most the sampled token's logprob, and that one from the
     logits vLLM's default ``raw_logprobs`` mode scores (temperature 1 where logprobs are asked for)."""
     m = sampling_metadata
-    if (getattr(sampler, "synthetic_mode", False) or getattr(sampler, "use_fly", False) or not m.all_random or m.top_k is not None
+    if (getattr(sampler, "synthetic_mode", False) or getattr(sampler, "use_fly",
+                                                             False) or not m.all_random or m.top_k is not None
             or m.top_p is not None or not m.no_penalties or m.bad_words_token_ids
             or m.allowed_token_ids_mask is not None or getattr(m, "logprob_token_ids", None)
             or m.max_num_logprobs not in (None, 0) or m.temperature is None):
@@ -215,7 +216,8 @@ def one_pass_verify_applies(sampler, sampling_metadata) -> bool:
 # Draft distributions over a reduced draft vocabulary stay compact (``[rows, draft_vocab]``) from
 # the drafter through vLLM's runner (which only stacks and gathers their rows) to the one-pass
 # verify, which reads the drafted token's column and, at rejected rows, spreads them: where vLLM
-# writes every pass's row over the target's vocabulary, stacks and gathers those. Only while ``one_pass_rejection_forward`` is what verifies; it
+# writes every pass's row over the target's vocabulary, stacks and gathers those. Only while
+# ``one_pass_rejection_forward`` is what verifies; it
 # spreads them for vLLM's forward when it hands a batch on. ``VLLM_SPECRL_COMPACT_DRAFT_PROBS=0``
 # spreads them in the drafter, as before. Width -> (target ids, target vocabulary).
 COMPACT_DRAFT_PROBS_ENV = "VLLM_SPECRL_COMPACT_DRAFT_PROBS"

@@ -198,7 +198,8 @@ def _sleep_check(model: str, base: dict, settings: Settings, progress: Callable[
     progress("[selftest] EAGLE-3 through a level-2 sleep and wake-up")
     with tempfile.TemporaryDirectory(prefix="specrl-selftest-sleep-") as tmp:
         draft = random_draft(model, Path(tmp) / "draft", seed=0)
-        found = run_engine({**base, "speculative_config": serve_args("eagle3", draft=draft).speculative_config, "plugin": True, "sleep": True}, plugin=True,
+        found = run_engine({**base, "speculative_config": serve_args("eagle3", draft=draft).speculative_config,
+                            "plugin": True, "sleep": True}, plugin=True,
                            timeout_s=settings.timeout_s, env=settings.env)
     if "error" in found:
         return Check(name, False, found["error"])
@@ -263,7 +264,8 @@ def selftest(settings: Settings, progress: Callable[[str], None] = print) -> lis
         if eagle3_groups:
             draft = random_draft(model, Path(tmp) / "draft", seed=0)
             fresh = random_draft(model, Path(tmp) / "fresh-draft", seed=1)
-            job = {**base, "speculative_config": serve_args("eagle3", draft=draft).speculative_config, "plugin": True, "seed": 5, "fresh_draft": str(fresh),
+            job = {**base, "speculative_config": serve_args("eagle3", draft=draft).speculative_config, "plugin": True,
+                   "seed": 5, "fresh_draft": str(fresh),
                    "samples": samples if "eagle3" in groups else None, "updates": "updates" in groups,
                    "logprobs": logprobs,
                    "capture": f"tcp://127.0.0.1:{free_port()}" if "capture" in groups else None}

@@ -136,8 +136,8 @@ async def abort_abandoned(state: Any) -> None:
 
 async def begin_when_free(state: Any, begin_args: tuple, wait_s: float) -> dict:
     """Begin on every rank (``specrl_begin_update(*begin_args)``); while another update is open, wait
-    (up to ``wait_s``) for it to be committed, aborted or abandoned, then try again. Waiting polls this process's own record of
-    open uploads, so the engine is asked again only when that record says it is free."""
+    (up to ``wait_s``) for it to be committed, aborted or abandoned, then try again. Waiting polls this
+    process's own record of open uploads, so the engine is asked again only when that record says it is free."""
     deadline = time.monotonic() + wait_s
     while True:
         await abort_abandoned(state)

@@ -10,7 +10,8 @@ where capture frames and the history proposer read it; after a policy change the
 (running requests recompute their KV on the new weights) and vLLM's weight version follows. A label
 that follows names the version instead, when it is an integer above the counted one. After any other
 call the draft's fingerprint is checked (a drafter changed or emptied behind the plugin's back is
-repaired, reported or refused: ``vllm_specrl.lifecycle``). The API server reads the result from the workers (``sync.watch.api_server``).
+repaired, reported or refused: ``vllm_specrl.lifecycle``). The API server reads the result from the workers
+(``sync.watch.api_server``).
 
 The plugin's own RPCs (``specrl_*``) are skipped: its commits keep their versions themselves.
 """
