@@ -134,3 +134,19 @@ def test_a_key_admits_remote_clients_and_the_opt_out_is_explicit(monkeypatch):
     monkeypatch.delenv("VLLM_SPECRL_ALLOW_UNAUTHENTICATED_REMOTE")
     assert endpoints.SpecRLHttpState(engine, [], unauthenticated_remote_allowed(True)) \
         .allow_unauthenticated_remote
+
+
+def test_the_calibration_token_goes_only_to_a_caller_the_routes_admit(monkeypatch):
+    """The sweep's secret (``adaptive.calibration_ids``) is what marks its requests: without the key (or,
+    keyless, from another host) no token, so no client can make its requests the sweep's."""
+    from vllm_specrl.adaptive import calibration_ids
+
+    monkeypatch.setenv(calibration_ids.TOKEN_ENV, "feedc0de")
+    monkeypatch.delenv("VLLM_SPECRL_ALLOW_UNAUTHENTICATED_REMOTE", raising=False)
+    keyed = endpoints.SpecRLHttpState(FakeEngine(), ["s3cret"])
+    assert call(keyed, "POST", "/specrl/calibrate", "10.0.0.7").status_code == 401
+    given = call(keyed, "POST", "/specrl/calibrate", "10.0.0.7", {"Authorization": "Bearer s3cret"})
+    assert given.status_code == 200 and given.json()["token"] == "feedc0de"
+    keyless = endpoints.SpecRLHttpState(FakeEngine(), [], unauthenticated_remote_allowed(False))
+    assert call(keyless, "POST", "/specrl/calibrate", "10.0.0.7").status_code == 403
+    assert call(keyless, "POST", "/specrl/calibrate", "127.0.0.1").json()["token"] == "feedc0de"

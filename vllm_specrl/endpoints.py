@@ -31,6 +31,7 @@ from vllm_specrl.compat import version as vllm_versions
 from vllm_specrl import engine_rpc
 from vllm_specrl._log import logger
 from vllm_specrl._version import __version__
+from vllm_specrl.adaptive import calibration_ids
 from vllm_specrl.adaptive import state as adaptive_state
 from vllm_specrl.lifecycle import state as lifecycle_state
 from vllm_specrl.sync.http.stale_guard import StaleDraftGuard
@@ -372,6 +373,17 @@ def build_router() -> APIRouter:
     @router.get("/status")
     async def status(request: Request) -> JSONResponse:
         return JSONResponse(await gather_status(_specrl_state(request)))
+
+    @router.post("/calibrate")
+    async def calibrate(request: Request) -> JSONResponse:
+        """The secret that marks the start-up sweep's requests (``adaptive.calibration_ids``), for a caller
+        that passes the routes' access rules: a request id no other client can forge."""
+        _specrl_state(request)
+        token = calibration_ids.token()
+        if not token:
+            return JSONResponse({"ok": False, "error": "no calibration token in this process: the vllm-specrl "
+                                                       "plugin did not run here (VLLM_PLUGINS)"}, status_code=503)
+        return JSONResponse({"ok": True, "token": token})
 
     @router.post("/draft_trainer")
     async def draft_trainer(request: Request) -> JSONResponse:

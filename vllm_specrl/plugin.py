@@ -16,6 +16,7 @@ from typing import Any
 
 from vllm_specrl._log import log_early
 from vllm_specrl._version import __version__
+from vllm_specrl.adaptive import calibration_ids
 from vllm_specrl.compat import version as vllm_versions
 from vllm_specrl.compat.engine_config import process_role
 from vllm_specrl.compat.registry import CPU_ONLY_NOTE, REGISTRY
@@ -74,6 +75,7 @@ def _runs_model_here() -> bool:
 
 def register() -> None:
     """Entry point: check the vLLM version, then install registrations once."""
+    calibration_ids.ensure_token()  # before vLLM starts its engine processes: they inherit it
     with _lock:
         if _state.get("pid") not in (None, os.getpid()):
             # A forked engine core or worker (VLLM_SPECRL_CPU_START_METHOD=fork) inherits its

@@ -45,6 +45,10 @@ SWITCHES: tuple[Switch, ...] = (
            "update; `false`: each rank copies it"),
     Switch("VLLM_SPECRL_API_KEY", ENV, "unset", "the API key `EngineClient`, `train-draft`, `DraftTrainerProcess` "
            "and the TRL adapter send when none is passed"),
+    Switch("VLLM_SPECRL_CALIBRATION_TOKEN", ENV, "made by the plugin",
+           "the secret in the start-up sweep's request ids, inherited by the engine's processes; `vllm-specrl "
+           "calibrate` gets it from `POST /specrl/calibrate` (the API key); set it only to share one across engines "
+           "started apart"),
     Switch("VLLM_SPECRL_SHM_DIR", ENV, "/dev/shm", "where shared-memory weight chunks are written and accepted"),
     # Speculation
     Switch("adaptive_k", CONFIG, "true (with the scheduler)",

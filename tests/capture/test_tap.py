@@ -62,10 +62,14 @@ def test_recomputed_rows_keep_the_sampled_logprob():
     assert seq["logprobs"].shape == (3,) and seq["logprobs"][2] == before
 
 
-def test_calibration_requests_are_never_captured():
+def test_calibration_requests_are_never_captured(monkeypatch):
     """The synthetic requests of an adaptive-k calibration sweep would teach the draft their text."""
+    from vllm_specrl.adaptive import calibration_ids
+
+    monkeypatch.setenv(calibration_ids.TOKEN_ENV, "5e6f")
+    monkeypatch.setattr(calibration_ids, "_marker", None)
     v = view(torch.randn(5, V))
-    v["requests"][0]["request_id"] = "2_cmpl-specrl-calibrate-4-0a1b2c3d-0-5e6f7a8b"
+    v["requests"][0]["request_id"] = f"2_cmpl-{calibration_ids.request_id('5e6f', 4, '0a1b2c3d')}-0-5e6f7a8b"
     assert [h["request_id"] for h, _ in step_frames(v)] == ["b"]
 
 

@@ -8,7 +8,8 @@ Costs belong to the hardware and the models, not to the prompts, so they can be 
 once, at start-up, like vLLM captures its CUDA graphs per batch size: a few synthetic
 requests of ``n`` = 16, 15, 11, 7, 5, 3, 2, 1 sequences (one batch bucket each, its largest
 batch; ``ignore_eos``), which
-the scheduler recognises by their request ids and sweeps every k on. Their acceptance is
+the scheduler recognises by their request ids (``calibration_ids``: a secret the caller gets from the
+authenticated ``POST /specrl/calibrate``) and sweeps every k on. Their acceptance is
 kept out of the controller's estimate: drafts of the real workload choose k from the first
 real step on.
 
@@ -21,32 +22,17 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable
 
 import requests
 
 from vllm_specrl.sync.clients import response_check
-from vllm_specrl.adaptive.controller import batch_bucket, bucket_bounds
+from vllm_specrl.adaptive.calibration_ids import is_calibration_request, only_calibration, request_id
+from vllm_specrl.adaptive.estimators import batch_bucket, bucket_bounds
 
-CALIBRATION_ID_PREFIX = "specrl-calibrate-"
+__all__ = ["calibrate", "calibration_batch_sizes", "bucket_label", "is_calibration_request", "only_calibration"]
+
 PROMPT = "Count from one to one thousand in words, one number per line:\n"
 WARM_UP_TOKENS = 64  # per request on an engine without adaptive k: it sees every batch size's shapes
-
-
-def is_calibration_request(request_id: str) -> bool:
-    """True for a request of the sweep (its id carries the ``X-Request-Id`` the sweep sends)."""
-    return CALIBRATION_ID_PREFIX in request_id
-
-
-def only_calibration(request_ids: Iterable[str]) -> bool:
-    """At least one request, and every one the sweep's; stops at the first other one, so a step of
-    real traffic pays for one id, however large its batch."""
-    seen = False
-    for request_id in request_ids:
-        if not is_calibration_request(request_id):
-            return False
-        seen = True
-    return seen
 
 
 def calibration_batch_sizes(max_batch: int) -> list[int]:
@@ -82,6 +68,10 @@ def calibrate(url: str, model: str | None = None, max_batch: int = 16, steps: in
         r.raise_for_status()
         model = r.json()["data"][0]["id"]
 
+    r = session.post(url + "/specrl/calibrate", timeout=timeout_s)
+    response_check.raise_for_status(r)
+    token = r.json()["token"]
+
     def adaptive_state() -> dict | None:
         r = session.get(url + "/specrl/status", timeout=timeout_s)
         response_check.raise_for_status(r)
@@ -104,7 +94,7 @@ def calibrate(url: str, model: str | None = None, max_batch: int = 16, steps: in
             # Streamed, and dropped as soon as the bucket is done (vLLM aborts a request whose
             # client went away): a sweep costs the steps it measures, not ``steps`` tokens.
             with session.post(url + "/v1/completions", timeout=timeout_s, stream=True,
-                              headers={"X-Request-Id": f"{CALIBRATION_ID_PREFIX}{batch}-{uuid.uuid4().hex[:8]}"},
+                              headers={"X-Request-Id": request_id(token, batch, uuid.uuid4().hex[:8])},
                               json={"model": model, "prompt": PROMPT, "n": batch,
                                     "max_tokens": steps if state is not None else WARM_UP_TOKENS,
                                     "temperature": 1.0, "ignore_eos": True, "seed": seed + rounds * batch,

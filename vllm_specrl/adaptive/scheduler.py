@@ -17,8 +17,9 @@ every ``schedule()`` from the adaptive-k controller, and feeds the controller in
 wall time between outputs; the sampled tokens are read before the stock method, which
 trims a stopped request's list in place: ``Scheduler._update_request_with_output``). Start-up
 calibration requests (``vllm_specrl.adaptive.k_sweep``)
-are recognised by their request ids, which carry the ``X-Request-Id`` header the sweep sends
-(``cmpl-<header>-<i>``, then vLLM's ``-<random>`` suffix): while the scheduler's queues hold
+are recognised by their request ids, which carry the deployment's secret (``calibration_ids``) in the
+``X-Request-Id`` header the sweep sends (``cmpl-<header>-<i>``, then vLLM's ``-<random>`` suffix): while the
+scheduler's queues hold
 only those, the controller sweeps every k, and their drafts never reach its acceptance
 estimate. Checked on 0.32.0 (cpu), Scheduler and AsyncScheduler (``running``, ``waiting``).
 Behaviour relied on, with a parallel (P-EAGLE) drafter: steps at k = 0 between steps at the
@@ -36,7 +37,7 @@ from typing import Any
 from vllm_specrl._log import logger
 from vllm_specrl.adaptive import state as adaptive_state
 from vllm_specrl.adaptive.controller import AdaptiveKConfig, AdaptiveKController
-from vllm_specrl.adaptive.k_sweep import only_calibration
+from vllm_specrl.adaptive.calibration_ids import is_calibration_request, only_calibration
 from vllm_specrl.cpu.step_timer import runner_seconds
 from vllm_specrl.compat.engine_config import process_role, specrl_additional_config
 from vllm_specrl.instance_state import instance_dir
@@ -172,8 +173,6 @@ def verified_drafts(scheduler_output: Any, model_runner_output: Any) -> list[tup
     """``(drafts, accepted)`` per request that verified drafts this step, as vLLM's ``spec_decode``
     counters count them (accepted = tokens sampled - 1), calibration requests left out (synthetic
     drafts: their acceptance says nothing about the workload's)."""
-    from vllm_specrl.adaptive.k_sweep import is_calibration_request
-
     verified = []
     # Rows are in ``req_ids`` order (vLLM 0.34 dropped ``req_id_to_index``, which 0.32 kept beside it).
     index = {rid: row for row, rid in enumerate(model_runner_output.req_ids)}

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from vllm_specrl.adaptive.k_sweep import is_calibration_request
+from vllm_specrl.adaptive.calibration_ids import is_calibration_request
 from vllm_specrl.capture.host_staging import StagingPool, stages
 from vllm_specrl.capture.sender import CaptureSender
 
