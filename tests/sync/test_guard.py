@@ -36,3 +36,12 @@ def test_mtp_layers_updated_with_the_policy_never_lag_but_can_go_stale():
     verdict = guard.assess(9, 0, True, counters(1010, 905), draft_is_policy=True)
     assert not verdict["stale"] and verdict["version_lag"] == 0
     assert guard.assess(9, 0, True, counters(1100, 900), draft_is_policy=True)["stale"]
+
+
+def test_the_switches_are_read_when_a_guard_is_made_not_at_import(monkeypatch):
+    monkeypatch.setenv("VLLM_SPECRL_MAX_DRAFT_LAG", "5")
+    monkeypatch.setenv("VLLM_SPECRL_STALE_MIN_DRAFTS", "7")
+    guard = StaleDraftGuard()
+    assert (guard.max_version_lag, guard.min_drafts) == (5, 7)
+    monkeypatch.delenv("VLLM_SPECRL_MAX_DRAFT_LAG")
+    assert StaleDraftGuard().max_version_lag == 2

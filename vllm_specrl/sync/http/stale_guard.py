@@ -9,18 +9,22 @@ and none of their tokens was accepted (the silent failure after a refit).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm_specrl.metrics import SpecDecodeCounters
 
-MAX_VERSION_LAG = int(os.environ.get("VLLM_SPECRL_MAX_DRAFT_LAG", "2"))
-MIN_DRAFTS = int(os.environ.get("VLLM_SPECRL_STALE_MIN_DRAFTS", "64"))
+MAX_VERSION_LAG_ENV, MIN_DRAFTS_ENV = "VLLM_SPECRL_MAX_DRAFT_LAG", "VLLM_SPECRL_STALE_MIN_DRAFTS"
+
+
+def _from_env(name: str, default: int) -> int:
+    """The switch's value when a guard is made (not when this module is imported)."""
+    return int(os.environ.get(name, str(default)))
 
 
 @dataclass
 class StaleDraftGuard:
-    max_version_lag: int = MAX_VERSION_LAG
-    min_drafts: int = MIN_DRAFTS
+    max_version_lag: int = field(default_factory=lambda: _from_env(MAX_VERSION_LAG_ENV, 2))
+    min_drafts: int = field(default_factory=lambda: _from_env(MIN_DRAFTS_ENV, 64))
     baseline: SpecDecodeCounters | None = None
 
     def policy_updated(self, counters: SpecDecodeCounters) -> None:
