@@ -137,12 +137,22 @@ def captured_rollouts(target_dir: Path, texts: list[str], samples: int, max_toke
     every row). ``engine_args``: vLLM engine arguments over the defaults (tensor parallelism, memory,
     dtype); the speculative config, worker extension and capture settings stay the vehicle's.
     """
+    target_dir = Path(target_dir)
+    head = target_lm_head(target_dir).float()
+    outs, drain, sender = _generate_with_capture(target_dir, texts, samples, max_tokens, temperature, seed, dtype,
+                                                 aux_layer_ids, max_model_len, drafter, engine_args)
+    return _match_captured(outs, drain, sender, drafter, head)
+
+
+def _generate_with_capture(target_dir: Path, texts: list[str], samples: int, max_tokens: int,
+                           temperature: float, seed: int, dtype: str, aux_layer_ids: tuple[int, ...],
+                           max_model_len: int, drafter: str, engine_args: dict | None) -> tuple[list, "_Drain", dict]:
+    """One in-process engine, its drafter held at k = 0 as the capture vehicle: the rollouts, the drained
+    capture stream, and the sender's counts."""
     from vllm import LLM
 
     from vllm_specrl.launcher import free_port
 
-    target_dir = Path(target_dir)
-    head = target_lm_head(target_dir).float()
     address = f"tcp://127.0.0.1:{free_port()}"
     receiver = CaptureReceiver(address, rcv_hwm=4096)
     drain = _Drain(receiver)
@@ -180,7 +190,13 @@ def captured_rollouts(target_dir: Path, texts: list[str], samples: int, max_toke
             drain.join()
             receiver.close()
             del llm
-    # The engine suffixes request ids; match each captured request to its rollout by its tokens.
+    return outs, drain, sender
+
+
+def _match_captured(outs: list, drain: "_Drain", sender: dict, drafter: str,
+                    head: torch.Tensor) -> CapturedRollouts:
+    """Each captured request matched to its rollout (by its tokens: the engine suffixes request ids);
+    a request captured incompletely is counted and left out."""
     by_tokens: dict[tuple[int, ...], list[tuple[int, int, list[int]]]] = {}
     everything: tuple[list[list[int]], list[int], list[int]] = ([], [], [])
     for i, o in enumerate(outs):

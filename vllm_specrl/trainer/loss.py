@@ -101,7 +101,8 @@ def eagle3_loss(step_logits: list[torch.Tensor], rows: TargetRows, target_lm_hea
                 draft_token_ids: torch.Tensor, lengths: torch.Tensor, first: torch.Tensor | None = None,
                 config: LossConfig | None = None, with_metrics: bool = True,
                 served: bool = False) -> LossOutput:
-    """Loss over TTT steps.
+    """Loss over TTT steps (one function on purpose: the steps of the chain share the reach probabilities,
+    the draft-vocabulary index and the served-counter pass, which a split would hand around as state).
 
     step_logits:     list over steps of [B, T, Vd] draft logits
     rows:            the target's distributions (``TargetRows``)
