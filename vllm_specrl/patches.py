@@ -10,22 +10,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+# The import order is the declaration order, which is the order doctor and /specrl/status list the patches in.
 from vllm_specrl.cpu import malloc as cpu_malloc
 from vllm_specrl.cpu.skip_draft_fetch import (SKIP_FETCH_POST_STEP_PATCH, SKIP_FETCH_SCHEDULE_PATCH,
-                                                   install_skip_empty_draft_fetch)
-from vllm_specrl.cpu.step_timer import (STEP_TIMER_EXECUTE_PATCH, STEP_TIMER_SAMPLE_PATCH,
-                                             install_runner_step_timer)
+                                              install_skip_empty_draft_fetch)
+from vllm_specrl.cpu.step_timer import STEP_TIMER_EXECUTE_PATCH, STEP_TIMER_SAMPLE_PATCH, install_runner_step_timer
 from vllm_specrl.capture import runner_hooks  # noqa: F401 - declares the tap's and recorder's patches
 from vllm_specrl.compat import touch_points  # noqa: F401 - declares the internals read without patching
 from vllm_specrl.compat.cpu_expand_kernel import EXPAND_KERNEL_PATCH, install_cpu_expand_fix
 from vllm_specrl.compat.cpu_seeded_rewind import SEEDED_REWIND_PATCH, install_cpu_seeded_rewind_fix
 from vllm_specrl.cpu.start_method import START_METHOD_PATCH, install_cpu_start_method
+from vllm_specrl.proposer.custom_binding import CUSTOM_BINDING_PATCH, install_custom_proposer_binding
+from vllm_specrl.cpu.deferred_draft_kv import DEFERRED_KV_PATCH, install_deferred_draft_kv
 from vllm_specrl.compat.registry import REGISTRY
 from vllm_specrl.lifecycle.engine_core import POST_STEP_PATCH, install_drafter_lifecycle
 from vllm_specrl.mrv2 import touch_points as mrv2_touch_points  # noqa: F401 - declares the port's reads
 from vllm_specrl.mrv2.registration import register_speculative_methods
-from vllm_specrl.proposer.custom_binding import CUSTOM_BINDING_PATCH, install_custom_proposer_binding
-from vllm_specrl.cpu.deferred_draft_kv import DEFERRED_KV_PATCH, install_deferred_draft_kv
 from vllm_specrl.proposer.eagle3_config import register_eagle3_architecture
 from vllm_specrl.cpu.sampling_patches import (FAST_SAMPLING_PATCHES, ZERO_DRAFT_METADATA_PATCH, ZERO_DRAFT_PATCH,
                                               install_cpu_fast_sampling, install_zero_draft_plain_sampler)
@@ -33,9 +33,8 @@ from vllm_specrl.sync.backends.registration import (register_gloo_weight_transfe
                                                     register_shm_weight_transfer_backend)
 from vllm_specrl.sync.watch.engine_core_events import LABEL_PATCH, RPC_PATCH, WAKE_PATCH, install_weight_events
 from vllm_specrl.sync.watch.worker_loads import (FINISH_PATCH, LOAD_MODEL_PATCH, RELOAD_PATCH, START_DRAFT_PATCH,
-                                           START_PATCH, UPDATE_PATCH, install_weight_watch)
+                                                 START_PATCH, UPDATE_PATCH, install_weight_watch)
 from vllm_specrl.sync.watch import api_server  # noqa: F401 - declares the API server's per-client patches
-
 
 class Step(NamedTuple):
     key: str

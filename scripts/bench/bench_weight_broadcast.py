@@ -81,7 +81,7 @@ def main() -> None:
     from vllm_specrl.sync.clients.engine_group import EngineGroup
     from vllm_specrl.sync.clients.fleet import FleetClient
     from vllm_specrl.sync.backends.gloo_backend import (GlooTrainerInitInfo, SpecRLGlooTrainerWeightTransferEngine,
-                                              TensorSource)
+                                                        TensorSource)
 
     if args.model is None:
         build_fixtures(args.fixtures, ("real",))

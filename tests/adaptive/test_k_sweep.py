@@ -7,7 +7,7 @@ import pytest
 from vllm_specrl.adaptive import calibration_ids
 from vllm_specrl.adaptive.controller import AdaptiveKController
 from vllm_specrl.adaptive.k_sweep import (bucket_label, calibration_batch_sizes, is_calibration_request,
-                                            only_calibration)
+                                          only_calibration)
 
 TOKEN = "0f1e2d3c4b5a69788796a5b4"
 

@@ -12,7 +12,7 @@ import torch
 
 from vllm_specrl.capture.receiver import CaptureReceiver
 from vllm_specrl.capture.sender import (SEND_HWM, CaptureSender, frames_settled, omp_bound_cpus, resolve_sender_cpus,
-                                       spare_cpus)
+                                        spare_cpus)
 from vllm_specrl.launcher import free_port
 
 FRAMES = 10 * SEND_HWM  # 64 MB: more than the high-water marks and the kernel's socket buffers hold

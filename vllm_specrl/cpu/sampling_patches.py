@@ -15,7 +15,7 @@ import os
 from vllm_specrl.compat.registry import REGISTRY, Patch
 from vllm_specrl.cpu import samplers as fast
 from vllm_specrl.cpu.samplers import (DRAFT_VOCAB_ENV, FAST_SAMPLING_ENV, LAZY_REJECTION_ENV,
-                                               ONE_PASS_VERIFY_ENV)
+                                      ONE_PASS_VERIFY_ENV)
 
 _CHECKED = ("vLLM 0.32.0, CPU",)
 _RS = "vllm.v1.sample.rejection_sampler"
