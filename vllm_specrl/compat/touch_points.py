@@ -31,7 +31,8 @@ REGISTRY.reads(
     TouchPoint('v1/worker/gpu_model_runner.py', 'GPUModelRunner.get_model', 'function',
                'worker status, tied head'),
     TouchPoint('v1/worker/gpu_model_runner.py', 'GPUModelRunner',
-               'attrs:drafter,input_batch,execute_model_state,query_start_loc,input_ids,positions,discard_request_mask,_draft_probs,_draft_prob_req_ids,sampler,rejection_sampler,requests',
+               'attrs:drafter,input_batch,execute_model_state,query_start_loc,input_ids,positions,'
+               'discard_request_mask,_draft_probs,_draft_prob_req_ids,sampler,rejection_sampler,requests',
                'runner state the tap, recorder and timers read'),
     TouchPoint('v1/worker/gpu_model_runner.py', 'ExecuteModelState', 'attrs:logits',
                "sampled tokens' logprobs"),
@@ -79,10 +80,12 @@ REGISTRY.reads(
     TouchPoint('model_executor/models/llama_eagle3.py', 'Eagle3LlamaForCausalLM.combine_hidden_states', 'function',
                'P-EAGLE drafts: mask-slot state refreshed after a draft update'),
     TouchPoint('v1/spec_decode/llm_base_proposer.py', 'SpecDecodeBaseProposer',
-               'attrs:method,max_num_tokens,num_speculative_tokens,_last_draft_probs,needs_extra_input_slots,net_num_new_slots_per_request,max_batch_size,uses_mrope,supports_mm_inputs,parallel_drafting',
+               'attrs:method,max_num_tokens,num_speculative_tokens,_last_draft_probs,needs_extra_input_slots,'
+               'net_num_new_slots_per_request,max_batch_size,uses_mrope,supports_mm_inputs,parallel_drafting',
                'deferred draft-KV sync: eligibility, the stash bound, the k = 0 return'),
     TouchPoint('v1/attention/backend.py', 'CommonAttentionMetadata',
-               'attrs:query_start_loc,query_start_loc_cpu,seq_lens,seq_lens_cpu_upper_bound,num_reqs,num_actual_tokens,max_query_len,max_seq_len,block_table_tensor,slot_mapping,causal',
+               'attrs:query_start_loc,query_start_loc_cpu,seq_lens,seq_lens_cpu_upper_bound,num_reqs,'
+               'num_actual_tokens,max_query_len,max_seq_len,block_table_tensor,slot_mapping,causal',
                "deferred draft-KV sync builds the replay pass's metadata"),
     TouchPoint('v1/sample/rejection_sampler.py', 'sample_recovered_tokens', 'function',
                'CPU fast recovered sampling'),
@@ -103,7 +106,8 @@ REGISTRY.reads(
     TouchPoint('v1/sample/sampler.py', 'Sampler.compute_logprobs', 'function',
                "capture tap: the step's log-softmax kept for its scoring (instance override)"),
     TouchPoint('v1/sample/metadata.py', 'SamplingMetadata',
-               'attrs:all_random,top_p,top_k,no_penalties,bad_words_token_ids,allowed_token_ids_mask,logprob_token_ids,max_num_logprobs,temperature,logitsprocs,thinking_budget_state_holder',
+               'attrs:all_random,top_p,top_k,no_penalties,bad_words_token_ids,allowed_token_ids_mask,'
+               'logprob_token_ids,max_num_logprobs,temperature,logitsprocs,thinking_budget_state_holder',
                'CPU one-pass verify: the batches it serves'),
     TouchPoint('v1/sample/logits_processor/builtin.py', 'MinPLogitsProcessor', 'attrs:min_p_count',
                'CPU one-pass verify: idle built-in processors'),
