@@ -1,14 +1,21 @@
-"""Run engine snippets in a fresh interpreter (vLLM allows one engine per process); load the repo's scripts."""
+"""Run engine code in a fresh interpreter (vLLM allows one engine per process): a test's own function
+(``in_engine_process``, ``run_function``) or a snippet (``run_python``); load the repo's scripts."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 import json
 import os
+import pickle
 import subprocess
 import sys
+import tempfile
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from conftest import REPO
 from vllm_specrl.launcher import VLLMServer
@@ -47,6 +54,66 @@ def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 60
     else:
         assert returncode == 0, f"subprocess failed (rc={returncode}):\n{out[-6000:]}"
     return out
+
+
+# The one program ``run_function`` runs: the test module loaded from its file, the function called with
+# the pickled arguments, its value (or its traceback) pickled back.
+_CALL = """
+import importlib.util, pickle, sys, traceback
+sys.path[:0] = [{tests!r}, {folder!r}]
+spec = importlib.util.spec_from_file_location("_specrl_engine_test_module", {module!r})
+module = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = module
+spec.loader.exec_module(module)
+fn = module
+for part in {qualname!r}.split("."):
+    fn = getattr(fn, part)
+fn = getattr(fn, "__wrapped__", fn)
+with open({call!r}, "rb") as f:
+    args, kwargs = pickle.load(f)
+try:
+    out = ("ok", fn(*args, **kwargs))
+except BaseException:
+    out = ("error", traceback.format_exc())
+with open({result!r}, "wb") as f:
+    pickle.dump(out, f)
+"""
+
+
+def run_function(fn: Callable, *args: Any, env: dict[str, str] | None = None, timeout: float = 600,
+                 with_output: bool = False, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` in a forked child of the session's zygote, as ``run_python`` runs a snippet
+    (engine mode, a fresh interpreter where the zygote cannot serve ``env``). ``fn`` is a module-level
+    function of a test module (loaded again from its file there); its value comes back by pickle, and an
+    exception it raises fails the caller with the child's traceback. ``with_output``: ``(value, the
+    child's stdout and stderr)``, for a test that reads what the engine logged."""
+    fn = inspect.unwrap(fn)
+    module = Path(inspect.getsourcefile(fn)).resolve()
+    with tempfile.TemporaryDirectory(prefix="specrl-call-") as tmp:
+        call, result = Path(tmp) / "call.pkl", Path(tmp) / "result.pkl"
+        call.write_bytes(pickle.dumps((args, kwargs)))
+        out = run_python(_CALL.format(tests=str(REPO / "tests"), folder=str(module.parent), module=str(module),
+                                      qualname=fn.__qualname__, call=str(call), result=str(result)),
+                         env=env, timeout=timeout)
+        if not result.exists():
+            raise AssertionError(f"{fn.__qualname__} returned nothing from its engine process:\n{out[-4000:]}")
+        status, value = pickle.loads(result.read_bytes())
+    if status == "error":
+        raise AssertionError(f"{fn.__qualname__} failed in its engine process:\n{value}\n"
+                             f"--- the process's output ---\n{out[-4000:]}")
+    return (value, out) if with_output else value
+
+
+def in_engine_process(env: dict[str, str] | None = None, timeout: float = 600,
+                      with_output: bool = False) -> Callable:
+    """Decorator: calling the function runs it in its own engine process (``run_function``); the test
+    module's engine code is ordinary Python, not a program in a string."""
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return run_function(fn, *args, env=env, timeout=timeout, with_output=with_output, **kwargs)
+        return call
+    return wrap
 
 
 _ZYGOTES: dict[str, object] = {}

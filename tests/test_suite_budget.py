@@ -13,8 +13,8 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 # Calls that start an engine, a server or an interpreter (directly or through the suite's helpers).
-STARTERS = re.compile(r"\b(run_python|VLLMServer|sample_continuations|greedy_generate|record_drafts|run_rl_demo|"
-                      r"EngineProcess|subprocess\.(run|Popen)|LLM)\(")
+STARTERS = re.compile(r"\b(run_python|run_function|in_engine_process|VLLMServer|sample_continuations|greedy_generate|"
+                      r"record_drafts|run_rl_demo|EngineProcess|subprocess\.(run|Popen)|LLM)\(")
 
 
 def engine_modules() -> list[Path]:

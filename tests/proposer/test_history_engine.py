@@ -12,10 +12,11 @@ workload: the proposer's index starts empty in each.
 """
 
 import json
+from pathlib import Path
 
 import pytest
 
-from helpers import result_json, run_python
+from helpers import in_engine_process
 from prompts import code_prompts
 from sampling import greedy_generate
 
@@ -28,40 +29,38 @@ EPOCHS, GROUP, PROMPTS, TOKENS = 3, 4, 6, 40
 TEMPERATURE = 0.3
 
 
-def grpo_epochs(model, speculative_config: dict, commit_after: bool = False, history_knobs: dict | None = None):
+@in_engine_process(env={"VLLM_PLUGINS": "specrl"})
+def grpo_epochs(model: Path, speculative_config: dict, commit_after: bool = False,
+                history_knobs: dict | None = None) -> dict:
     """EPOCHS x (PROMPTS prompts x GROUP samples at TEMPERATURE) in one engine: outputs and counters per epoch."""
-    out = run_python(f"""
-        import json
-        from vllm import LLM, SamplingParams
-        from vllm_specrl import metrics
-        llm = LLM(model={str(model)!r}, dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
-                  max_num_seqs=64, disable_log_stats=False,
-                  speculative_config=json.loads({json.dumps(json.dumps(speculative_config))}),
-                  additional_config={{"specrl": {{"history": {history_knobs!r}}}}} if {history_knobs!r} else {{}},
-                  worker_extension_cls="vllm_specrl.sync.SpecRLWorkerExtension")
-        prompts = json.loads({json.dumps(json.dumps(code_prompts(PROMPTS)))})
-        epochs = []
-        for epoch in range({EPOCHS}):
-            before = metrics.from_llm_metrics(llm.get_metrics())
-            outs = llm.generate(prompts, SamplingParams(n={GROUP}, temperature={TEMPERATURE}, max_tokens={TOKENS},
-                                                        ignore_eos=True), use_tqdm=False)
-            epochs.append({{"rollouts": [[list(o.prompt_token_ids), list(c.token_ids)] for o in outs
-                                         for c in o.outputs],
-                            "counters": metrics.from_llm_metrics(llm.get_metrics()).minus(before).summary()}})
-        res = {{"epochs": epochs, "proposer": llm.collective_rpc("specrl_proposer_state")[0]}}
-        if {commit_after}:
-            from safetensors.torch import load_file
-            llm.generate(["warm"], SamplingParams(max_tokens=2), use_tqdm=False)  # retires the last epoch
-            res["before_commit"] = llm.collective_rpc("specrl_proposer_state")[0]
-            uid = llm.collective_rpc("specrl_begin_update", args=("policy", 1, "u1"))[0]["update_id"]
-            llm.collective_rpc("specrl_stage_tensors",
-                               args=(uid, load_file({str(model / "model.safetensors")!r})))
-            assert llm.collective_rpc("specrl_prepare_commit", args=(uid,))[0]["ok"]
-            assert llm.collective_rpc("specrl_commit_update", args=(uid,))[0]["ok"]
-            res["after_commit"] = llm.collective_rpc("specrl_status")[0]["proposer"]
-        print("RESULT " + json.dumps(res))
-    """, env={"VLLM_PLUGINS": "specrl"})
-    return result_json(out)
+    from vllm import LLM, SamplingParams
+
+    from vllm_specrl import metrics
+
+    llm = LLM(model=str(model), dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
+              max_num_seqs=64, disable_log_stats=False, speculative_config=speculative_config,
+              additional_config={"specrl": {"history": history_knobs}} if history_knobs else {},
+              worker_extension_cls="vllm_specrl.sync.SpecRLWorkerExtension")
+    prompts = code_prompts(PROMPTS)
+    epochs = []
+    for _ in range(EPOCHS):
+        before = metrics.from_llm_metrics(llm.get_metrics())
+        outs = llm.generate(prompts, SamplingParams(n=GROUP, temperature=TEMPERATURE, max_tokens=TOKENS,
+                                                    ignore_eos=True), use_tqdm=False)
+        epochs.append({"rollouts": [[list(o.prompt_token_ids), list(c.token_ids)] for o in outs for c in o.outputs],
+                       "counters": metrics.from_llm_metrics(llm.get_metrics()).minus(before).summary()})
+    res = {"epochs": epochs, "proposer": llm.collective_rpc("specrl_proposer_state")[0]}
+    if commit_after:
+        from safetensors.torch import load_file
+
+        llm.generate(["warm"], SamplingParams(max_tokens=2), use_tqdm=False)  # retires the last epoch
+        res["before_commit"] = llm.collective_rpc("specrl_proposer_state")[0]
+        uid = llm.collective_rpc("specrl_begin_update", args=("policy", 1, "u1"))[0]["update_id"]
+        llm.collective_rpc("specrl_stage_tensors", args=(uid, load_file(str(model / "model.safetensors"))))
+        assert llm.collective_rpc("specrl_prepare_commit", args=(uid,))[0]["ok"]
+        assert llm.collective_rpc("specrl_commit_update", args=(uid,))[0]["ok"]
+        res["after_commit"] = llm.collective_rpc("specrl_status")[0]["proposer"]
+    return res
 
 
 @pytest.fixture(scope="module")
