@@ -38,11 +38,13 @@ def moved(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
             else v for k, v in state.items()}
 
 
-async def collect(engine, prompts: list[str], params) -> list:
+async def collect(engine, prompts: list[str], params, started: asyncio.Event | None = None) -> list:
     async def one(prompt: str):
         final = None
         async for out in engine.generate(prompt, params, request_id=uuid.uuid4().hex):
             final = out
+            if started is not None:
+                started.set()  # the first tokens are out: the request is running
         return final
     return list(await asyncio.gather(*(one(p) for p in prompts)))
 
@@ -86,10 +88,13 @@ async def run(args: argparse.Namespace) -> dict:
         report["refused"] = await engine.commit_update("policy", bad, 1)
         report["after_refusal"] = summary(await collect(engine, prompts, greedy))
         new = moved(original, seed=1)
-        # A rollout in flight while the update commits: it finishes on the new weights, stamped 0 -> 1.
-        long = SamplingParams(temperature=0, max_tokens=args.max_tokens * 4, ignore_eos=True)
-        in_flight = asyncio.ensure_future(collect(engine, prompts[:1], long))
-        await asyncio.sleep(0.5)
+        # A rollout in flight while the update commits: it finishes on the new weights, stamped 0 -> 1. The commit
+        # starts once its first tokens are out; it is long enough (most of max_model_len) to be running still
+        # when the commit pauses generation.
+        long = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
+        started = asyncio.Event()
+        in_flight = asyncio.ensure_future(collect(engine, prompts[:1], long, started))
+        await started.wait()
         report["committed"] = await engine.commit_update("policy", new, 1)
         report["in_flight"] = summary(await in_flight)
         report["after_commit"] = summary(await collect(engine, prompts, greedy))
