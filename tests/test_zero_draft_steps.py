@@ -1,6 +1,6 @@
 """Steps without drafts take the plain sampler and a short spec-decode metadata path
-(``cpu_patches.install_zero_draft_plain_sampler``) and are followed by no draft fetch
-(``skip_draft_fetch.install_skip_empty_draft_fetch``).
+(``cpu.sampling_patches.install_zero_draft_plain_sampler``) and are followed by no draft fetch
+(``cpu.skip_draft_fetch.install_skip_empty_draft_fetch``).
 
 An EAGLE-3 engine held at k = 0 by vLLM's own batch-size table drafts nothing, so with
 the plugin every decode step skips the rejection sampler. Its seeded temperature-1
@@ -14,9 +14,11 @@ Engines: in-process engines with and without each patch (switched by environment
 compared token for token.
 """
 
+from pathlib import Path
+
 import pytest
 
-from helpers import result_json, run_python
+from helpers import in_engine_process, run_function
 from prompts import code_prompts
 from vllm_specrl.cpu.skip_draft_fetch import SKIP_EMPTY_DRAFT_FETCH_ENV
 from vllm_specrl.cpu.sampling_patches import ZERO_DRAFT_ENV
@@ -24,25 +26,41 @@ from vllm_specrl.cpu.sampling_patches import ZERO_DRAFT_ENV
 PROMPTS = code_prompts(8)
 
 
-def seeded_run(model, speculative_config: dict | None, env: dict | None = None) -> dict:
-    out = run_python(f"""
-        import json
-        from vllm import LLM, SamplingParams
-        llm = LLM(model={str(model)!r}, dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
-                  max_num_seqs=8, speculative_config={speculative_config!r})
-        params = [SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=100 + i, logprobs=1)
-                  for i in range({len(PROMPTS)})]
-        outs = llm.generate({PROMPTS!r}, params, use_tqdm=False)
-        routed = llm.collective_rpc(lambda w: getattr(w.model_runner, "_specrl_zero_draft_steps", 0))[0]
-        short = llm.collective_rpc(lambda w: getattr(w.model_runner, "_specrl_zero_draft_metadata", 0))[0]
-        skipped = getattr(llm.llm_engine.engine_core.engine_core, "_specrl_skipped_draft_fetches", 0)
-        print("RESULT " + json.dumps({{"skipped": skipped,
+def seeded_generation(model: Path, speculative_config: dict | None) -> dict:
+    """Seeded T = 1 samples of ``PROMPTS`` with their logprobs, and how many steps took each shortcut."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(model), dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
+              max_num_seqs=8, speculative_config=speculative_config)
+    params = [SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=100 + i, logprobs=1)
+              for i in range(len(PROMPTS))]
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return {"skipped": getattr(llm.llm_engine.engine_core.engine_core, "_specrl_skipped_draft_fetches", 0),
             "tokens": [list(o.outputs[0].token_ids) for o in outs],
             "logprobs": [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
                          for o in outs],
-            "routed": routed, "short_metadata": short}}))
-    """, env={"VLLM_PLUGINS": "specrl", **(env or {})})
-    return result_json(out)
+            "routed": llm.collective_rpc(lambda w: getattr(w.model_runner, "_specrl_zero_draft_steps", 0))[0],
+            "short_metadata": llm.collective_rpc(
+                lambda w: getattr(w.model_runner, "_specrl_zero_draft_metadata", 0))[0]}
+
+
+@in_engine_process(env={"VLLM_PLUGINS": "specrl"})
+def k_zero_then_k_three(model: Path, spec: dict) -> dict:
+    """Two greedy requests (8 and 40 tokens): both at k = 0, then the longer one alone at k = 3."""
+    from vllm import LLM, SamplingParams
+
+    from vllm_specrl import metrics
+
+    llm = LLM(model=str(model), dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
+              max_num_seqs=8, speculative_config=spec, disable_log_stats=False)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (8, 40)]
+    llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    return {"skipped": getattr(llm.llm_engine.engine_core.engine_core, "_specrl_skipped_draft_fetches", 0),
+            "drafts": metrics.from_llm_metrics(llm.get_metrics()).summary()}
+
+
+def seeded_run(model: Path, speculative_config: dict | None, env: dict | None = None) -> dict:
+    return run_function(seeded_generation, model, speculative_config, env={"VLLM_PLUGINS": "specrl", **(env or {})})
 
 
 @pytest.fixture(scope="module")
@@ -92,18 +110,7 @@ def test_drafts_asked_for_are_still_fetched_and_verified(tiny_model, warm_draft)
     """Two requests at k = 0, then the longer one alone at k = 3: its drafts must be verified."""
     spec = {"method": "eagle3", "model": str(warm_draft), "num_speculative_tokens": 3,
             "draft_sample_method": "probabilistic", "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 64, 0]]}
-    out = result_json(run_python(f"""
-        import json
-        from vllm import LLM, SamplingParams
-        from vllm_specrl import metrics
-        llm = LLM(model={str(tiny_model)!r}, dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
-                  max_num_seqs=8, speculative_config={spec!r}, disable_log_stats=False)
-        params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (8, 40)]
-        llm.generate({PROMPTS[:2]!r}, params, use_tqdm=False)
-        skipped = getattr(llm.llm_engine.engine_core.engine_core, "_specrl_skipped_draft_fetches", 0)
-        print("RESULT " + json.dumps({{"skipped": skipped,
-                                       "drafts": metrics.from_llm_metrics(llm.get_metrics()).summary()}}))
-    """, env={"VLLM_PLUGINS": "specrl"}))
+    out = k_zero_then_k_three(tiny_model, spec)
     # ~32 steps alone at k = 3 (fewer when drafts are accepted): every one verified 3 drafts
     assert out["drafts"]["num_draft_tokens"] >= 3 * 10, out
     assert 5 <= out["skipped"] <= 8, out  # the steps both requests ran (k = 0), not the tail's
