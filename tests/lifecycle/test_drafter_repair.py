@@ -36,23 +36,18 @@ from pathlib import Path
 
 import pytest
 
-from helpers import result_json, run_python
+from helpers import run_function
 from prompts import code_prompts
 
 pytestmark = pytest.mark.server
-JOB = Path(__file__).resolve().parent
 
 
 def play(target: Path, draft: Path, drafter: dict, steps: list[str]) -> dict:
+    import drafter_job
+
     config = {"target": str(target), "draft": str(draft), "drafter": drafter, "steps": steps,
               "prompts": code_prompts(8)}
-    out = run_python(f"""
-        import json, sys
-        sys.path.insert(0, {str(JOB)!r})
-        import drafter_job
-        print("RESULT " + json.dumps(drafter_job.run(json.loads({json.dumps(config)!r}))))
-    """, env={"VLLM_PLUGINS": "specrl"}, timeout=900)
-    return result_json(out)
+    return run_function(drafter_job.run, config, env={"VLLM_PLUGINS": "specrl"}, timeout=900)
 
 
 def steps_of(report: dict, name: str) -> list[dict]:
