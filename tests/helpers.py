@@ -56,16 +56,13 @@ def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 60
     return out
 
 
-# The one program ``run_function`` runs: the test module loaded from its file, the function called with
-# the pickled arguments, its value (or its traceback) pickled back.
+# The one program ``run_function`` runs: the function's module imported by its name (the test modules'
+# folders on the path, as pytest puts them), the function called with the pickled arguments, its value (or
+# its traceback) pickled back.
 _CALL = """
-import importlib.util, pickle, sys, traceback
+import importlib, pickle, sys, traceback
 sys.path[:0] = [{tests!r}, {folder!r}]
-spec = importlib.util.spec_from_file_location("_specrl_engine_test_module", {module!r})
-module = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = module
-spec.loader.exec_module(module)
-fn = module
+fn = importlib.import_module({module!r})
 for part in {qualname!r}.split("."):
     fn = getattr(fn, part)
 fn = getattr(fn, "__wrapped__", fn)
@@ -84,15 +81,15 @@ def run_function(fn: Callable, *args: Any, env: dict[str, str] | None = None, ti
                  with_output: bool = False, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` in a forked child of the session's zygote, as ``run_python`` runs a snippet
     (engine mode, a fresh interpreter where the zygote cannot serve ``env``). ``fn`` is a module-level
-    function of a test module (loaded again from its file there); its value comes back by pickle, and an
+    function of a test module or of the package (imported by its name there); its value comes back by pickle, and an
     exception it raises fails the caller with the child's traceback. ``with_output``: ``(value, the
     child's stdout and stderr)``, for a test that reads what the engine logged."""
     fn = inspect.unwrap(fn)
-    module = Path(inspect.getsourcefile(fn)).resolve()
+    folder = Path(inspect.getsourcefile(fn)).resolve().parent
     with tempfile.TemporaryDirectory(prefix="specrl-call-") as tmp:
         call, result = Path(tmp) / "call.pkl", Path(tmp) / "result.pkl"
         call.write_bytes(pickle.dumps((args, kwargs)))
-        out = run_python(_CALL.format(tests=str(REPO / "tests"), folder=str(module.parent), module=str(module),
+        out = run_python(_CALL.format(tests=str(REPO / "tests"), folder=str(folder), module=fn.__module__,
                                       qualname=fn.__qualname__, call=str(call), result=str(result)),
                          env=env, timeout=timeout)
         if not result.exists():

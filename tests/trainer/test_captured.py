@@ -13,12 +13,13 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from helpers import result_json, run_python
+from helpers import run_function
 from vllm_specrl.proposer.eagle3_config import default_aux_layer_ids, read_config
+from vllm_specrl.trainer.captured import captured_rollouts
 from vllm_specrl.trainer.features import sequence_features
+from vllm_specrl.trainer.offline import OfflineConfig, warm_start
 
 PROMPTS = ["def f(x):\n    return", "import os\nimport sys\n", "class A:\n    def __init__(self):",
            "for i in range(10):\n    print("]
@@ -27,25 +28,13 @@ SAMPLES = 3
 
 
 @pytest.fixture(scope="module")
-def captured(tiny_model, tmp_path_factory):
-    out = tmp_path_factory.mktemp("captured")
+def captured(tiny_model):
     aux = tuple(default_aux_layer_ids(read_config(tiny_model)["num_hidden_layers"]))
-    script = f"""
-import json
-from safetensors.torch import save_file
-from vllm_specrl.trainer.captured import captured_rollouts
-seqs, lens, index, feats, counts, _ = captured_rollouts(
-    {str(tiny_model)!r}, {PROMPTS!r}, {SAMPLES}, 24, 1.0, 0, "float32", {aux!r}, max_model_len=512)
-save_file({{f"{{i}}.{{k}}": (v if hasattr(v, "contiguous") else __import__("torch").tensor(v)).contiguous()
-           for i, f in enumerate(feats) for k, v in f.items()}}, {str(out / "features.safetensors")!r})
-print("RESULT " + json.dumps({{"sequences": seqs, "prompt_lengths": lens, "prompt_index": index,
-                              "counts": counts}}))
-"""
-    meta = result_json(run_python(script, env={"VLLM_PLUGINS": "specrl"}))
-    flat = load_file(out / "features.safetensors")
-    feats = [{k.split(".", 1)[1]: v for k, v in flat.items() if k.split(".", 1)[0] == str(i)}
-             for i in range(len(meta["sequences"]))]
-    return meta, feats, aux
+    captured = run_function(captured_rollouts, tiny_model, PROMPTS, SAMPLES, 24, 1.0, 0, "float32", aux,
+                            max_model_len=512, env={"VLLM_PLUGINS": "specrl"})
+    meta = {"sequences": captured.sequences, "prompt_lengths": captured.prompt_lengths,
+            "prompt_index": captured.prompt_index, "counts": captured.counts}
+    return meta, captured.features, aux
 
 
 def test_every_rollout_is_captured_whole(captured):
@@ -92,16 +81,10 @@ def test_captured_features_equal_an_hf_forward(captured, tiny_model):
 
 def test_warm_start_trains_on_captured_features(tiny_model, tmp_path):
     draft = tmp_path / "draft"
-    script = f"""
-import json
-from vllm_specrl.trainer.offline import OfflineConfig, warm_start
-cfg = OfflineConfig(num_prompts=6, samples_per_prompt=2, max_tokens=16, steps=30, batch_size=4,
-                    eval_fraction=0.34, chat=False, features="capture")
-summary = warm_start({str(tiny_model)!r}, {str(draft)!r}, None, cfg, draft_vocab_size=256)
-print("RESULT " + json.dumps({{k: summary[k] for k in ("features", "capture", "rollouts", "eval_rollouts",
-                                                       "eval_before", "eval_after")}}))
-"""
-    summary = result_json(run_python(script, env={"VLLM_PLUGINS": "specrl"}))
+    cfg = OfflineConfig(num_prompts=6, samples_per_prompt=2, max_tokens=16, steps=30, batch_size=4,
+                        eval_fraction=0.34, chat=False, features="capture")
+    summary = run_function(warm_start, tiny_model, draft, None, cfg, draft_vocab_size=256,
+                           env={"VLLM_PLUGINS": "specrl"})
     assert summary["features"] == "capture" and summary["rollouts"] == 12, summary
     assert summary["capture"]["kept"] == 12 and summary["capture"]["incomplete"] == 0, summary["capture"]
     assert summary["eval_rollouts"] == 4  # 2 of 6 prompts held out, with both their rollouts
